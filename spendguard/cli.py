@@ -1,0 +1,252 @@
+"""``spendguard``: policies, usage, settlement and schema from the command line (R10.1).
+
+Reads the same ``SPENDGUARD_*`` settings as the middleware. Readable output by default,
+``--json`` for scripts. Exit codes: 0 ok, 1 not found / nothing to do, 2 usage or config error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from decimal import Decimal
+from typing import Any
+
+import anyio
+
+from .costing import Coster
+from .errors import ConfigurationError, SpendGuardError
+from .identity import Identity
+from .ledger import Ledger
+from .money import micros_to_usd, usd_to_micros
+from .periods import Period, period_id, utcnow
+from .pricing import PriceTable
+from .settings import Settings, load_settings
+from .worker import SettlementWorker
+
+Handler = Callable[[argparse.Namespace, Settings, Ledger], Awaitable[int]]
+
+
+def _usd(micros: int | None) -> str | None:
+    return None if micros is None else str(micros_to_usd(micros))
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text)
+
+
+def _identity(args: argparse.Namespace) -> Identity:
+    try:
+        return Identity(args.team, getattr(args, "api_key", None))
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from exc
+
+
+# -- commands --------------------------------------------------------------------------------
+async def cmd_db_init(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+    _emit(args, {"ok": True}, "schema ready")
+    return 0
+
+
+async def cmd_policy_set(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+    ident = _identity(args)
+    try:
+        limit = usd_to_micros(Decimal(args.limit_usd))
+    except (ValueError, ArithmeticError) as exc:
+        raise ConfigurationError(f"--limit-usd: {exc}") from exc
+    if limit < 0:
+        raise ConfigurationError("--limit-usd must be >= 0")
+    row = await ledger.set_policy(
+        team=ident.team,
+        team_id=ident.team_id,
+        api_key=ident.api_key,
+        api_key_id=ident.api_key_id,
+        period=Period(args.period),
+        limit_micros=limit,
+    )
+    data = _policy_json(row.team_id, row.api_key_id, row.period, row.limit_micros)
+    who = f"team {row.team_id}" + (f" key {row.api_key_id}" if row.api_key_id else "")
+    _emit(args, data, f"policy set: {who} {row.period.value} limit ${_usd(row.limit_micros)}")
+    return 0
+
+
+async def cmd_policy_rm(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+    ident = _identity(args)
+    removed = await ledger.remove_policy(
+        team=ident.team, api_key=ident.api_key, period=Period(args.period)
+    )
+    _emit(args, {"removed": removed}, "policy removed" if removed else "no such active policy")
+    return 0 if removed else 1
+
+
+async def cmd_policy_ls(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+    team = Identity(args.team).team if args.team else None
+    rows = await ledger.list_policies(team)
+    data = [_policy_json(r.team_id, r.api_key_id, r.period, r.limit_micros) for r in rows]
+    lines = [f"{'TEAM':<20} {'API KEY':<20} {'PERIOD':<6} LIMIT USD"] + [
+        f"{r.team_id:<20} {r.api_key_id or '-':<20} {r.period.value:<6} {_usd(r.limit_micros)}"
+        for r in rows
+    ]
+    _emit(args, data, "\n".join(lines) if rows else "no policies")
+    return 0
+
+
+async def cmd_usage(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+    ident = _identity(args)
+    now = utcnow()
+    day, month = period_id(Period.DAY, now), period_id(Period.MONTH, now)
+    spend = await ledger.spend(ident.team, day, month)
+    policies = {
+        (p.api_key, p.period): p.limit_micros for p in await ledger.list_policies(ident.team)
+    }
+    aggs = {
+        (r["api_key"] or None, r["period"], r["period_id"]): int(r["settled_micros"])
+        for r in await ledger.aggregate_rows(ident.team)
+    }
+    count, estimates = await ledger.unsettled(ident.team)
+    scopes = []
+    for row in spend:
+        if ident.api_key is not None and row.api_key not in (None, ident.api_key):
+            continue
+        limit = policies.get((row.api_key, row.period))
+        scopes.append(
+            {
+                "scope": "team" if row.api_key is None else "api_key",
+                "api_key": row.api_key_id if row.api_key else None,
+                "period": row.period.value,
+                "period_id": row.period_id,
+                "settled_micros": row.spent_micros,
+                "settled_usd": _usd(row.spent_micros),
+                "limit_micros": limit,
+                "limit_usd": _usd(limit),
+                "aggregate_micros": aggs.get((row.api_key, row.period.value, row.period_id)),
+            }
+        )
+    data = {
+        "team": ident.team_id,
+        "day": day,
+        "month": month,
+        "scopes": scopes,
+        "charges_total_micros": await ledger.charges_total(ident.team),
+        "unsettled_records": count,
+        "unsettled_estimate_micros": estimates,
+        # The embedded store lives inside the gateway process: the CLI can't read its cache.
+        "cached": None,
+    }
+    lines = [f"team {ident.team_id}: day {day}, month {month}"]
+    for s in scopes:
+        who = "team" if s["scope"] == "team" else f"key {s['api_key']}"
+        lim = f" of ${s['limit_usd']}" if s["limit_usd"] is not None else " (no limit)"
+        lines.append(f"  {who:<24} {s['period']:<6} settled ${s['settled_usd']}{lim}")
+    lines.append(f"  unsettled records: {count} (estimated ${_usd(estimates)})")
+    _emit(args, data, "\n".join(lines))
+    return 0
+
+
+def _worker(settings: Settings, ledger: Ledger) -> SettlementWorker:
+    coster = Coster(PriceTable.load(settings.prices), settings.unknown_model)
+    # No store: the embedded cache lives in the gateway, whose own worker heals it from the
+    # ledger on its next pass (it picks up records settled by anyone).
+    return SettlementWorker(
+        ledger, None, coster, key_prefix=settings.key_prefix, batch_size=settings.settle_batch
+    )
+
+
+async def cmd_settle(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+    result = await _worker(settings, ledger).run_once()
+    data = {"settled": result.settled, "total_micros": result.total_micros}
+    _emit(args, data, f"settled {result.settled} records (${_usd(result.total_micros)})")
+    return 0
+
+
+async def cmd_worker(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+    print(f"spendguard worker: settling every {settings.settle_interval}s (Ctrl-C stops)")
+    await _worker(settings, ledger).run(settings.settle_interval)
+    return 0
+
+
+def _policy_json(
+    team_id: str, api_key_id: str | None, period: Period, limit: int
+) -> dict[str, Any]:
+    return {
+        "team": team_id,
+        "api_key": api_key_id,
+        "period": period.value,
+        "limit_micros": limit,
+        "limit_usd": _usd(limit),
+    }
+
+
+# -- wiring ----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spendguard", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    db = sub.add_parser("db", help="database schema").add_subparsers(dest="db_cmd", required=True)
+    db.add_parser("init", parents=[common], help="create the tables (idempotent)").set_defaults(
+        handler=cmd_db_init
+    )
+
+    pol = sub.add_parser("policy", help="spend policies").add_subparsers(
+        dest="policy_cmd", required=True
+    )
+    p_set = pol.add_parser("set", parents=[common], help="create or change a limit")
+    p_rm = pol.add_parser("rm", parents=[common], help="remove a limit")
+    for p in (p_set, p_rm):
+        p.add_argument("--team", required=True)
+        p.add_argument("--api-key", default=None)
+        p.add_argument("--period", required=True, choices=[x.value for x in Period])
+    p_set.add_argument("--limit-usd", required=True, help="e.g. 5.00; 0 blocks everything")
+    p_set.set_defaults(handler=cmd_policy_set)
+    p_rm.set_defaults(handler=cmd_policy_rm)
+    p_ls = pol.add_parser("ls", parents=[common], help="list active limits")
+    p_ls.add_argument("--team", default=None)
+    p_ls.set_defaults(handler=cmd_policy_ls)
+
+    use = sub.add_parser("usage", parents=[common], help="settled spend and limits of a team")
+    use.add_argument("--team", required=True)
+    use.add_argument("--api-key", default=None)
+    use.set_defaults(handler=cmd_usage)
+
+    sub.add_parser("settle", parents=[common], help="run one settlement pass").set_defaults(
+        handler=cmd_settle
+    )
+    sub.add_parser("worker", parents=[common], help="run settlement in a loop").set_defaults(
+        handler=cmd_worker
+    )
+    return parser
+
+
+async def _run(args: argparse.Namespace, settings: Settings) -> int:
+    ledger = Ledger(settings.database_url.get_secret_value())
+    await ledger.connect()
+    try:
+        await ledger.init_schema()
+        handler: Handler = args.handler
+        return await handler(args, settings, ledger)
+    finally:
+        await ledger.disconnect()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        settings = load_settings()
+        return anyio.run(_run, args, settings)
+    except KeyboardInterrupt:
+        return 0
+    except ConfigurationError as exc:
+        print(f"spendguard: {exc}", file=sys.stderr)
+        return 2
+    except SpendGuardError as exc:
+        print(f"spendguard: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

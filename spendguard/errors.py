@@ -1,0 +1,32 @@
+"""Exceptions raised by spendguard.
+
+    SpendGuardError
+     ├── ConfigurationError   invalid settings, price file or wiring; raised at start
+     ├── StoreUnavailable     the cache store (embedded or Redis) could not answer
+     │    └── StoreFull       the embedded store hit its size bound (never allow untracked)
+     └── LedgerUnavailable    the SQL ledger could not be read or written
+
+Every error that wraps a lower-level failure keeps it as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+
+class SpendGuardError(Exception):
+    """Base class of every spendguard error."""
+
+
+class ConfigurationError(SpendGuardError):
+    """Settings, price table or middleware wiring are invalid."""
+
+
+class StoreUnavailable(SpendGuardError):
+    """The store could not answer; the request is denied (fail closed) or tracked locally."""
+
+
+class StoreFull(StoreUnavailable):
+    """The embedded store reached its bound; new keys are refused rather than left untracked."""
+
+
+class LedgerUnavailable(SpendGuardError):
+    """The SQL ledger failed; reads during a cache miss turn into 503 responses."""

@@ -1,0 +1,79 @@
+"""SQLAlchemy Core tables of the ledger. Money is BIGINT micro-USD, times are epoch microseconds.
+
+Teams and API keys are stored twice: the encoded id (``team``/``api_key``, bounded and safe,
+used in every key and index) and the raw id the host app gave (``team_id``/``api_key_id``,
+for display only). A team-scoped row has ``api_key = ''``; encoded ids are never empty.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData()
+
+policies = sa.Table(
+    "spendguard_policies",
+    metadata,
+    sa.Column("team", sa.String(100), primary_key=True),
+    sa.Column("api_key", sa.String(100), primary_key=True),
+    sa.Column("period", sa.String(8), primary_key=True),
+    sa.Column("team_id", sa.Text, nullable=False),
+    sa.Column("api_key_id", sa.Text, nullable=True),
+    sa.Column("limit_micros", sa.BigInteger, nullable=False),
+    sa.Column("active", sa.Boolean, nullable=False),
+    sa.Column("created_us", sa.BigInteger, nullable=False),
+    sa.Column("updated_us", sa.BigInteger, nullable=False),
+    sa.CheckConstraint("limit_micros >= 0", name="spendguard_policy_limit_nonneg"),
+)
+
+records = sa.Table(
+    "spendguard_records",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("inference_id", sa.String(64), nullable=False),
+    sa.Column("team", sa.String(100), nullable=False),
+    sa.Column("api_key", sa.String(100), nullable=False),
+    sa.Column("team_id", sa.Text, nullable=False),
+    sa.Column("api_key_id", sa.Text, nullable=True),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("route", sa.Text, nullable=False),
+    sa.Column("t0_us", sa.BigInteger, nullable=False),
+    sa.Column("status_code", sa.Integer, nullable=False),
+    sa.Column("input_tokens", sa.BigInteger, nullable=False),
+    sa.Column("output_tokens", sa.BigInteger, nullable=False),
+    sa.Column("cached_input_tokens", sa.BigInteger, nullable=False),
+    sa.Column("cache_write_tokens", sa.BigInteger, nullable=False),
+    sa.Column("usage_estimated", sa.Boolean, nullable=False),
+    sa.Column("estimate_micros", sa.BigInteger, nullable=False),
+    sa.Column("postflight", sa.String(16), nullable=False),
+    sa.Column("settled", sa.Boolean, nullable=False, default=False),
+    sa.Column("created_us", sa.BigInteger, nullable=False),
+    sa.Index("spendguard_records_unsettled", "settled", "created_us"),
+)
+
+charges = sa.Table(
+    "spendguard_charges",
+    metadata,
+    # The primary key is the record: at most one charge per record, whoever settles it.
+    sa.Column("record_id", sa.String(64), primary_key=True),
+    sa.Column("team", sa.String(100), nullable=False),
+    sa.Column("api_key", sa.String(100), nullable=False),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("day_id", sa.String(8), nullable=False),
+    sa.Column("month_id", sa.String(6), nullable=False),
+    sa.Column("amount_micros", sa.BigInteger, nullable=False),
+    sa.Column("settled_us", sa.BigInteger, nullable=False),
+    sa.Index("spendguard_charges_team_month", "team", "month_id", "api_key"),
+    sa.Index("spendguard_charges_team_day", "team", "day_id", "api_key"),
+)
+
+aggregates = sa.Table(
+    "spendguard_aggregates",
+    metadata,
+    sa.Column("team", sa.String(100), primary_key=True),
+    sa.Column("api_key", sa.String(100), primary_key=True),
+    sa.Column("period", sa.String(8), primary_key=True),
+    sa.Column("period_id", sa.String(8), primary_key=True),
+    sa.Column("settled_micros", sa.BigInteger, nullable=False),
+    sa.Column("updated_us", sa.BigInteger, nullable=False),
+)

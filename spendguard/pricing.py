@@ -1,0 +1,396 @@
+"""Model price table: USD per 1M tokens, looked up by the model name a client sends.
+
+spendguard ships a table of public list prices (``prices.json`` next to this module). An
+operator's own file (JSON or YAML) is laid over it: an entry there replaces the shipped entry of
+the same model and new entries extend the table. Both files use one format::
+
+    {"as_of": "2026-06-21",
+     "models": {"gpt-4o-mini": {"input": "0.15", "output": "0.60", "cached_input": "0.075"}}}
+
+Prices are parsed to :class:`~decimal.Decimal` and never touch binary floats: a USD price per
+1M tokens is numerically the micro-USD price per token, so a charge is an exact Decimal sum that
+is rounded up once, to whole micro-USD, at the end (``money.ceil_micros``).
+
+Model names reach us in many spellings (``openai/gpt-4o-mini``, ``gpt-4o-mini-2024-07-18``,
+``claude-sonnet-4@20250514``, ``us.anthropic.claude-sonnet-4-20250514-v1:0``). :meth:`lookup`
+tries, in order: the exact name (case-insensitive), the name without a provider prefix, the name
+without a date suffix, then the longest table entry the name starts with at a ``-`` boundary.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from decimal import ROUND_CEILING, Context, Decimal, InvalidOperation
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final
+
+import yaml
+
+from .errors import ConfigurationError
+from .money import MicroUSD, ceil_micros
+
+if TYPE_CHECKING:
+    from .usage import Usage
+
+__all__ = ["Price", "PriceTable"]
+
+_SHIPPED_FILE: Final = "prices.json"
+_PRICE_FIELDS: Final = ("input", "output", "cached_input", "cache_write")
+_REQUIRED_PRICE_FIELDS: Final = ("input", "output")
+_TOP_LEVEL_FIELDS: Final = ("as_of", "source", "models")
+# No real price comes near $1 per token; a bigger value is a typo (a per-token price pasted as a
+# per-1M one, a stray exponent) and would make every request unaffordable, so it is refused.
+_MAX_PRICE: Final = Decimal(1_000_000)
+
+# Charges are sums of a handful of products of a <=7-digit price and a <=10-digit count, so 60
+# significant digits keep them exact. Should a hostile count ever exceed that, ROUND_CEILING
+# makes the rounding err upwards, the same direction as the final ceil to whole micro-USD.
+_COST_CONTEXT: Final = Context(prec=60, rounding=ROUND_CEILING)
+
+_DATE_SUFFIX: Final = re.compile(r"(?:-\d{4}-\d{2}-\d{2}|-\d{8}|@\d{8})$")
+# Bedrock-style ids put the vendor (and an optional region group) in front with dots:
+# ``anthropic.claude-...`` / ``us.anthropic.claude-...``. Anchored and specific, so the dots in
+# ``gpt-3.5-turbo`` or ``gpt-4.1`` are never mistaken for one.
+_VENDOR_DOT_PREFIX: Final = re.compile(r"^(?:[a-z]{2,6}\.)?(?:anthropic|openai)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """List prices of one model in USD per 1M tokens (= micro-USD per token)."""
+
+    input: Decimal
+    output: Decimal
+    cached_input: Decimal
+    """Cache reads; equal to ``input`` for models without a cache discount."""
+    cache_write: Decimal
+    """Cache writes (Anthropic's 5-minute TTL price); equal to ``input`` where not billed apart."""
+
+    def __post_init__(self) -> None:
+        # Prices built in code get the same checks as prices read from a file: a negative or
+        # NaN price would silently credit budgets instead of charging them.
+        for name in _PRICE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, Decimal):
+                raise TypeError(f"Price.{name} must be a Decimal, not {type(value).__name__}")
+            if not value.is_finite() or value < 0:
+                raise ValueError(f"Price.{name} must be a finite, non-negative number: {value}")
+
+    @classmethod
+    def of(
+        cls,
+        input: Decimal | str | int,
+        output: Decimal | str | int,
+        cached_input: Decimal | str | int | None = None,
+        cache_write: Decimal | str | int | None = None,
+    ) -> Price:
+        """Build a price from exact values; cache prices default to the input price."""
+        inp = Decimal(input)
+        return cls(
+            input=inp,
+            output=Decimal(output),
+            cached_input=inp if cached_input is None else Decimal(cached_input),
+            cache_write=inp if cache_write is None else Decimal(cache_write),
+        )
+
+    def cost(self, usage: Usage) -> MicroUSD:
+        """Exact charge for ``usage`` in whole micro-USD, any fraction rounded up."""
+        counts = (
+            usage.input_tokens,
+            usage.output_tokens,
+            usage.cached_input_tokens,
+            usage.cache_write_tokens,
+        )
+        if any(count < 0 for count in counts):
+            # A negative count can only come from a parsing bug; charging it would credit the
+            # budget, so refuse loudly instead.
+            raise ValueError(f"negative token count in {usage!r}")
+        ctx = _COST_CONTEXT
+        total = ctx.add(
+            ctx.add(
+                ctx.multiply(self.input, Decimal(usage.input_tokens)),
+                ctx.multiply(self.output, Decimal(usage.output_tokens)),
+            ),
+            ctx.add(
+                ctx.multiply(self.cached_input, Decimal(usage.cached_input_tokens)),
+                ctx.multiply(self.cache_write, Decimal(usage.cache_write_tokens)),
+            ),
+        )
+        return ceil_micros(total)
+
+
+class PriceTable:
+    """Immutable model → :class:`Price` table with forgiving name lookup."""
+
+    __slots__ = ("_by_length", "_prices", "as_of", "user_as_of")
+
+    as_of: str
+    """Date (``YYYY-MM-DD``) the shipped prices were taken from the providers' pages."""
+    user_as_of: str | None
+    """The ``as_of`` of the operator's file, when it has one."""
+
+    def __init__(
+        self, prices: Mapping[str, Price], *, as_of: str, user_as_of: str | None = None
+    ) -> None:
+        normalised: dict[str, Price] = {}
+        for name, price in prices.items():
+            key = name.strip().lower()
+            if not key:
+                raise ValueError("empty model name in price table")
+            normalised[key] = price
+        self._prices: Mapping[str, Price] = MappingProxyType(normalised)
+        # Longest first, so the first prefix hit in lookup() is the longest one.
+        self._by_length: tuple[str, ...] = tuple(sorted(normalised, key=len, reverse=True))
+        self.as_of = as_of
+        self.user_as_of = user_as_of
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None) -> PriceTable:
+        """The shipped table, with the operator's file at ``path`` (JSON or YAML) laid over it."""
+        shipped = _shipped_document()
+        if path is None:
+            return cls(shipped.prices, as_of=shipped.as_of)
+        user = _read_document(path)
+        merged = {**shipped.prices, **user.prices}
+        return cls(merged, as_of=shipped.as_of, user_as_of=user.as_of)
+
+    def resolve(self, model: str) -> str | None:
+        """The table entry that prices ``model``, or None: for logs and 'priced as' answers."""
+        if not isinstance(model, str):
+            return None
+        name = model.strip().lower()
+        if not name:
+            return None
+        prices = self._prices
+        if name in prices:
+            return name
+        # Provider prefixes: ``openai/``, ``azure/``, ``openrouter/anthropic/``...
+        bare = _VENDOR_DOT_PREFIX.sub("", name.rpartition("/")[2])
+        if bare in prices:
+            return bare
+        undated = _DATE_SUFFIX.sub("", bare)
+        if undated in prices:
+            return undated
+        for key in self._by_length:
+            if len(key) < len(undated) and undated.startswith(key) and undated[len(key)] == "-":
+                return key
+        return None
+
+    def lookup(self, model: str) -> Price | None:
+        """The price for ``model`` (see the module docstring for the matching rules)."""
+        key = self.resolve(model)
+        return None if key is None else self._prices[key]
+
+    def cost(self, model: str, usage: Usage) -> MicroUSD | None:
+        """Charge for ``usage`` on ``model`` in micro-USD; None when the model is not priced."""
+        price = self.lookup(model)
+        return None if price is None else price.cost(usage)
+
+    def models(self) -> list[str]:
+        """Every configured model name (lower case), sorted."""
+        return sorted(self._prices)
+
+    def __contains__(self, model: object) -> bool:
+        return isinstance(model, str) and self.resolve(model) is not None
+
+    def __len__(self) -> int:
+        return len(self._prices)
+
+    def __repr__(self) -> str:
+        return f"PriceTable({len(self._prices)} models, as_of={self.as_of!r})"
+
+
+# ---------------------------------------------------------------------------------------------
+# File parsing
+
+
+@dataclass(frozen=True, slots=True)
+class _Document:
+    prices: Mapping[str, Price]
+    as_of: str | None
+
+
+@lru_cache(maxsize=1)
+def _shipped_document() -> _ShippedDocument:
+    # The shipped file never changes at run time: parse it once per process.
+    resource = resources.files("spendguard").joinpath(_SHIPPED_FILE)
+    label = f"spendguard/{_SHIPPED_FILE}"
+    try:
+        text = resource.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"{label}: cannot read the shipped price table: {exc}") from exc
+    document = _parse_document(_parse_json(text, label), label)
+    if document.as_of is None:
+        raise ConfigurationError(f"{label}: as_of: required in the shipped price table")
+    return _ShippedDocument(prices=document.prices, as_of=document.as_of)
+
+
+@dataclass(frozen=True, slots=True)
+class _ShippedDocument:
+    prices: Mapping[str, Price]
+    as_of: str
+
+
+def _read_document(path: str | os.PathLike[str]) -> _Document:
+    label = os.fspath(path)
+    file = Path(path)
+    suffix = file.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ConfigurationError(
+            f"{label}: unsupported price-file extension {suffix or '(none)'!r}; "
+            "use .json, .yaml or .yml"
+        )
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise ConfigurationError(f"{label}: price file not found") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"{label}: cannot read price file: {exc}") from exc
+    data = _parse_json(text, label) if suffix == ".json" else _parse_yaml(text, label)
+    return _parse_document(data, label)
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            # json would silently keep the last one; a duplicated model is an editing mistake.
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _parse_json(text: str, label: str) -> Any:
+    try:
+        # parse_float=Decimal keeps "0.1" exactly 0.1; NaN/Infinity become non-finite Decimals
+        # that the field check rejects with the field's name.
+        return json.loads(
+            text,
+            parse_float=Decimal,
+            parse_constant=Decimal,
+            object_pairs_hook=_reject_duplicates,
+        )
+    except _DuplicateKey as exc:
+        raise ConfigurationError(f"{label}: duplicate key {exc.key!r}") from exc
+    except ValueError as exc:
+        raise ConfigurationError(f"{label}: invalid JSON: {exc}") from exc
+
+
+def _parse_yaml(text: str, label: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigurationError(f"{label}: invalid YAML: {exc}") from exc
+
+
+def _parse_document(data: Any, label: str) -> _Document:
+    if not isinstance(data, Mapping):
+        raise ConfigurationError(
+            f"{label}: the top level must be a mapping with 'as_of' and 'models'"
+        )
+    for key in data:
+        if key not in _TOP_LEVEL_FIELDS:
+            raise ConfigurationError(
+                f"{label}: {key}: unknown field (allowed: {', '.join(_TOP_LEVEL_FIELDS)})"
+            )
+    as_of = _parse_as_of(data.get("as_of"), label)
+    source = data.get("source")
+    if source is not None and not isinstance(source, str):
+        raise ConfigurationError(f"{label}: source: must be a string")
+    if "models" not in data:
+        raise ConfigurationError(f"{label}: models: required")
+    models = data["models"]
+    if not isinstance(models, Mapping):
+        raise ConfigurationError(f"{label}: models: must be a mapping of model name to prices")
+    return _Document(prices=_parse_models(models.items(), label), as_of=as_of)
+
+
+def _parse_as_of(value: Any, label: str) -> str | None:
+    if value is None:
+        return None
+    # YAML reads an unquoted 2026-06-21 as a date; accept it (but not a datetime).
+    if isinstance(value, dt.date) and not isinstance(value, dt.datetime):
+        return value.isoformat()
+    if isinstance(value, str) and re.fullmatch(r"\d{4}-\d{2}-\d{2}", value):
+        try:
+            dt.date.fromisoformat(value)
+        except ValueError:
+            pass
+        else:
+            return value
+    raise ConfigurationError(f"{label}: as_of: must be a date written YYYY-MM-DD")
+
+
+def _parse_models(items: Iterable[tuple[Any, Any]], label: str) -> dict[str, Price]:
+    prices: dict[str, Price] = {}
+    spelled: dict[str, str] = {}
+    for name, entry in items:
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigurationError(f"{label}: models.{name!r}: model name must be a string")
+        where = f"{label}: models.{name}"
+        key = name.strip().lower()
+        if key in spelled:
+            # Lookup is case-insensitive, so "GPT-4o" and "gpt-4o" would fight over one entry.
+            raise ConfigurationError(
+                f"{where}: same model as models.{spelled[key]} (names are case-insensitive)"
+            )
+        spelled[key] = name
+        prices[key] = _parse_price_entry(entry, where)
+    return prices
+
+
+def _parse_price_entry(entry: Any, where: str) -> Price:
+    if not isinstance(entry, Mapping):
+        raise ConfigurationError(f"{where}: must be a mapping with input and output prices")
+    for field in entry:
+        if field not in _PRICE_FIELDS:
+            raise ConfigurationError(
+                f"{where}.{field}: unknown field (allowed: {', '.join(_PRICE_FIELDS)})"
+            )
+    for field in _REQUIRED_PRICE_FIELDS:
+        if field not in entry:
+            raise ConfigurationError(f"{where}.{field}: required")
+    values: dict[str, Decimal] = {}
+    for field in _PRICE_FIELDS:
+        if field in entry:
+            values[field] = _parse_amount(entry[field], f"{where}.{field}")
+    return Price.of(**values)
+
+
+def _parse_amount(value: Any, where: str) -> Decimal:
+    amount: Decimal | None = None
+    # bool is an int subclass: `input: true` is a mistake, not a price of 1.
+    if isinstance(value, Decimal):
+        amount = value
+    elif isinstance(value, int) and not isinstance(value, bool):
+        amount = Decimal(value)
+    elif isinstance(value, float):
+        # YAML numbers arrive as floats; str() gives the shortest repr, so 0.1 stays 0.1 rather
+        # than 0.1000000000000000055511151231257827.
+        amount = Decimal(str(value))
+    elif isinstance(value, str):
+        try:
+            amount = Decimal(value.strip())
+        except InvalidOperation:
+            amount = None
+    if amount is None or not amount.is_finite() or amount < 0:
+        raise ConfigurationError(f"{where}: must be a non-negative number")
+    if amount > _MAX_PRICE:
+        raise ConfigurationError(
+            f"{where}: {amount} USD per 1M tokens is implausible (more than {_MAX_PRICE})"
+        )
+    # "-0" passes the sign check; store it as plain 0 so it never shows up as "-0" anywhere.
+    return amount if amount else Decimal(0)

@@ -1,0 +1,30 @@
+"""The inference record: the durable fact that one inference happened and what it used."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+from .identity import Identity
+from .usage import Usage
+
+
+class PostflightStatus(StrEnum):
+    APPLIED = "applied"  # the estimate is in the cache (as a per-record marker)
+    SKIPPED = "skipped"  # no policy-bearing key existed: nothing to add
+    UNKNOWN = "unknown"  # the store call failed or timed out: settlement corrects the cache
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRecord:
+    id: str  # unique per HTTP request
+    inference_id: str  # shared by retries/fallbacks of one inference (R3)
+    identity: Identity
+    model: str
+    route: str
+    t0: datetime
+    status_code: int
+    usage: Usage
+    estimate_micros: int  # what postflight added to the cache
+    postflight: PostflightStatus

@@ -1,0 +1,103 @@
+"""Inference records to the ledger, off the request path (R6.5).
+
+Requests hand records to a bounded anyio memory stream and never wait for SQL. One writer task
+batches them into the ledger; while the database is down it keeps its batch and retries with
+backoff, and the stream's bound caps the memory held. When the bound is hit a record is
+dropped with an ERROR log and ``dropped`` counts it: the cache already counted its estimate,
+so limits still hold, but its exact charge is lost. Size ``SPENDGUARD_RECORD_BUFFER`` for your
+longest expected database outage.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+from anyio.abc import TaskStatus
+
+from .errors import LedgerUnavailable
+from .ledger import Ledger
+from .record import InferenceRecord
+
+log = logging.getLogger("spendguard.recorder")
+
+
+class Recorder:
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        capacity: int,
+        batch_size: int = 500,
+        retry_max: float = 5.0,
+    ) -> None:
+        self._ledger = ledger
+        self._send, self._receive = anyio.create_memory_object_stream[InferenceRecord](capacity)
+        self._batch: list[InferenceRecord] = []
+        self._batch_size = batch_size
+        self._retry_max = retry_max
+        self._lock = anyio.Lock()
+        self.capacity = capacity
+        self.dropped = 0
+        self.written = 0
+
+    @property
+    def pending(self) -> int:
+        """Records accepted but not yet durable."""
+        return self._send.statistics().current_buffer_used + len(self._batch)
+
+    def submit(self, record: InferenceRecord) -> bool:
+        """Queue a record without waiting; False (and a loud log) when the buffer is full."""
+        try:
+            self._send.send_nowait(record)
+            return True
+        except anyio.WouldBlock:
+            self.dropped += 1
+            log.error(
+                "spendguard record buffer full (%d records): dropped record %s of team %s; "
+                "the ledger is not keeping up or is down",
+                self.capacity,
+                record.id,
+                record.identity.team,
+            )
+            return False
+
+    def _take(self) -> None:
+        while len(self._batch) < self._batch_size:
+            try:
+                self._batch.append(self._receive.receive_nowait())
+            except anyio.WouldBlock:
+                return
+
+    async def _write(self) -> None:
+        async with self._lock:
+            self._take()
+            while self._batch:
+                await self._ledger.insert_records(self._batch)
+                self.written += len(self._batch)
+                self._batch = []
+                self._take()
+
+    async def flush(self) -> None:
+        """Write everything queued now; raises LedgerUnavailable if the database is down."""
+        await self._write()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        delay = 0.05
+        while True:
+            if not self._batch:
+                # Sleep until a record arrives, then take it into the batch.
+                self._batch.append(await self._receive.receive())
+            try:
+                await self._write()
+                delay = 0.05
+            except LedgerUnavailable as exc:
+                log.warning(
+                    "spendguard could not write %d records, retrying in %.2fs: %s",
+                    self.pending,
+                    delay,
+                    exc,
+                )
+                await anyio.sleep(delay)
+                delay = min(delay * 2, self._retry_max)

@@ -1,0 +1,141 @@
+"""Settings, read from ``SPENDGUARD_*`` environment variables (R10.4).
+
+Invalid values fail when the middleware, worker or CLI starts, with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from .errors import ConfigurationError
+
+DEFAULT_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/v1/messages",
+    "/anthropic/v1/messages",
+)
+
+
+class UnknownModel(StrEnum):
+    DEFAULT_PRICE = "default_price"  # charge the price table's "default" entry
+    FREE = "free"  # record tokens, charge 0
+    REJECT = "reject"  # 400 before the provider is called
+
+
+class MissingIdentity(StrEnum):
+    REJECT = "reject"  # 401
+    ALLOW = "allow"  # pass through, unlimited and unrecorded
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPENDGUARD_", extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="False makes the middleware a strict no-op.")
+    database_url: SecretStr = Field(
+        SecretStr("sqlite:///./spendguard.db"),
+        description="SQL ledger URL: sqlite:///path or postgresql://user@host/db.",
+    )
+    redis_url: SecretStr | None = Field(
+        None, description="Redis URL; unset = the embedded in-process store."
+    )
+    key_prefix: str = Field("quota", description="Prefix of every cache key.")
+    routes: Annotated[tuple[str, ...], NoDecode] = Field(
+        DEFAULT_ROUTES, description="Inference routes (comma-separated paths, POST only)."
+    )
+    prices: Path | None = Field(None, description="Price-table file (JSON or YAML).")
+    unknown_model: UnknownModel = Field(
+        UnknownModel.DEFAULT_PRICE, description="What a model missing from the price table costs."
+    )
+    settle_interval: float = Field(5.0, gt=0, le=3600, description="Seconds between settlements.")
+    settle_batch: int = Field(1000, ge=1, le=100_000, description="Records per settlement batch.")
+    run_worker: bool = Field(True, description="Run the settlement worker inside the app.")
+    policy_ttl: float = Field(60.0, gt=0, le=86_400, description="Seconds a cached policy lives.")
+    key_grace: float = Field(
+        172_800.0,
+        ge=3600,
+        description="Seconds a usage key outlives its period (settlement grace).",
+    )
+    missing_identity: MissingIdentity = Field(
+        MissingIdentity.REJECT, description="Inference request without identity: reject or allow."
+    )
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024, description="Largest inference request body read (413 above)."
+    )
+    memory_max_keys: int = Field(100_000, ge=1, description="Bound of the embedded store.")
+    record_buffer: int = Field(
+        100_000, ge=1, description="Records held in memory while the database is unreachable."
+    )
+    db_timeout: float = Field(
+        5.0, gt=0, description="Seconds a ledger read on a cache miss may take."
+    )
+
+    @field_validator("routes", mode="before")
+    @classmethod
+    def _split_routes(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(p.strip() for p in value.split(",") if p.strip())
+        return value
+
+    @field_validator("routes")
+    @classmethod
+    def _check_routes(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("at least one route")
+        for path in value:
+            if not path.startswith("/") or any(c.isspace() for c in path):
+                raise ValueError(f"{path!r} is not an absolute path")
+        return tuple(p.rstrip("/") or "/" for p in value)
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _check_prefix(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", value):
+            raise ValueError("use 1-64 characters of A-Z a-z 0-9 _ . - (no braces or colons)")
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_db(cls, value: SecretStr) -> SecretStr:
+        scheme = value.get_secret_value().split(":", 1)[0]
+        if scheme.split("+", 1)[0] not in {"sqlite", "postgresql", "postgres"}:
+            raise ValueError("use sqlite:///path or postgresql://user@host/db")
+        return value
+
+    @field_validator("prices")
+    @classmethod
+    def _check_prices(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"price file {value} does not exist")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_not_yet(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            # The Redis store is the next milestone; refusing beats silently running embedded.
+            raise ValueError(
+                "the Redis store is not available in this version; "
+                "unset SPENDGUARD_REDIS_URL to use the embedded store"
+            )
+        return value
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build Settings from the environment (plus overrides), as a ConfigurationError on failure."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"SPENDGUARD_{'.'.join(str(p) for p in err['loc']).upper() or 'SETTINGS'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigurationError(f"invalid spendguard settings: {problems}") from exc

@@ -1,0 +1,102 @@
+"""The store Protocol: the hot-path cache of policies and usage, one atomic call per decision.
+
+Two implementations pass one contract suite (``tests/test_store_contract.py``): the embedded
+:class:`~spendguard.store.memory.MemoryStore` and the Redis store, whose every method is one
+Lua script. The semantics, shared by both:
+
+- A usage key holds ``settled`` (the ledger's aggregate), ``pending`` (the sum of estimates of
+  records postflight applied that settlement has not yet folded in) and one marker per such
+  record holding its estimate. Usage = settled + pending (R7.3: no under-count gap).
+- ``preflight`` reads, never writes. It reports a miss (policy hash or usage key absent)
+  instead of guessing; the caller loads from the ledger and calls ``fill``.
+- ``fill`` writes only keys that are absent (never overwrites what postflight added) and never
+  creates the key of a period already closed past its grace.
+- ``postflight`` validates everything first, then adds the estimate only to usage keys that
+  exist; it never creates a key from 0 and applies a record at most once per key.
+- ``refresh`` (settlement) replaces ``settled`` and removes exactly the markers of the settled
+  records, subtracting each marker's own estimate: running it twice changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+from ..keys import Candidate, KeyPlan
+
+
+class Outcome(StrEnum):
+    ALLOW = "allow"
+    DENY = "deny"
+    MISS = "miss"
+
+
+@dataclass(frozen=True, slots=True)
+class LimitState:
+    candidate: Candidate
+    limit: int  # micro-USD
+    used: int  # micro-USD: settled + pending
+
+
+@dataclass(frozen=True, slots=True)
+class Preflight:
+    outcome: Outcome
+    # Policy-bearing limits the store checked, in check order. On ALLOW these are the usage
+    # keys postflight will charge; on DENY the last one is the limit that denied.
+    limits: tuple[LimitState, ...] = ()
+    missing_policy: bool = False
+    missing_usage: tuple[Candidate, ...] = ()
+
+    @property
+    def denied(self) -> LimitState | None:
+        return self.limits[-1] if self.outcome is Outcome.DENY else None
+
+
+@dataclass(frozen=True, slots=True)
+class UsageFill:
+    usage_key: str
+    settled: int
+    expires_at: datetime
+
+
+@runtime_checkable
+class Store(Protocol):
+    async def preflight(self, plan: KeyPlan, *, reserve: int = 0) -> Preflight:
+        """Check every policy-bearing candidate of ``plan``; one round trip.
+
+        ``reserve`` is the room for R12's hold-the-worst-case mode; only 0 is supported yet.
+        """
+        ...
+
+    async def fill(
+        self,
+        plan: KeyPlan,
+        policies: Mapping[str, int] | None,
+        usage: Sequence[UsageFill],
+        *,
+        policy_ttl: float,
+    ) -> None:
+        """Fill absent keys after a miss. ``policies`` is the team's whole policy hash
+        (field -> limit; empty = "no policy", cached negatively); None leaves it alone."""
+        ...
+
+    async def postflight(self, record_id: str, amount: int, usage_keys: Sequence[str]) -> int:
+        """Add ``amount`` to the existing ``usage_keys`` once; returns how many were charged."""
+        ...
+
+    async def refresh(self, settled: Mapping[str, int], record_ids: Sequence[str]) -> None:
+        """Settlement's cache refresh for one team's keys (keys absent stay absent)."""
+        ...
+
+    async def evict_policy(self, team: str, prefix: str) -> None:
+        """Drop the cached policy hash now (spendguard's own policy changes, R9.2)."""
+        ...
+
+    async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:
+        """Cached usage (settled + pending) per key, None when absent; for the CLI and tests."""
+        ...
+
+    async def aclose(self) -> None: ...

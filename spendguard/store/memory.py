@@ -1,0 +1,171 @@
+"""The embedded store: the Redis store's semantics in one process, for zero-service setups.
+
+Every method runs without an ``await`` between its reads and writes, so on one event loop each
+call is as atomic as a Lua script. The store is bounded: when it is full of live keys, ``fill``
+raises :class:`StoreFull` and the request is refused, never allowed untracked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from ..errors import StoreFull
+from ..keys import LOADED_FIELD, KeyPlan, policy_key
+from ..periods import utcnow
+from .base import LimitState, Outcome, Preflight, UsageFill
+
+
+@dataclass(slots=True)
+class _Usage:
+    settled: int
+    expires_at: datetime
+    pending: int = 0
+    markers: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Policy:
+    limits: dict[str, int]
+    expires_at: datetime
+
+
+class MemoryStore:
+    def __init__(self, *, max_keys: int = 100_000, clock: Callable[[], datetime] = utcnow) -> None:
+        if max_keys < 1:
+            raise ValueError("max_keys must be positive")
+        self._max_keys = max_keys
+        self._clock = clock
+        self._usage: dict[str, _Usage] = {}
+        self._policies: dict[str, _Policy] = {}
+        # How many usage keys preflight has looked at: lets tests show that a request with no
+        # policy performs no usage lookup at all (R5.1).
+        self.usage_reads = 0
+
+    # -- helpers --------------------------------------------------------------------------
+    def _live_usage(self, key: str, now: datetime) -> _Usage | None:
+        entry = self._usage.get(key)
+        if entry is not None and entry.expires_at <= now:
+            del self._usage[key]
+            return None
+        return entry
+
+    def _live_policy(self, key: str, now: datetime) -> _Policy | None:
+        entry = self._policies.get(key)
+        if entry is not None and entry.expires_at <= now:
+            del self._policies[key]
+            return None
+        return entry
+
+    def _make_room(self, needed: int, now: datetime) -> None:
+        if len(self._usage) + len(self._policies) + needed <= self._max_keys:
+            return
+        for key in [k for k, v in self._usage.items() if v.expires_at <= now]:
+            del self._usage[key]
+        for key in [k for k, p in self._policies.items() if p.expires_at <= now]:
+            del self._policies[key]
+        if len(self._usage) + len(self._policies) + needed > self._max_keys:
+            raise StoreFull(f"embedded store is full ({self._max_keys} keys)")
+
+    # -- Store ----------------------------------------------------------------------------
+    async def preflight(self, plan: KeyPlan, *, reserve: int = 0) -> Preflight:
+        if reserve != 0:
+            raise ValueError("reservations (R12) are not supported yet")
+        now = self._clock()
+        policy = self._live_policy(plan.policy_key, now)
+        if policy is None:
+            return Preflight(Outcome.MISS, missing_policy=True)
+        checked: list[LimitState] = []
+        missing = []
+        for cand in plan.candidates:
+            limit = policy.limits.get(cand.field)
+            if limit is None:
+                continue
+            self.usage_reads += 1
+            usage = self._live_usage(cand.usage_key, now)
+            if usage is None:
+                missing.append(cand)
+                continue
+            state = LimitState(cand, limit, usage.settled + usage.pending)
+            checked.append(state)
+            if state.used >= limit:
+                return Preflight(Outcome.DENY, tuple(checked))
+        if missing:
+            return Preflight(Outcome.MISS, tuple(checked), missing_usage=tuple(missing))
+        return Preflight(Outcome.ALLOW, tuple(checked))
+
+    async def fill(
+        self,
+        plan: KeyPlan,
+        policies: Mapping[str, int] | None,
+        usage: Sequence[UsageFill],
+        *,
+        policy_ttl: float,
+    ) -> None:
+        now = self._clock()
+        for value in list((policies or {}).values()) + [u.settled for u in usage]:
+            _check_amount(value)
+        new_policy = policies is not None and self._live_policy(plan.policy_key, now) is None
+        new_usage = [
+            u for u in usage if u.expires_at > now and self._live_usage(u.usage_key, now) is None
+        ]
+        self._make_room(len(new_usage) + int(new_policy), now)
+        if new_policy and policies is not None:
+            limits = {k: v for k, v in policies.items() if k != LOADED_FIELD}
+            self._policies[plan.policy_key] = _Policy(limits, now + timedelta(seconds=policy_ttl))
+        for u in new_usage:
+            self._usage[u.usage_key] = _Usage(settled=u.settled, expires_at=u.expires_at)
+
+    async def postflight(self, record_id: str, amount: int, usage_keys: Sequence[str]) -> int:
+        if not record_id:
+            raise ValueError("record_id must not be empty")
+        _check_amount(amount)
+        now = self._clock()
+        applied = 0
+        for key in usage_keys:
+            usage = self._live_usage(key, now)
+            if usage is None or record_id in usage.markers:
+                continue
+            usage.markers[record_id] = amount
+            usage.pending += amount
+            applied += 1
+        return applied
+
+    async def refresh(self, settled: Mapping[str, int], record_ids: Sequence[str]) -> None:
+        for value in settled.values():
+            _check_amount(value)
+        now = self._clock()
+        for key, value in settled.items():
+            usage = self._live_usage(key, now)
+            if usage is None:
+                continue
+            for rid in record_ids:
+                estimate = usage.markers.pop(rid, None)
+                if estimate is not None:
+                    usage.pending -= estimate
+            usage.settled = value
+
+    async def evict_policy(self, team: str, prefix: str) -> None:
+        self._policies.pop(policy_key(prefix, team), None)
+
+    async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:
+        now = self._clock()
+        out: dict[str, int | None] = {}
+        for key in usage_keys:
+            usage = self._live_usage(key, now)
+            out[key] = None if usage is None else usage.settled + usage.pending
+        return out
+
+    async def aclose(self) -> None:
+        self._usage.clear()
+        self._policies.clear()
+
+    def __len__(self) -> int:
+        return len(self._usage) + len(self._policies)
+
+
+def _check_amount(value: int) -> None:
+    # Same validation the Lua scripts do before their first write: integers only, never floats.
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"amount must be a non-negative integer of micro-USD, got {value!r}")

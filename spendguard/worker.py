@@ -1,0 +1,136 @@
+"""Settlement (R7): exact charges into the ledger, then the cache refreshed from it.
+
+``run_once()`` is one deterministic pass (tests, ``spendguard settle``); ``run()`` loops it
+every interval, subtracting the pass's own time from the sleep.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+import anyio
+from anyio.abc import TaskStatus
+
+from .costing import Coster
+from .errors import LedgerUnavailable, SpendGuardError
+from .keys import usage_key
+from .ledger import Ledger, RecordRow, Settlement
+from .periods import Period, period_id, to_micros, utcnow
+from .store.base import Store
+from .usage import Usage
+
+log = logging.getLogger("spendguard.worker")
+
+_MAX_BATCHES_PER_PASS = 100  # bound one pass; the next tick picks up the rest
+_OVERLAP_US = 30_000_000
+
+
+@dataclass(slots=True)
+class PassResult:
+    settled: int = 0
+    total_micros: int = 0
+    estimate_error_micros: int = 0
+    teams_refreshed: int = 0
+    refresh_failures: int = 0
+
+
+class SettlementWorker:
+    def __init__(
+        self,
+        ledger: Ledger,
+        store: Store | None,
+        coster: Coster,
+        *,
+        key_prefix: str,
+        batch_size: int = 1000,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self._ledger = ledger
+        self._store = store
+        self._coster = coster
+        self._prefix = key_prefix
+        self._batch = batch_size
+        self._clock = clock
+        # Watermarks for changes made by other processes (a CLI, other replicas): records
+        # they settled and policies they changed. Rescanning a window behind the watermark
+        # catches transactions that committed late; both uses are idempotent.
+        start = to_micros(clock())
+        self._settled_mark = start
+        self._policy_mark = start
+
+    def _price(self, rec: RecordRow) -> int:
+        usage = Usage(
+            input_tokens=rec.input_tokens,
+            output_tokens=rec.output_tokens,
+            cached_input_tokens=rec.cached_input_tokens,
+            cache_write_tokens=rec.cache_write_tokens,
+        )
+        return self._coster.cost(rec.model, usage)
+
+    async def run_once(self) -> PassResult:
+        result = PassResult()
+        settled_ids: dict[str, list[str]] = {}
+        for _ in range(_MAX_BATCHES_PER_PASS):
+            batch: Settlement = await self._ledger.settle(self._batch, self._price, self._clock())
+            result.settled += batch.charged
+            result.total_micros += batch.total_micros
+            result.estimate_error_micros += batch.estimate_error_micros
+            for team, ids in batch.record_ids.items():
+                settled_ids.setdefault(team, []).extend(ids)
+            if batch.charged < self._batch:
+                break
+        if self._store is not None:
+            await self._evict_changed_policies()
+            others, newest = await self._ledger.settled_since(self._settled_mark - _OVERLAP_US)
+            self._settled_mark = max(self._settled_mark, newest)
+            for team, ids in others.items():
+                settled_ids.setdefault(team, []).extend(ids)
+            await self._refresh(settled_ids, result)
+        return result
+
+    async def _evict_changed_policies(self) -> None:
+        assert self._store is not None
+        teams, newest = await self._ledger.policies_changed_since(self._policy_mark - _OVERLAP_US)
+        self._policy_mark = max(self._policy_mark, newest)
+        for team in teams:
+            try:
+                await self._store.evict_policy(team, self._prefix)
+            except SpendGuardError as exc:
+                log.warning("spendguard could not evict the policy cache of %s: %s", team, exc)
+
+    async def _refresh(self, settled_ids: dict[str, list[str]], result: PassResult) -> None:
+        """Refresh the current periods of every team with policies, new charges or not (R7.4):
+        a refresh lost to a crash or a store error heals on the next pass. Closed periods are
+        left to the ledger (R7.5)."""
+        assert self._store is not None
+        now = self._clock()
+        day, month = period_id(Period.DAY, now), period_id(Period.MONTH, now)
+        rows = await self._ledger.policy_aggregates(day, month)
+        for team, entries in rows.items():
+            settled = {usage_key(self._prefix, team, f, pid): v for f, pid, v in entries}
+            try:
+                await self._store.refresh(settled, settled_ids.get(team, []))
+                result.teams_refreshed += 1
+            except SpendGuardError as exc:
+                # The DB is committed; a failed refresh must not undo it (R7.4).
+                result.refresh_failures += 1
+                log.warning("spendguard cache refresh failed for team %s: %s", team, exc)
+
+    async def run(
+        self, interval: float, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            started = anyio.current_time()
+            try:
+                done = await self.run_once()
+                if done.settled:
+                    log.debug("spendguard settled %d records", done.settled)
+            except LedgerUnavailable as exc:
+                log.warning("spendguard settlement failed, retrying next tick: %s", exc)
+            except Exception:  # a worker that dies silently leaks budgets; keep it alive
+                log.exception("spendguard settlement pass crashed")
+            await anyio.sleep(max(0.0, interval - (anyio.current_time() - started)))
