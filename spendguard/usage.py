@@ -377,7 +377,7 @@ class _TailBuffer:
         else:
             self._buf += data
             if len(self._buf) > 2 * self._tail:
-                pass
+                del self._buf[: len(self._buf) - self._tail]
 
     def clear(self) -> None:
         self._buf = bytearray()
