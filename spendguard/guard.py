@@ -151,12 +151,15 @@ class SpendGuard:
         """Stop taking work, flush the records (shielded, bounded) and disconnect."""
         cancel, stack = self._cancel, self._stack
         self._cancel = self._stack = None
+        if cancel is not None:
+            cancel.cancel()
+        if stack is not None:
+            # Our own task group: closing it waits for the background tasks. It must be exited
+            # outside any scope opened after it, hence before the shielded block below.
+            await stack.aclose()
         with anyio.CancelScope(shield=True):
             if cancel is not None:
-                cancel.cancel()
                 await self._stopped.wait()
-            if stack is not None:
-                await stack.aclose()
             with anyio.move_on_after(10):
                 try:
                     await self.recorder.flush()

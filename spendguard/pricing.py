@@ -275,14 +275,9 @@ class _DuplicateKey(ValueError):
 
 def _parse_json(text: str, label: str) -> Any:
     try:
-        # parse_float=Decimal keeps "0.1" exactly 0.1; NaN/Infinity become non-finite Decimals
-        # that the field check rejects with the field's name.
-        return json.loads(
-            text,
-            parse_float=Decimal,
-            parse_constant=Decimal,
-            object_pairs_hook=_reject_duplicates,
-        )
+        # parse_float=Decimal keeps "0.1" exactly 0.1. NaN/Infinity literals stay floats and
+        # are rejected by the field check, which names the field.
+        return json.loads(text, parse_float=Decimal, object_pairs_hook=_reject_duplicates)
     except _DuplicateKey as exc:
         raise ConfigurationError(f"{label}: duplicate key {exc.key!r}") from exc
     except ValueError as exc:

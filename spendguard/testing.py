@@ -3,13 +3,12 @@
 It answers the five routes a spendguard gateway proxies, in the providers' real wire formats
 (checked against recorded bodies and against the official ``openai`` and ``anthropic`` SDKs):
 
-==========================  ===========================================================
-``POST /v1/chat/completions``  ``chat.completion`` / ``chat.completion.chunk`` + ``[DONE]``
-``POST /v1/completions``       legacy ``text_completion`` (JSON or SSE + ``[DONE]``)
-``POST /v1/responses``         Responses API object / ``response.*`` events
-``POST /v1/embeddings``        ``list`` of embeddings (float or base64)
-``POST /v1/messages``          Anthropic ``message`` / ``message_start``... ``message_stop``
-==========================  ===========================================================
+* ``POST /v1/chat/completions``: ``chat.completion``, or ``chat.completion.chunk`` SSE ending
+  in ``data: [DONE]`` (usage chunk only with ``stream_options.include_usage``);
+* ``POST /v1/completions``: legacy ``text_completion``, JSON or SSE ending in ``[DONE]``;
+* ``POST /v1/responses``: a Responses API object, or ``response.*`` events;
+* ``POST /v1/embeddings``: a ``list`` of embeddings, float or base64;
+* ``POST /v1/messages``: an Anthropic ``message``, or ``message_start`` ... ``message_stop``.
 
 Everything a test needs to predict is deterministic and computable from the request alone, so a
 test can assert the exact micro-USD a gateway charged (:func:`expected_usage`):
@@ -499,14 +498,17 @@ def _responses_script(plan: _Plan) -> _Script:
     def response(status: str, output: list[dict[str, Any]], done: bool) -> dict[str, Any]:
         instructions = plan.body.get("instructions")
         max_output = plan.body.get("max_output_tokens")
+        # Same fields, in the same order, as a recorded Responses object.
         return {
             "id": plan.response_id,
             "object": "response",
             "created_at": plan.created,
             "status": status,
             "background": False,
+            "billing": {"payer": "developer"},
             "completed_at": plan.created if status == "completed" else None,
             "error": None,
+            "frequency_penalty": 0.0,
             "incomplete_details": (
                 {"reason": "max_output_tokens"} if status == "incomplete" else None
             ),
@@ -516,14 +518,19 @@ def _responses_script(plan: _Plan) -> _Script:
             "model": plan.model,
             "output": output,
             "parallel_tool_calls": True,
+            "presence_penalty": 0.0,
             "previous_response_id": None,
+            "prompt_cache_key": None,
+            "prompt_cache_retention": None,
             "reasoning": {"effort": None, "summary": None},
+            "safety_identifier": None,
             "service_tier": "default",
             "store": True,
             "temperature": 1.0,
             "text": {"format": {"type": "text"}, "verbosity": "medium"},
             "tool_choice": "auto",
             "tools": [],
+            "top_logprobs": 0,
             "top_p": 1.0,
             "truncation": "disabled",
             "usage": usage if done and plan.report_usage else None,
@@ -775,24 +782,32 @@ class _ScriptedResponse(Response):
         # Cut before the (cut+1)-th delta, or before the epilogue when there are fewer deltas:
         # a cut stream never reaches its finish/usage frames.
         stop_at = len(parts) if cut is None else len(script.prelude) + min(cut, len(script.deltas))
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        for part in parts[:stop_at]:
-            await send({"type": "http.response.body", "body": part, "more_body": True})
-        if cut is None:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        elif self._stop:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            for part in parts[:stop_at]:
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+            if cut is None:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+        except OSError:
+            # ASGI 2.4 servers raise OSError from send() once the client is gone. A real
+            # provider just stops generating; so does the fake, without an error log per drop.
+            return
+        if self._stop:
             raise UpstreamAborted(f"fake upstream cut the stream after {cut} content chunks")
-        else:
-            await _wait_for_disconnect(receive)
+        await _wait_for_disconnect(receive)
 
     async def _fail_whole_body(self, payload: bytes, receive: Receive, send: Send) -> None:
         if not self._stop:
             # A stalled non-streaming answer: no status, no headers, nothing.
             await _wait_for_disconnect(receive)
             return
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        head = payload[: len(payload) // 2]
-        await send({"type": "http.response.body", "body": head, "more_body": True})
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            head = payload[: len(payload) // 2]
+            await send({"type": "http.response.body", "body": head, "more_body": True})
+        except OSError:
+            return
         raise UpstreamAborted("fake upstream cut the response body in half")
 
 
@@ -910,6 +925,10 @@ def fake_upstream(
     ``x-fake-chunks: N``, ``x-fake-output-tokens: N`` and ``x-fake-delay: SECONDS`` (``none``
     clears an optional one). A bad header value, a non-JSON body or a missing model gets a 400 in
     the provider's error envelope.
+
+    ``httpx.ASGITransport`` buffers whole responses: through it a stream arrives in one piece
+    and a stall yields no response at all until the caller cancels. Serve the app with uvicorn
+    to see chunks arrive one by one.
     """
     return FakeUpstream(
         _Options(

@@ -1,0 +1,473 @@
+"""The middleware end to end on the embedded store and real SQLite: raw ASGI and httpx."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message
+from support import Clock, Exploding, StateAuth, lifespan, write_unit_prices
+
+from spendguard import Settings, SpendGuard, SpendGuardMiddleware
+from spendguard.identity import Identity
+from spendguard.periods import Period
+from spendguard.store.memory import MemoryStore
+
+pytestmark = pytest.mark.anyio
+
+MODEL = "unit-model"  # 1 micro-USD per token (tests/support.py)
+
+
+async def chat(request: Request) -> Response:
+    if request.method == "GET":
+        return JSONResponse({"object": "list"})
+    body = await request.json()
+    status = int(body.get("x_status", 200))
+    if status != 200:
+        return JSONResponse({"error": {"message": "upstream broke"}}, status_code=status)
+    usage = {"prompt_tokens": body.get("x_in", 10), "completion_tokens": body.get("x_out", 5)}
+    if not body.get("stream"):
+        return JSONResponse(
+            {"object": "chat.completion", "model": body["model"], "choices": [], "usage": usage}
+        )
+
+    async def events() -> AsyncIterator[bytes]:
+        for i in range(int(body.get("x_chunks", 3))):
+            if body.get("x_fail_at") == i:
+                raise RuntimeError("upstream died mid-stream")
+            if body.get("x_stall_at") == i:
+                await anyio.sleep_forever()
+            delta = {"choices": [{"index": 0, "delta": {"content": "word "}}]}
+            yield f"data: {json.dumps(delta)}\n\n".encode()
+        if body.get("stream_options", {}).get("include_usage"):
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def other(request: Request) -> Response:
+    return JSONResponse({"ok": True})
+
+
+def upstream() -> Starlette:
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST", "GET"]),
+            Route("/v1/messages", chat, methods=["POST"]),
+            Route("/health", other, methods=["GET", "POST"]),
+        ]
+    )
+
+
+class Gateway:
+    def __init__(self, tmp_path: Path, clock: Clock | None = None, **settings: Any) -> None:
+        self.clock = clock or Clock()
+        self.settings = Settings(
+            database_url=f"sqlite:///{tmp_path / 'ledger.db'}",
+            prices=write_unit_prices(tmp_path),
+            run_worker=False,
+            **settings,
+        )
+        self.store = MemoryStore(clock=self.clock)
+        self.guard = SpendGuard(self.settings, store=self.store, clock=self.clock)
+        self.inner = upstream()
+        self.app: ASGIApp = StateAuth(SpendGuardMiddleware(self.inner, guard=self.guard))
+        self.postflights = 0
+        real = self.guard.postflight
+
+        async def counting(*args: Any, **kwargs: Any) -> Any:
+            self.postflights += 1
+            return await real(*args, **kwargs)
+
+        self.guard.postflight = counting  # type: ignore[method-assign]
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://gw")
+
+    async def policy(self, period: Period, usd_micros: int, key: str | None = "alpha") -> None:
+        ident = Identity("acme", key)
+        await self.guard.ledger.set_policy(
+            team=ident.team,
+            team_id="acme",
+            api_key=ident.api_key,
+            api_key_id=key,
+            period=period,
+            limit_micros=usd_micros,
+            now=self.clock(),
+        )
+        await self.store.evict_policy(ident.team, "quota")
+
+    async def settle(self) -> None:
+        await self.guard.recorder.flush()
+        await self.guard.worker.run_once()
+
+    async def aggregates(self) -> dict[tuple[str, str, str], int]:
+        return {
+            (r["api_key"], r["period"], r["period_id"]): r["settled_micros"]
+            for r in await self.guard.ledger.aggregate_rows()
+        }
+
+
+@pytest.fixture
+async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
+    gateway = Gateway(tmp_path)
+    async with gateway.guard:
+        yield gateway
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+async def test_key_day_under_limit_but_team_month_exhausted_is_429(gw: Gateway) -> None:
+    await gw.policy(Period.DAY, 1_000_000)
+    await gw.policy(Period.MONTH, 15, key=None)
+    async with gw.client() as c:
+        ok = await c.post("/v1/chat/completions", json=chat_body())  # 10 + 5 = 15 micro-USD
+        denied = await c.post("/v1/chat/completions", json=chat_body())
+    assert ok.status_code == 200
+    assert denied.status_code == 429
+    assert denied.json() == {
+        "error": {
+            "type": "insufficient_quota",
+            "code": "spend_limit_exceeded",
+            "message": "Team monthly spend limit exceeded.",
+        }
+    }
+    # Retry-After: seconds from 2026-09-30 12:00 UTC to October 1st.
+    assert denied.headers["retry-after"] == str(12 * 3600)
+
+
+async def test_limit_zero_blocks_and_anthropic_routes_get_their_envelope(gw: Gateway) -> None:
+    await gw.policy(Period.DAY, 0)
+    async with gw.client() as c:
+        openai_style = await c.post("/v1/chat/completions", json=chat_body())
+        anthropic_style = await c.post("/v1/messages", json=chat_body(max_tokens=10))
+    assert openai_style.status_code == anthropic_style.status_code == 429
+    assert openai_style.content == (
+        b'{"error":{"type":"insufficient_quota","code":"spend_limit_exceeded",'
+        b'"message":"API Key daily spend limit exceeded."}}'
+    )
+    assert anthropic_style.json() == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": "API Key daily spend limit exceeded."},
+    }
+    assert gw.postflights == 0
+    assert await gw.guard.ledger.unsettled() == (0, 0)
+
+
+async def test_no_policy_means_no_usage_lookups(gw: Gateway) -> None:
+    loads = 0
+    real = gw.guard.ledger.load_aggregates
+
+    async def counting(*args: Any) -> Any:
+        nonlocal loads
+        loads += 1
+        return await real(*args)
+
+    gw.guard.ledger.load_aggregates = counting  # type: ignore[method-assign]
+    async with gw.client() as c:
+        for _ in range(5):
+            assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+    assert gw.store.usage_reads == 0 and loads == 0
+    await gw.settle()
+    assert await gw.guard.ledger.charges_total() == 5 * 15  # still recorded and charged
+
+
+@pytest.mark.parametrize(("prior", "allowed"), [(15, False), (14, True)])
+async def test_usage_equal_to_limit_denies_one_micro_below_allows(
+    gw: Gateway, prior: int, allowed: bool
+) -> None:
+    await gw.policy(Period.DAY, 15)
+    async with gw.client() as c:
+        first = await c.post("/v1/chat/completions", json=chat_body(x_in=prior, x_out=0))
+        assert first.status_code == 200
+        await gw.settle()
+        second = await c.post("/v1/chat/completions", json=chat_body())
+    assert (second.status_code == 200) is allowed
+    assert await gw.aggregates() == {("alpha", "day", "20260930"): prior + (15 if allowed else 0)} or (
+        allowed  # the second request is recorded but not settled yet
+    )
+
+
+async def test_call_started_before_midnight_settles_into_that_day_and_month(
+    tmp_path: Path,
+) -> None:
+    clock = Clock(datetime(2026, 9, 30, 23, 59, 59, 999000, tzinfo=UTC))
+    gateway = Gateway(tmp_path, clock)
+    async with gateway.guard:
+        await gateway.policy(Period.DAY, 1_000_000)
+        await gateway.policy(Period.MONTH, 1_000_000, key=None)
+        async with gateway.client() as c:
+            assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+        clock.now = datetime(2026, 10, 1, 0, 0, 3, tzinfo=UTC)
+        await gateway.settle()
+        assert await gateway.aggregates() == {
+            ("alpha", "day", "20260930"): 15,
+            ("", "month", "202609"): 15,
+        }
+
+
+async def test_streaming_with_and_without_usage_is_charged(gw: Gateway) -> None:
+    await gw.policy(Period.DAY, 1_000_000)
+    async with gw.client() as c:
+        with_usage = await c.post(
+            "/v1/chat/completions",
+            json=chat_body(stream=True, stream_options={"include_usage": True}, x_in=100, x_out=3),
+        )
+        without = await c.post("/v1/chat/completions", json=chat_body(stream=True, x_chunks=8))
+    assert with_usage.status_code == without.status_code == 200
+    assert with_usage.text.endswith("data: [DONE]\n\n")
+    await gw.settle()
+    rows = await gw.guard.ledger.aggregate_rows()
+    # 103 exact; the usage-less stream is estimated from its prompt and 8 × "word " (40 chars).
+    assert rows[0]["settled_micros"] > 103
+    assert gw.postflights == 2
+
+
+async def test_upstream_error_is_not_charged(gw: Gateway) -> None:
+    await gw.policy(Period.DAY, 1_000_000)
+    async with gw.client() as c:
+        r = await c.post("/v1/chat/completions", json=chat_body(x_status=500))
+    assert r.status_code == 500
+    await gw.settle()
+    assert await gw.guard.ledger.charges_total() == 0
+    assert await gw.guard.ledger.unsettled() == (0, 0)
+    day_key = next(c.usage_key for c in _plan(gw).candidates if c.field == "api_key:alpha:day")
+    assert await gw.store.read_usage([day_key]) == {day_key: 0}  # filled by preflight, never charged
+
+
+def _plan(gw: Gateway) -> Any:
+    from datetime import timedelta
+
+    from spendguard.keys import plan
+
+    return plan("quota", Identity("acme", "alpha"), gw.clock(), timedelta(days=2))
+
+
+async def raw_call(app: ASGIApp, body: bytes, *, fail_send_after: int | None = None,
+                   disconnect_after: float | None = None) -> list[Message]:
+    """Drive one request by hand: ``send`` can fail like a vanished client."""
+    sent: list[Message] = []
+    got_body = False
+
+    async def receive() -> Message:
+        nonlocal got_body
+        if not got_body:
+            got_body = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if disconnect_after is not None:
+            await anyio.sleep(disconnect_after)
+            return {"type": "http.disconnect"}
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    async def send(message: Message) -> None:
+        if fail_send_after is not None and len(sent) >= fail_send_after:
+            raise OSError("client went away")
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+        "root_path": "", "query_string": b"", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1), "server": ("gw", 80),
+    }
+    try:
+        await app(scope, receive, send)
+    except OSError:
+        pass
+    return sent
+
+
+async def test_client_disconnect_mid_stream_postflights_exactly_once(gw: Gateway) -> None:
+    await gw.policy(Period.DAY, 1_000_000)
+    body = json.dumps(chat_body(stream=True, x_stall_at=2, x_chunks=5)).encode()
+    with anyio.fail_after(5):
+        sent = await raw_call(gw.app, body, disconnect_after=0.2)
+    assert sent[0]["status"] == 200 and len(sent) >= 3  # start + 2 chunks reached the client
+    assert gw.postflights == 1
+    await gw.guard.recorder.flush()
+    count, estimate = await gw.guard.ledger.unsettled()
+    assert count == 1 and estimate > 0  # charged what was served (estimated)
+
+
+async def test_send_failure_mid_stream_postflights_exactly_once(gw: Gateway) -> None:
+    await gw.policy(Period.DAY, 1_000_000)
+    body = json.dumps(chat_body(stream=True, x_chunks=5)).encode()
+    with anyio.fail_after(5):
+        await raw_call(gw.app, body, fail_send_after=2)
+    assert gw.postflights == 1
+    await gw.guard.recorder.flush()
+    assert (await gw.guard.ledger.unsettled())[0] == 1
+
+
+async def test_app_exception_mid_stream_still_postflights_once(gw: Gateway) -> None:
+    await gw.policy(Period.DAY, 1_000_000)
+    body = json.dumps(chat_body(stream=True, x_fail_at=2)).encode()
+    with pytest.raises(RuntimeError, match="mid-stream"):
+        await raw_call(gw.app, body)
+    assert gw.postflights == 1
+    await gw.guard.recorder.flush()
+    assert (await gw.guard.ledger.unsettled())[0] == 1
+
+
+async def test_cancelled_request_still_postflights(gw: Gateway) -> None:
+    await gw.policy(Period.DAY, 1_000_000)
+    body = json.dumps(chat_body(stream=True, x_stall_at=1)).encode()
+    with anyio.move_on_after(0.3):
+        await raw_call(gw.app, body)
+    assert gw.postflights == 1
+    await gw.guard.recorder.flush()
+    assert (await gw.guard.ledger.unsettled())[0] == 1
+
+
+async def test_non_inference_routes_touch_nothing(tmp_path: Path) -> None:
+    store, ledger = Exploding("store"), Exploding("ledger")
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'x.db'}", prices=write_unit_prices(tmp_path))
+    app = StateAuth(SpendGuardMiddleware(upstream(), settings, store=store, ledger=ledger))  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.post("/health", json={})).status_code == 200
+        r = await c.get("/v1/chat/completions")  # an inference path, but not a POST
+        assert r.status_code != 429 and "x-spendguard-inference-id" not in r.headers
+    assert store.calls == [] and ledger.calls == []
+
+
+async def test_disabled_is_a_strict_no_op(tmp_path: Path) -> None:
+    db = tmp_path / "never.db"
+    settings = Settings(enabled=False, database_url=f"sqlite:///{db}")
+    app = StateAuth(SpendGuardMiddleware(upstream(), settings))
+    async with lifespan(app), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://gw"
+    ) as c:
+        r = await c.post("/v1/chat/completions", json=chat_body())
+    assert r.status_code == 200
+    assert not any(h.startswith("x-spendguard") for h in r.headers)
+    assert not db.exists()
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"{not json", 400),
+        (b"[1, 2]", 400),
+        (b'{"messages": []}', 400),
+        (b'{"model": "unit-model", "max_tokens": -1}', 400),
+        (b'{"model": "unit-model", "max_tokens": 1.5}', 400),
+        (b'{"model": "unit-model", "max_tokens": NaN}', 400),
+        (b'{"model": "unit-model", "max_tokens": 100000000000000000000}', 400),
+        (b"\xff\xfe", 400),
+        (b'{"model": "unit-model", "pad": "' + b"x" * 3000 + b'"}', 413),
+    ],
+)
+async def test_bad_input_is_a_4xx_with_no_charge(tmp_path: Path, body: bytes, status: int) -> None:
+    gateway = Gateway(tmp_path, max_body_bytes=2048)
+    async with gateway.guard, gateway.client() as c:
+        await gateway.policy(Period.DAY, 1_000_000)
+        usage_reads = gateway.store.usage_reads
+        r = await c.post("/v1/chat/completions", content=body)
+        assert r.status_code == status
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert gateway.postflights == 0 and gateway.store.usage_reads == usage_reads
+        await gateway.guard.recorder.flush()
+        assert await gateway.guard.ledger.unsettled() == (0, 0)
+
+
+async def test_missing_identity_is_401_and_headers_are_not_identity(tmp_path: Path) -> None:
+    gateway = Gateway(tmp_path)
+    app = SpendGuardMiddleware(upstream(), guard=gateway.guard)  # no auth in front
+    async with gateway.guard, httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://gw"
+    ) as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json=chat_body(),
+            headers={"x-team-id": "acme", "x-api-key-id": "alpha", "x-test-team": "acme"},
+        )
+        a = await c.post("/anthropic/v1/messages", json=chat_body())
+    assert r.status_code == 401 and r.json()["error"]["code"] == "missing_identity"
+    assert a.status_code == 401 and a.json()["error"]["type"] == "authentication_error"
+    assert len(gateway.store) == 0
+
+
+async def test_resolver_sync_and_async(tmp_path: Path) -> None:
+    gateway = Gateway(tmp_path)
+    await gateway.guard.start()
+    try:
+        await gateway.policy(Period.DAY, 0, key="blocked")
+        for resolver in (lambda conn: ("acme", "blocked"), _async_resolver):
+            app = SpendGuardMiddleware(upstream(), guard=gateway.guard, resolve_identity=resolver)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as c:
+                assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 429
+    finally:
+        await gateway.guard.stop()
+
+
+async def _async_resolver(conn: Any) -> Identity:
+    return Identity("acme", "blocked")
+
+
+async def test_trailing_slash_and_mount_prefix_match(gw: Gateway) -> None:
+    await gw.policy(Period.DAY, 0)
+    mounted = Starlette()
+    mounted.mount("/gw", gw.app)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=mounted), base_url="http://x") as c:
+        assert (await c.post("/gw/v1/chat/completions", json=chat_body())).status_code == 429
+    async with gw.client() as c:
+        assert (await c.post("/v1/chat/completions/", json=chat_body())).status_code == 429
+
+
+async def test_lifespan_starts_and_stops_the_background_tasks(tmp_path: Path) -> None:
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'l.db'}",
+        prices=write_unit_prices(tmp_path),
+        settle_interval=0.05,
+    )
+    middleware = SpendGuardMiddleware(upstream(), settings)
+    app = StateAuth(middleware)
+    guard = middleware.guard
+    assert guard is not None
+    async with lifespan(app):
+        assert guard.running
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as c:
+            assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+        with anyio.fail_after(5):
+            while not await guard.ledger.charges_total():  # the in-app worker settles it
+                await anyio.sleep(0.05)
+    assert not guard.running
+    assert guard.recorder.pending == 0
+
+
+async def test_retry_marked_by_the_host_keeps_t0_and_inference_id(gw: Gateway) -> None:
+    first_t0 = gw.clock.now
+    seen: list[dict[str, Any]] = []
+
+    class RetryMarker:
+        def __init__(self, app: ASGIApp) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            scope.setdefault("state", {}).update(
+                spendguard_inference_id="inf-1", spendguard_t0=first_t0
+            )
+            await self.app(scope, receive, send)
+            seen.append(dict(scope["state"]))
+
+    gw.clock.now = first_t0.replace(hour=13)
+    app = RetryMarker(gw.app)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as c:
+        r = await c.post("/v1/chat/completions", json=chat_body())
+    assert r.headers["x-spendguard-inference-id"] == "inf-1"
+    assert seen[0]["spendguard_t0"] == first_t0

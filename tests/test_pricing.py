@@ -1,0 +1,477 @@
+"""Price table: exact costs, name lookup rules, user files and their validation."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import re
+from decimal import Decimal
+from fractions import Fraction
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from spendguard.errors import ConfigurationError
+from spendguard.pricing import Price, PriceTable
+from spendguard.usage import Usage
+
+
+def shipped_entries() -> dict[str, dict[str, Any]]:
+    """The shipped file read independently of spendguard.pricing."""
+    text = resources.files("spendguard").joinpath("prices.json").read_text(encoding="utf-8")
+    models: dict[str, dict[str, Any]] = json.loads(text)["models"]
+    return models
+
+
+def exact_micros(price: Price, usage: Usage) -> int:
+    """Independent reference: rational arithmetic, then ceiling."""
+    total = (
+        Fraction(price.input) * usage.input_tokens
+        + Fraction(price.output) * usage.output_tokens
+        + Fraction(price.cached_input) * usage.cached_input_tokens
+        + Fraction(price.cache_write) * usage.cache_write_tokens
+    )
+    return math.ceil(total)
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# --------------------------------------------------------------------------- cost arithmetic
+
+
+def test_cost_of_recorded_cached_chat_matches_the_table_entry() -> None:
+    # openai-chat.json: prompt 1149 of which 1024 cached, completion 270. Usage.input_tokens
+    # excludes cache reads, so 125 are billed at the normal input price.
+    usage = Usage(input_tokens=1149 - 1024, cached_input_tokens=1024, output_tokens=270)
+    entry = shipped_entries()["gpt-4o-mini"]
+    expected = (
+        Decimal(entry["input"]) * 125
+        + Decimal(entry["cached_input"]) * 1024
+        + Decimal(entry["output"]) * 270
+    ).to_integral_value(rounding="ROUND_CEILING")
+    table = PriceTable.load()
+    assert table.cost("gpt-4o-mini-2024-07-18", usage) == int(expected)
+    assert type(table.cost("gpt-4o-mini-2024-07-18", usage)) is int
+
+
+def test_anthropic_cache_writes_and_reads_use_their_own_prices() -> None:
+    usage = Usage(
+        input_tokens=17, cache_write_tokens=2056, cached_input_tokens=10, output_tokens=100
+    )
+    entry = shipped_entries()["claude-sonnet-4"]
+    expected = math.ceil(
+        Fraction(entry["input"]) * 17
+        + Fraction(entry["cache_write"]) * 2056
+        + Fraction(entry["cached_input"]) * 10
+        + Fraction(entry["output"]) * 100
+    )
+    assert PriceTable.load().cost("claude-sonnet-4-20250514", usage) == expected
+
+
+def test_huge_counts_stay_exact_integers() -> None:
+    price = Price.of("1.234567", "98.765431", "0.000001", "7.654321")
+    usage = Usage(
+        input_tokens=10**9 - 1,
+        output_tokens=10**9 + 7,
+        cached_input_tokens=999_999_937,
+        cache_write_tokens=10**9,
+    )
+    cost = price.cost(usage)
+    assert type(cost) is int
+    assert cost == exact_micros(price, usage)
+    # A float computation would already be off at this size.
+    assert cost != int(
+        1.234567 * (10**9 - 1) + 98.765431 * (10**9 + 7) + 0.000001 * 999_999_937 + 7.654321e9
+    )
+
+
+def test_fractional_micro_usd_is_rounded_up_once() -> None:
+    price = Price.of("0.15", "0.60", "0.075")
+    # 1 input token at 0.15 micro-USD is charged 1 micro-USD, never 0.
+    assert price.cost(Usage(input_tokens=1)) == 1
+    # 20 tokens are exactly 3 micro-USD: no spurious extra micro.
+    assert price.cost(Usage(input_tokens=20)) == 3
+    # Rounding happens on the sum, not per component: 0.15 + 0.075 + 0.6 = 0.825 -> 1.
+    assert price.cost(Usage(input_tokens=1, cached_input_tokens=1, output_tokens=1)) == 1
+    assert price.cost(Usage()) == 0
+
+
+def test_negative_counts_are_refused_rather_than_credited() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        Price.of("1", "1").cost(Usage(output_tokens=-5))
+
+
+def test_price_defaults_cache_prices_to_input_and_validates() -> None:
+    price = Price.of("2.5", "10")
+    assert price.cached_input == price.input == Decimal("2.5")
+    assert price.cache_write == Decimal("2.5")
+    with pytest.raises(ValueError):
+        Price(Decimal("-1"), Decimal(1), Decimal(1), Decimal(1))
+    with pytest.raises(ValueError):
+        Price(Decimal("NaN"), Decimal(1), Decimal(1), Decimal(1))
+    with pytest.raises(TypeError):
+        Price(0.5, Decimal(1), Decimal(1), Decimal(1))  # type: ignore[arg-type]
+
+
+def test_unknown_model_costs_none() -> None:
+    assert PriceTable.load().cost("no-such-model-xyz", Usage(input_tokens=5)) is None
+
+
+# --------------------------------------------------------------------------- lookup rules
+
+
+@pytest.fixture
+def table() -> PriceTable:
+    # Distinct prices per entry, so a test can tell which entry a name resolved to.
+    names = ["gpt-4o", "gpt-4o-mini", "claude-sonnet-4", "claude-sonnet-4-5", "o3", "o3-pro"]
+    return PriceTable(
+        {name: Price.of(str(i + 1), "1") for i, name in enumerate(names)}, as_of="2026-01-01"
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "entry"),
+    [
+        ("gpt-4o-mini", "gpt-4o-mini"),
+        ("GPT-4o-Mini", "gpt-4o-mini"),
+        ("  gpt-4o  ", "gpt-4o"),
+        ("openai/gpt-4o-mini", "gpt-4o-mini"),
+        ("anthropic/claude-sonnet-4-5", "claude-sonnet-4-5"),
+        ("azure/gpt-4o", "gpt-4o"),
+        ("openrouter/openai/gpt-4o", "gpt-4o"),
+        ("gpt-4o-mini-2024-07-18", "gpt-4o-mini"),
+        ("gpt-4o-2024-08-06", "gpt-4o"),
+        ("claude-sonnet-4-20250514", "claude-sonnet-4"),
+        ("claude-sonnet-4-5-20250929", "claude-sonnet-4-5"),
+        ("claude-sonnet-4@20250514", "claude-sonnet-4"),
+        ("us.anthropic.claude-sonnet-4-20250514-v1:0", "claude-sonnet-4"),
+        ("o3-pro-2025-06-10", "o3-pro"),
+        ("o3-2025-04-16", "o3"),
+        # Longest prefix at a '-' boundary.
+        ("gpt-4o-mini-audio-preview", "gpt-4o-mini"),
+        ("gpt-4o-search-preview", "gpt-4o"),
+        ("claude-sonnet-4-5-latest", "claude-sonnet-4-5"),
+        ("claude-sonnet-4-7", "claude-sonnet-4"),
+    ],
+)
+def test_lookup_rules(table: PriceTable, model: str, entry: str) -> None:
+    assert table.resolve(model) == entry
+    assert table.lookup(model) is table.lookup(entry)
+    assert table.lookup(model) is not None
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        "gpt-4",  # shorter than every entry
+        "gpt-4ox",  # prefix, but not at a '-' boundary
+        "gpt-4o.5",
+        "o3x-mini",
+        "o",
+        "mini",
+        "ft:gpt-4o-mini-2024-07-18:org::abc",  # fine-tunes are priced differently
+        "",
+        "   ",
+        "/",
+        "openai/",
+        "-",
+        "-2024-07-18",
+        "@20250101",
+    ],
+)
+def test_lookup_misses(table: PriceTable, model: str) -> None:
+    assert table.resolve(model) is None
+    assert table.lookup(model) is None
+
+
+def test_lookup_of_dated_shipped_models() -> None:
+    shipped = PriceTable.load()
+    for model, entry in [
+        ("gpt-4o-mini-2024-07-18", "gpt-4o-mini"),
+        ("claude-sonnet-4-20250514", "claude-sonnet-4"),
+        ("gpt-5-nano-2025-08-07", "gpt-5-nano"),
+        ("gpt-4.1-nano-2025-04-14", "gpt-4.1-nano"),
+        ("text-embedding-ada-002-v2", "text-embedding-ada-002"),
+        ("claude-opus-4-5-20251101", "claude-opus-4-5"),
+    ]:
+        assert shipped.resolve(model) == entry, model
+    # An old snapshot with its own price is matched exactly, before the date is stripped.
+    assert shipped.resolve("gpt-4o-2024-05-13") == "gpt-4o-2024-05-13"
+    # A pricier sibling never falls back to the cheaper family entry.
+    assert shipped.resolve("o3-pro") == "o3-pro"
+    assert shipped.resolve("gpt-5-pro-2025-10-06") == "gpt-5-pro"
+
+
+@given(st.text(max_size=300))
+def test_lookup_never_crashes(model: str) -> None:
+    shipped = PriceTable.load()
+    price = shipped.lookup(model)
+    assert price is None or isinstance(price, Price)
+    assert (model in shipped) == (price is not None)
+
+
+@pytest.mark.parametrize(
+    "model",
+    ["-" * 50_000, "gpt-4o-" * 20_000, "a" * 200_000, "\x00\ud800", "gpt-4o-mini\n", "😀/😀"],
+)
+def test_lookup_of_hostile_strings(model: str) -> None:
+    PriceTable.load().lookup(model)  # must simply return
+
+
+def test_lookup_of_non_string_is_none() -> None:
+    assert PriceTable.load().lookup(None) is None  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- shipped table
+
+
+def test_shipped_table_loads_with_as_of_and_source() -> None:
+    shipped = PriceTable.load()
+    assert dt.date.fromisoformat(shipped.as_of) <= dt.date.today()
+    assert shipped.user_as_of is None
+    raw = json.loads(resources.files("spendguard").joinpath("prices.json").read_text())
+    assert raw["as_of"] == shipped.as_of
+    assert isinstance(raw["source"], str) and raw["source"]
+    assert shipped.models() == sorted(raw["models"])
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        "gpt-4o",
+        "gpt-4o-mini",
+        "gpt-4.1",
+        "gpt-4.1-mini",
+        "gpt-4.1-nano",
+        "gpt-5",
+        "gpt-5-mini",
+        "gpt-5-nano",
+        "o3",
+        "o4-mini",
+        "o1",
+        "gpt-3.5-turbo",
+        "text-embedding-3-small",
+        "text-embedding-3-large",
+        "text-embedding-ada-002",
+        "claude-opus-4-1",
+        "claude-opus-4-5",
+        "claude-sonnet-4",
+        "claude-sonnet-4-5",
+        "claude-sonnet-4-6",
+        "claude-haiku-4-5",
+        "claude-3-5-haiku",
+        "claude-3-7-sonnet",
+        "claude-3-5-sonnet",
+    ],
+)
+def test_shipped_table_has_the_common_models(model: str) -> None:
+    assert PriceTable.load().resolve(model) == model
+
+
+def test_shipped_prices_are_internally_consistent() -> None:
+    for name, entry in shipped_entries().items():
+        price = PriceTable.load().lookup(name)
+        assert price is not None
+        # Cache reads are never dearer than fresh input.
+        assert price.cached_input <= price.input, name
+        if name.startswith("claude-"):
+            assert price.output > price.input, name
+            assert price.cache_write > price.input, name
+            if name != "claude-3-haiku":
+                # Anthropic's published multipliers: 5-minute writes 1.25x, reads 0.1x of
+                # input (Claude 3 Haiku predates them: $0.30 writes on $0.25 input).
+                assert price.cache_write == price.input * Decimal("1.25"), name
+                assert price.cached_input == price.input * Decimal("0.1"), name
+        elif name.startswith("text-embedding-"):
+            assert price.output == 0, name
+        else:
+            assert price.cache_write == price.input, name  # OpenAI bills no cache writes
+        # Prices are written as strings so the file itself carries exact decimals.
+        assert all(isinstance(v, str) for v in entry.values()), name
+
+
+# --------------------------------------------------------------------------- user files
+
+
+def test_user_json_overrides_and_extends(tmp_path: Path) -> None:
+    path = write(
+        tmp_path / "prices.json",
+        json.dumps(
+            {
+                "as_of": "2026-09-01",
+                "models": {
+                    "gpt-4o-mini": {"input": "0.2", "output": "0.9"},
+                    "My-Model": {"input": 3, "output": 0.1, "cached_input": "1e-1"},
+                },
+            }
+        ),
+    )
+    table = PriceTable.load(path)
+    shipped = PriceTable.load()
+    # Override: the user's entry wins, through every lookup rule.
+    assert table.lookup("gpt-4o-mini") == Price.of("0.2", "0.9")
+    assert table.lookup("openai/gpt-4o-mini-2024-07-18") == Price.of("0.2", "0.9")
+    assert table.lookup("gpt-4o-mini") != shipped.lookup("gpt-4o-mini")
+    # Extension: a new model, stored case-insensitively, JSON numbers exact (0.1 not 0.1000...).
+    assert table.lookup("my-model") == Price(Decimal(3), Decimal("0.1"), Decimal("0.1"), Decimal(3))
+    # Everything else shipped is still there.
+    assert table.lookup("claude-sonnet-4") == shipped.lookup("claude-sonnet-4")
+    assert set(table.models()) == set(shipped.models()) | {"my-model"}
+    assert table.as_of == shipped.as_of
+    assert table.user_as_of == "2026-09-01"
+
+
+def test_user_yaml_overrides_and_extends(tmp_path: Path) -> None:
+    path = write(
+        tmp_path / "prices.yaml",
+        """
+as_of: 2026-09-01          # unquoted: YAML reads a date
+source: negotiated contract
+models:
+  claude-sonnet-4-5:
+    input: 0.1              # a YAML float must stay exactly 0.1
+    output: "2.5"
+    cached_input: 0.01
+    cache_write: 0.125
+  local-llama:
+    input: 0
+    output: 0
+""",
+    )
+    table = PriceTable.load(path)
+    assert table.lookup("claude-sonnet-4-5-20250929") == Price(
+        Decimal("0.1"), Decimal("2.5"), Decimal("0.01"), Decimal("0.125")
+    )
+    assert table.lookup("local-llama") == Price.of(0, 0)
+    assert table.cost("local-llama", Usage(input_tokens=10**6, output_tokens=10**6)) == 0
+    assert table.user_as_of == "2026-09-01"
+    # 30 tokens at exactly 0.1 cost exactly 3 micro-USD; a binary 0.1 would round up to 4.
+    assert table.cost("claude-sonnet-4-5", Usage(input_tokens=30)) == 3
+    assert table.lookup("claude-sonnet-4") == PriceTable.load().lookup("claude-sonnet-4")
+
+
+def test_yml_extension_and_user_file_without_as_of(tmp_path: Path) -> None:
+    path = write(tmp_path / "p.yml", "models:\n  x-model: {input: 1, output: 2}\n")
+    table = PriceTable.load(path)
+    assert table.lookup("x-model") == Price.of(1, 2)
+    assert table.user_as_of is None
+
+
+def test_user_entry_wins_over_a_longer_shipped_prefix_only_for_its_own_name(tmp_path: Path) -> None:
+    path = write(tmp_path / "p.json", '{"models": {"gpt-4o": {"input": "9", "output": "9"}}}')
+    table = PriceTable.load(path)
+    assert table.lookup("gpt-4o-2024-08-06") == Price.of(9, 9)
+    # gpt-4o-mini is a different model with its own shipped entry.
+    assert table.lookup("gpt-4o-mini") == PriceTable.load().lookup("gpt-4o-mini")
+
+
+INVALID_FILES: list[tuple[str, str, str]] = [
+    # (file name, content, text the error must contain besides the file name)
+    ("prices.yaml", "models:\n  gpt-x: {input: 1, output: -1}\n", "models.gpt-x.output"),
+    ("prices.yaml", "models:\n  gpt-x: {input: abc, output: 1}\n", "models.gpt-x.input"),
+    ("prices.yaml", "models:\n  gpt-x: {input: .nan, output: 1}\n", "models.gpt-x.input"),
+    ("prices.yaml", "models:\n  gpt-x: {input: .inf, output: 1}\n", "models.gpt-x.input"),
+    ("prices.yaml", "models:\n  gpt-x: {input: true, output: 1}\n", "models.gpt-x.input"),
+    ("prices.yaml", "models:\n  gpt-x: {input: null, output: 1}\n", "models.gpt-x.input"),
+    ("prices.yaml", "models:\n  gpt-x: {input: [1], output: 1}\n", "models.gpt-x.input"),
+    ("prices.yaml", "models:\n  gpt-x: {input: '', output: 1}\n", "models.gpt-x.input"),
+    ("prices.yaml", "models:\n  gpt-x: {input: '1e9', output: 1}\n", "models.gpt-x.input"),
+    (
+        "prices.yaml",
+        "models:\n  gpt-x: {input: 1, output: 1, cached_input: -0.5}\n",
+        "models.gpt-x.cached_input",
+    ),
+    (
+        "prices.yaml",
+        "models:\n  gpt-x: {input: 1, output: 1, cache_write: Infinity}\n",
+        "models.gpt-x.cache_write",
+    ),
+    ("prices.yaml", "models:\n  gpt-x: {input: 1}\n", "models.gpt-x.output"),
+    ("prices.yaml", "models:\n  gpt-x: {output: 1}\n", "models.gpt-x.input"),
+    (
+        "prices.yaml",
+        "models:\n  gpt-x: {input: 1, output: 1, cache_read: 1}\n",
+        "models.gpt-x.cache_read",
+    ),
+    ("prices.yaml", "models:\n  gpt-x: 5\n", "models.gpt-x"),
+    (
+        "prices.yaml",
+        "models:\n  gpt-x: {input: 1, output: 1}\n  GPT-X: {input: 1, output: 1}\n",
+        "models.GPT-X",
+    ),
+    ("prices.yaml", "models:\n  123: {input: 1, output: 1}\n", "models.123"),
+    ("prices.yaml", "models: [gpt-x]\n", "models"),
+    ("prices.yaml", "as_of: 2026-01-01\n", "models"),
+    ("prices.yaml", "modles: {}\n", "modles"),
+    ("prices.yaml", "as_of: yesterday\nmodels: {}\n", "as_of"),
+    ("prices.yaml", "as_of: '2026-02-30'\nmodels: {}\n", "as_of"),
+    ("prices.yaml", "source: [1]\nmodels: {}\n", "source"),
+    ("prices.yaml", "- a\n- b\n", "top level"),
+    ("prices.yaml", "", "top level"),
+    ("prices.yaml", "models: {gpt-x: {input: 1, output: 1}\n", "invalid YAML"),
+    ("prices.json", '{"models": {"gpt-x": {"input": NaN, "output": 1}}}', "models.gpt-x.input"),
+    (
+        "prices.json",
+        '{"models": {"gpt-x": {"input": 1, "output": -Infinity}}}',
+        "models.gpt-x.output",
+    ),
+    ("prices.json", '{"models": {"gpt-x": {"input": "1", "output": "-2"}}}', "models.gpt-x.output"),
+    (
+        "prices.json",
+        '{"models": {"gpt-x": {"input": 1, "output": 1, "extra": 1}}}',
+        "models.gpt-x.extra",
+    ),
+    ("prices.json", '{"models": {"gpt-x": {"input": 1, "output": 1}, "gpt-x": {}}}', "gpt-x"),
+    ("prices.json", '{"models": {', "invalid JSON"),
+    ("prices.json", "[]", "top level"),
+    ("prices.txt", '{"models": {}}', "extension"),
+    ("prices", '{"models": {}}', "extension"),
+]
+
+
+@pytest.mark.parametrize(("name", "content", "fragment"), INVALID_FILES)
+def test_invalid_user_file_names_file_and_field(
+    tmp_path: Path, name: str, content: str, fragment: str
+) -> None:
+    path = write(tmp_path / name, content)
+    with pytest.raises(ConfigurationError) as info:
+        PriceTable.load(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: "), message
+    assert fragment in message, message
+
+
+def test_invalid_price_message_has_the_documented_shape(tmp_path: Path) -> None:
+    path = write(tmp_path / "prices.yaml", "models:\n  gpt-x: {input: 1, output: -1}\n")
+    with pytest.raises(ConfigurationError) as info:
+        PriceTable.load(path)
+    assert re.fullmatch(
+        rf"{re.escape(str(path))}: models\.gpt-x\.output: must be a non-negative number",
+        str(info.value),
+    )
+
+
+def test_missing_file_is_a_configuration_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="not found") as info:
+        PriceTable.load(tmp_path / "absent.yaml")
+    assert "absent.yaml" in str(info.value)
+
+
+def test_undecodable_file_is_a_configuration_error(tmp_path: Path) -> None:
+    path = tmp_path / "prices.json"
+    path.write_bytes(b'{"models": {"\xff": {}}}')
+    with pytest.raises(ConfigurationError, match=r"prices\.json"):
+        PriceTable.load(path)
+
+
+def test_user_file_accepts_str_paths(tmp_path: Path) -> None:
+    path = write(tmp_path / "prices.json", '{"models": {"m": {"input": "1", "output": "2"}}}')
+    assert PriceTable.load(str(path)).lookup("m") == Price.of(1, 2)
