@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from spendguard import SpendGuardMiddleware
-from spendguard.testing import fake_upstream
+from spendguard.testing import StreamingASGITransport, fake_upstream
 
 # The gateway's own key store: bearer token -> (team, api key).
 DEMO_KEYS = {
@@ -51,8 +51,9 @@ def _upstream_client() -> httpx.AsyncClient:
     url = os.environ.get("GATEWAY_UPSTREAM_URL")
     if url:
         return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=10))
+    # No upstream configured: spendguard's fake provider, called in process but streamed.
     return httpx.AsyncClient(
-        base_url="http://fake-upstream", transport=httpx.ASGITransport(app=fake_upstream())
+        base_url="http://fake-upstream", transport=StreamingASGITransport(fake_upstream())
     )
 
 
@@ -70,7 +71,12 @@ _FORWARD = ("content-type", "anthropic-version", "anthropic-beta", "openai-beta"
 
 async def _proxy(request: Request, path: str) -> Response:
     client: httpx.AsyncClient = request.app.state.upstream
-    headers = {k: v for k, v in request.headers.items() if k in _FORWARD}
+    headers = {
+        k: v
+        for k, v in request.headers.items()
+        # x-fake-* lets tests and the curious steer the fake provider (errors, stalls...).
+        if k in _FORWARD or k.startswith("x-fake-")
+    }
     key = os.environ.get("GATEWAY_UPSTREAM_API_KEY")
     if key:
         headers["authorization"] = f"Bearer {key}"
