@@ -19,7 +19,7 @@ import anyio
 from .costing import Coster
 from .errors import ConfigurationError, SpendGuardError
 from .identity import Identity
-from .ledger import Ledger
+from .ledger import Ledger, SpendRow
 from .money import micros_to_usd, usd_to_micros
 from .periods import Period, period_id, utcnow
 from .pricing import PriceTable
@@ -98,14 +98,20 @@ async def cmd_usage(args: argparse.Namespace, settings: Settings, ledger: Ledger
     now = utcnow()
     day, month = period_id(Period.DAY, now), period_id(Period.MONTH, now)
     spend = await ledger.spend(ident.team, day, month)
-    policies = {
-        (p.api_key, p.period): p.limit_micros for p in await ledger.list_policies(ident.team)
-    }
+    policy_rows = await ledger.list_policies(ident.team)
+    policies = {(p.api_key, p.period): p.limit_micros for p in policy_rows}
     aggs = {
         (r["api_key"] or None, r["period"], r["period_id"]): int(r["settled_micros"])
         for r in await ledger.aggregate_rows(ident.team)
     }
     count, estimates = await ledger.unsettled(ident.team)
+    # Limits with no spend yet still show, at 0.
+    seen = {(r.api_key, r.period) for r in spend}
+    spend += [
+        SpendRow(p.api_key, p.api_key_id, p.period, day if p.period is Period.DAY else month, 0)
+        for p in policy_rows
+        if (p.api_key, p.period) not in seen
+    ]
     scopes = []
     for row in spend:
         if ident.api_key is not None and row.api_key not in (None, ident.api_key):

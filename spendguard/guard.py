@@ -93,6 +93,7 @@ class SpendGuard:
             self.coster,
             key_prefix=s.key_prefix,
             batch_size=s.settle_batch,
+            settle=s.run_worker,
             clock=clock,
         )
         self._grace = timedelta(seconds=s.key_grace)
@@ -130,9 +131,8 @@ class SpendGuard:
         if task_group is None:
             self._stack = AsyncExitStack()
             task_group = await self._stack.enter_async_context(anyio.create_task_group())
-        run_worker = self.settings.run_worker if worker is None else worker
         self._stopped = anyio.Event()
-        self._cancel = await task_group.start(self._background, run_worker)
+        self._cancel = await task_group.start(self._background, worker is not False)
 
     async def _background(
         self, run_worker: bool, *, task_status: TaskStatus[anyio.CancelScope]

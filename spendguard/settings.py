@@ -57,7 +57,7 @@ class Settings(BaseSettings):
     )
     settle_interval: float = Field(5.0, gt=0, le=3600, description="Seconds between settlements.")
     settle_batch: int = Field(1000, ge=1, le=100_000, description="Records per settlement batch.")
-    run_worker: bool = Field(True, description="Run the settlement worker inside the app.")
+    run_worker: bool = Field(True, description="Settle inside the app (the cache is kept in sync either way).")
     policy_ttl: float = Field(60.0, gt=0, le=86_400, description="Seconds a cached policy lives.")
     key_grace: float = Field(
         172_800.0,

@@ -46,6 +46,7 @@ class SettlementWorker:
         *,
         key_prefix: str,
         batch_size: int = 1000,
+        settle: bool = True,
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self._ledger = ledger
@@ -54,6 +55,9 @@ class SettlementWorker:
         self._prefix = key_prefix
         self._batch = batch_size
         self._clock = clock
+        # settle=False keeps only the cache in sync (policy changes, records settled by a
+        # standalone worker): an in-process cache can only be refreshed from inside.
+        self._settle = settle
         # Watermarks for changes made by other processes (a CLI, other replicas): records
         # they settled and policies they changed. Rescanning a window behind the watermark
         # catches transactions that committed late; both uses are idempotent.
@@ -73,7 +77,7 @@ class SettlementWorker:
     async def run_once(self) -> PassResult:
         result = PassResult()
         settled_ids: dict[str, list[str]] = {}
-        for _ in range(_MAX_BATCHES_PER_PASS):
+        for _ in range(_MAX_BATCHES_PER_PASS if self._settle else 0):
             batch: Settlement = await self._ledger.settle(self._batch, self._price, self._clock())
             result.settled += batch.charged
             result.total_micros += batch.total_micros

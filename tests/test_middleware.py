@@ -76,7 +76,6 @@ class Gateway:
         self.settings = Settings(
             database_url=f"sqlite:///{tmp_path / 'ledger.db'}",
             prices=write_unit_prices(tmp_path),
-            run_worker=False,
             **settings,
         )
         self.store = MemoryStore(clock=self.clock)
@@ -91,6 +90,14 @@ class Gateway:
             return await real(*args, **kwargs)
 
         self.guard.postflight = counting  # type: ignore[method-assign]
+
+    async def __aenter__(self) -> Gateway:
+        # The record writer runs; settlement only when a test calls settle() (deterministic).
+        await self.guard.start(worker=False)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.guard.stop()
 
     def client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://gw")
@@ -121,8 +128,7 @@ class Gateway:
 
 @pytest.fixture
 async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
-    gateway = Gateway(tmp_path)
-    async with gateway.guard:
+    async with Gateway(tmp_path) as gateway:
         yield gateway
 
 
@@ -205,8 +211,7 @@ async def test_call_started_before_midnight_settles_into_that_day_and_month(
     tmp_path: Path,
 ) -> None:
     clock = Clock(datetime(2026, 9, 30, 23, 59, 59, 999000, tzinfo=UTC))
-    gateway = Gateway(tmp_path, clock)
-    async with gateway.guard:
+    async with Gateway(tmp_path, clock) as gateway:
         await gateway.policy(Period.DAY, 1_000_000)
         await gateway.policy(Period.MONTH, 1_000_000, key=None)
         async with gateway.client() as c:
@@ -374,7 +379,7 @@ async def test_disabled_is_a_strict_no_op(tmp_path: Path) -> None:
 )
 async def test_bad_input_is_a_4xx_with_no_charge(tmp_path: Path, body: bytes, status: int) -> None:
     gateway = Gateway(tmp_path, max_body_bytes=2048)
-    async with gateway.guard, gateway.client() as c:
+    async with gateway, gateway.client() as c:
         await gateway.policy(Period.DAY, 1_000_000)
         usage_reads = gateway.store.usage_reads
         r = await c.post("/v1/chat/completions", content=body)
@@ -388,7 +393,7 @@ async def test_bad_input_is_a_4xx_with_no_charge(tmp_path: Path, body: bytes, st
 async def test_missing_identity_is_401_and_headers_are_not_identity(tmp_path: Path) -> None:
     gateway = Gateway(tmp_path)
     app = SpendGuardMiddleware(upstream(), guard=gateway.guard)  # no auth in front
-    async with gateway.guard, httpx.AsyncClient(
+    async with gateway, httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://gw"
     ) as c:
         r = await c.post(
@@ -404,7 +409,7 @@ async def test_missing_identity_is_401_and_headers_are_not_identity(tmp_path: Pa
 
 async def test_resolver_sync_and_async(tmp_path: Path) -> None:
     gateway = Gateway(tmp_path)
-    await gateway.guard.start()
+    await gateway.__aenter__()
     try:
         await gateway.policy(Period.DAY, 0, key="blocked")
         for resolver in (lambda conn: ("acme", "blocked"), _async_resolver):
@@ -412,7 +417,7 @@ async def test_resolver_sync_and_async(tmp_path: Path) -> None:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as c:
                 assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 429
     finally:
-        await gateway.guard.stop()
+        await gateway.__aexit__()
 
 
 async def _async_resolver(conn: Any) -> Identity:

@@ -278,6 +278,8 @@ def test_shipped_table_has_the_common_models(model: str) -> None:
 
 def test_shipped_prices_are_internally_consistent() -> None:
     for name, entry in shipped_entries().items():
+        if name == "default":
+            continue  # the fallback for unknown models; checked below
         price = PriceTable.load().lookup(name)
         assert price is not None
         # Cache reads are never dearer than fresh input.
@@ -296,6 +298,18 @@ def test_shipped_prices_are_internally_consistent() -> None:
             assert price.cache_write == price.input, name  # OpenAI bills no cache writes
         # Prices are written as strings so the file itself carries exact decimals.
         assert all(isinstance(v, str) for v in entry.values()), name
+
+
+def test_default_fallback_price_is_not_cheaper_than_common_models() -> None:
+    # An unknown model is charged the "default" entry (unknown_model=default_price): it must
+    # err towards the operator, so it is at least the price of the mainstream shipped models.
+    table = PriceTable.load()
+    fallback = table.lookup("default")
+    assert fallback is not None
+    for name in ("gpt-4o", "gpt-4.1", "gpt-5", "claude-sonnet-4-5", "claude-opus-4-5"):
+        price = table.lookup(name)
+        assert price is not None
+        assert fallback.input >= price.input and fallback.output >= price.output, name
 
 
 # --------------------------------------------------------------------------- user files
