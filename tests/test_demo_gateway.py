@@ -1,0 +1,173 @@
+"""The demo gateway as a user runs it: uvicorn, the `spendguard` CLI, the official SDKs.
+
+This is the acceptance path of the README: a real server process on loopback, SQLite, the
+embedded store, and the CLI as a separate process sharing only the database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from spendguard.pricing import PriceTable
+from spendguard.testing import expected_usage
+
+ROOT = Path(__file__).resolve().parent.parent
+R52_KEY_DAY = {
+    "error": {
+        "type": "insufficient_quota",
+        "code": "spend_limit_exceeded",
+        "message": "API Key daily spend limit exceeded.",
+    }
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("SPENDGUARD_")}
+    out.update(
+        SPENDGUARD_DATABASE_URL=f"sqlite:///{tmp_path / 'demo.db'}",
+        SPENDGUARD_SETTLE_INTERVAL="0.3",
+        PYTHONPATH=str(ROOT),
+    )
+    return out
+
+
+@pytest.fixture
+def gateway(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    log = (tmp_path / "gateway.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "examples.gateway:app", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError((tmp_path / "gateway.log").read_text())
+            time.sleep(0.1)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        log.close()
+    # Graceful shutdown ran the middleware's lifespan to the end (records flushed).
+    assert "Application shutdown complete" in (tmp_path / "gateway.log").read_text()
+
+
+def cli(env: dict[str, str], *args: str) -> Any:
+    done = subprocess.run(
+        [sys.executable, "-m", "spendguard.cli", *args, "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_demo_gateway_acceptance(gateway: str, env: dict[str, str]) -> None:
+    cli(env, "policy", "set", "--team", "acme", "--api-key", "alpha", "--period", "day", "--limit-usd", "0")
+    alpha = openai.OpenAI(base_url=f"{gateway}/v1", api_key="sk-demo-alpha", max_retries=0)
+    beta = openai.OpenAI(base_url=f"{gateway}/v1", api_key="sk-demo-beta", max_retries=0)
+    messages = [{"role": "user", "content": "Say something about budgets."}]
+
+    with pytest.raises(openai.RateLimitError) as denied:
+        alpha.chat.completions.create(model="gpt-4o-mini", messages=messages)  # type: ignore[arg-type]
+    assert denied.value.response.json() == R52_KEY_DAY
+    assert int(denied.value.response.headers["retry-after"]) > 0
+
+    expected = 0
+    prices = PriceTable.load()
+
+    def cost(path: str, body: dict[str, Any]) -> int:
+        charge = prices.cost(body["model"], expected_usage(path, body))
+        assert charge is not None
+        return int(charge)
+
+    # Non-streaming, streaming with and without include_usage, Responses, embeddings.
+    body: dict[str, Any] = {"model": "gpt-4o-mini", "messages": messages}
+    reply = beta.chat.completions.create(**body)
+    assert reply.usage is not None and reply.choices[0].message.content
+    expected += cost("/v1/chat/completions", body)
+
+    body = {"model": "gpt-4o-mini", "messages": messages, "stream_options": {"include_usage": True}}
+    chunks = list(beta.chat.completions.create(stream=True, **body))
+    assert chunks[-1].usage is not None
+    expected += cost("/v1/chat/completions", {**body, "stream": True})
+
+    body = {"model": "gpt-4.1-nano", "input": "Write one word."}
+    assert beta.responses.create(**body).usage is not None
+    expected += cost("/v1/responses", body)
+
+    body = {"model": "text-embedding-3-small", "input": "budget"}
+    assert beta.embeddings.create(**body).data
+    expected += cost("/v1/embeddings", body)
+
+    # Anthropic SDK through the gateway's Anthropic route, JSON and SSE.
+    claude = anthropic.Anthropic(base_url=f"{gateway}/anthropic", api_key="sk-demo-beta", max_retries=0)
+    body = {"model": "claude-sonnet-4-6", "max_tokens": 64, "messages": messages}
+    assert claude.messages.create(**body).usage.output_tokens > 0
+    expected += cost("/v1/messages", body)
+    with claude.messages.stream(**body) as stream:
+        final = stream.get_final_message()
+    assert final.usage.output_tokens > 0
+    expected += cost("/v1/messages", {**body, "stream": True})
+
+    with pytest.raises(anthropic.RateLimitError) as denied_claude:
+        anthropic.Anthropic(
+            base_url=f"{gateway}/anthropic", api_key="sk-demo-alpha", max_retries=0
+        ).messages.create(**body)
+    assert denied_claude.value.response.json() == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": "API Key daily spend limit exceeded."},
+    }
+
+    # Streaming without usage is estimated, so it is kept out of the exact sum above.
+    list(beta.chat.completions.create(model="gpt-4o-mini", messages=messages, stream=True))  # type: ignore[call-overload]
+
+    # Records reach the ledger a moment after the responses; settle until all are in.
+    deadline = time.monotonic() + 20
+    while True:
+        cli(env, "settle")
+        usage = cli(env, "usage", "--team", "acme")
+        if usage["unsettled_records"] == 0 and usage["charges_total_micros"] > expected:
+            break
+        assert time.monotonic() < deadline, usage
+        time.sleep(0.2)
+    team_month = next(s for s in usage["scopes"] if s["scope"] == "team" and s["period"] == "month")
+    assert team_month["settled_micros"] == usage["charges_total_micros"]
+    estimated = usage["charges_total_micros"] - expected
+    assert 0 < estimated < 100  # the one usage-less stream: a few tokens of gpt-4o-mini
+    alpha_day = next(s for s in usage["scopes"] if s["api_key"] == "alpha" and s["period"] == "day")
+    assert alpha_day["limit_micros"] == 0 and alpha_day["settled_micros"] == 0
