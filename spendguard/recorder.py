@@ -21,6 +21,8 @@ from .record import InferenceRecord
 
 log = logging.getLogger("spendguard.recorder")
 
+_WRITE_TIMEOUT = 30.0
+
 
 class Recorder:
     def __init__(
@@ -90,9 +92,12 @@ class Recorder:
                 # Sleep until a record arrives, then take it into the batch.
                 self._batch.append(await self._receive.receive())
             try:
-                await self._write()
+                # Shielded: a write cancelled half-way (at shutdown) would leak its pooled
+                # connection and leave the flush waiting for it; the timeout still bounds it.
+                with anyio.CancelScope(shield=True), anyio.fail_after(_WRITE_TIMEOUT):
+                    await self._write()
                 delay = 0.05
-            except LedgerUnavailable as exc:
+            except (LedgerUnavailable, TimeoutError) as exc:
                 log.warning(
                     "spendguard could not write %d records, retrying in %.2fs: %s",
                     self.pending,

@@ -26,6 +26,7 @@ log = logging.getLogger("spendguard.worker")
 
 _MAX_BATCHES_PER_PASS = 100  # bound one pass; the next tick picks up the rest
 _OVERLAP_US = 30_000_000
+_PASS_TIMEOUT = 60.0
 
 
 @dataclass(slots=True)
@@ -130,11 +131,14 @@ class SettlementWorker:
         while True:
             started = anyio.current_time()
             try:
-                done = await self.run_once()
+                # A pass is not cancelled half-way (its transaction and pooled connection must
+                # end cleanly); stop() waits for it, bounded by the timeout.
+                with anyio.CancelScope(shield=True), anyio.fail_after(_PASS_TIMEOUT):
+                    done = await self.run_once()
                 if done.settled:
                     log.debug("spendguard settled %d records", done.settled)
-            except LedgerUnavailable as exc:
-                log.warning("spendguard settlement failed, retrying next tick: %s", exc)
+            except (LedgerUnavailable, TimeoutError) as exc:
+                log.warning("spendguard settlement failed, retrying next tick: %r", exc)
             except Exception:  # a worker that dies silently leaks budgets; keep it alive
                 log.exception("spendguard settlement pass crashed")
             await anyio.sleep(max(0.0, interval - (anyio.current_time() - started)))

@@ -114,6 +114,19 @@ class Ledger:
         except Exception as exc:  # driver errors differ per backend; callers need one type
             raise LedgerUnavailable(f"ledger {what} failed: {exc!r}") from exc
 
+    async def _lock_for_write(self) -> None:
+        """On SQLite, take the write lock as a transaction's first step.
+
+        A transaction that reads first holds a WAL snapshot; if another connection (the record
+        writer) commits before our first write, SQLite fails that write at once with "database
+        is locked" instead of waiting. A no-op UPDATE as the first statement takes the write
+        lock up front, waiting politely under the busy timeout. PostgreSQL needs none of this.
+        """
+        if not self.is_postgres:
+            await self._db.execute(
+                records.update().where(sa.false()).values(settled=records.c.settled)
+            )
+
     async def init_schema(self) -> None:
         """Create the tables and indexes if they are missing (idempotent, safe at every start)."""
         dialect = self._db._backend._dialect
@@ -154,6 +167,7 @@ class Ledger:
         now_us = to_micros(now)
         key = api_key or ""
         async with self._guard("policy write"), self._db.transaction():
+            await self._lock_for_write()
             existing = await self._db.fetch_one(
                 sa.select(policies.c.active).where(
                     policies.c.team == team, policies.c.api_key == key, policies.c.period == period
@@ -324,6 +338,7 @@ class Ledger:
         if self.is_postgres:
             claim = claim.with_for_update(skip_locked=True)
         async with self._guard("settlement"), self._db.transaction():
+            await self._lock_for_write()
             rows = [
                 RecordRow(
                     id=r[0],

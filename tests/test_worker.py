@@ -1,0 +1,133 @@
+"""Settlement and cache sync: exact charges replace estimates with no gap, crashes heal."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from support import Clock, write_unit_prices
+
+from spendguard import Identity, Settings, SpendGuard
+from spendguard.keys import plan
+from spendguard.periods import Period
+from spendguard.store.memory import MemoryStore
+from spendguard.usage import Usage
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def guard(database_url: str, tmp_path: Path) -> AsyncIterator[SpendGuard]:
+    clock = Clock()
+    settings = Settings(database_url=database_url, prices=write_unit_prices(tmp_path))
+    g = SpendGuard(settings, store=MemoryStore(clock=clock), clock=clock)
+    await g.start(worker=False)
+    try:
+        yield g
+    finally:
+        await g.stop()
+
+
+ALPHA = Identity("acme", "alpha")
+
+
+async def set_limit(g: SpendGuard, limit: int) -> None:
+    await g.ledger.set_policy(
+        team="acme", team_id="acme", api_key="alpha", api_key_id="alpha",
+        period=Period.DAY, limit_micros=limit, now=g.clock(),
+    )
+
+
+def day_key(g: SpendGuard) -> str:
+    p = plan("quota", ALPHA, g.clock(), timedelta(days=2))
+    return next(c.usage_key for c in p.candidates if c.field == "api_key:alpha:day")
+
+
+async def spend(g: SpendGuard, tokens: int, *, reported: bool = True) -> str:
+    decision = await g.preflight(ALPHA, g.clock())
+    usage = Usage(input_tokens=tokens, estimated=not reported)
+    record = await g.postflight(decision, model="unit-model", route="/v1/chat/completions",
+                                status_code=200, usage=usage)
+    assert record is not None
+    return record.id
+
+
+async def cached(g: SpendGuard) -> int | None:
+    return (await g.store.read_usage([day_key(g)]))[day_key(g)]
+
+
+async def test_cache_is_settled_plus_pending_through_settlement(guard: SpendGuard) -> None:
+    await set_limit(guard, 10_000)
+    await spend(guard, 100)
+    await spend(guard, 30)
+    assert await cached(guard) == 130  # estimates, before any settlement
+    await guard.recorder.flush()
+    # A finished inference whose record has not reached the ledger yet: only its marker.
+    assert await guard.store.postflight("in-flight", 7, [day_key(guard)]) == 1
+    result = await guard.worker.run_once()
+    assert result.settled == 2 and result.total_micros == 130
+    assert await cached(guard) == 137  # settled 130 + pending 7: no gap, no double count
+    await guard.worker.run_once()
+    assert await cached(guard) == 137
+    assert await guard.ledger.charges_total() == 130
+
+
+async def test_refresh_lost_to_a_crash_heals_on_the_next_pass(guard: SpendGuard) -> None:
+    await set_limit(guard, 10_000)
+    await spend(guard, 50)
+    await guard.recorder.flush()
+    real_refresh = guard.store.refresh
+
+    async def crash(*args: object) -> None:
+        raise RuntimeError("worker died between DB commit and cache refresh")
+
+    guard.store.refresh = crash  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        await guard.worker.run_once()
+    guard.store.refresh = real_refresh  # type: ignore[method-assign]
+    assert await guard.ledger.charges_total() == 50  # the DB committed
+    assert await cached(guard) == 50  # estimate still there: not lost, not doubled
+    await guard.worker.run_once()  # nothing new to settle; refresh heals
+    assert await cached(guard) == 50
+
+
+async def test_records_settled_by_another_process_leave_this_cache(
+    guard: SpendGuard, database_url: str, tmp_path: Path
+) -> None:
+    await set_limit(guard, 10_000)
+    await spend(guard, 40)
+    await guard.recorder.flush()
+    # A standalone `spendguard settle` with its own connection and no access to this cache.
+    other = SpendGuard(
+        Settings(database_url=database_url, prices=write_unit_prices(tmp_path)),
+        store=MemoryStore(),
+    )
+    await other.start(worker=False)
+    other.worker._store = None
+    assert (await other.worker.run_once()).settled == 1
+    await other.stop()
+    assert await cached(guard) == 40
+    await guard.worker.run_once()  # this process's sync drops the marker, takes the aggregate
+    assert await cached(guard) == 40
+    await spend(guard, 2)
+    assert await cached(guard) == 42
+
+
+async def test_policy_changed_elsewhere_is_evicted_by_the_next_pass(guard: SpendGuard) -> None:
+    await set_limit(guard, 10_000)
+    assert (await guard.preflight(ALPHA, guard.clock())).verdict == "allow"
+    await set_limit(guard, 0)  # as the CLI would: the DB only
+    assert (await guard.preflight(ALPHA, guard.clock())).verdict == "allow"  # cached policy
+    await guard.worker.run_once()
+    assert (await guard.preflight(ALPHA, guard.clock())).verdict == "deny"
+
+
+async def test_unknown_model_is_charged_the_default_price(guard: SpendGuard) -> None:
+    decision = await guard.preflight(ALPHA, guard.clock())
+    await guard.postflight(decision, model="brand-new-model", route="/v1/chat/completions",
+                           status_code=200, usage=Usage(input_tokens=3, output_tokens=4))
+    await guard.recorder.flush()
+    await guard.worker.run_once()
+    assert await guard.ledger.charges_total() == 7  # the unit table's "default": 1 per token
