@@ -66,7 +66,7 @@ def usage_key(prefix: str, team: str, field: str, pid: str) -> str:
 
 
 def plan(prefix: str, identity: Identity, t0: datetime, grace: timedelta) -> KeyPlan:
-    """Every limit that can apply to ``identity`` at ``t0``; the store skips those with no policy."""
+    """Every limit that may apply to ``identity`` at ``t0`` (the store skips unset ones)."""
     scopes: list[tuple[Scope, Period]] = []
     if identity.api_key is not None:
         scopes += [(Scope.API_KEY, Period.DAY), (Scope.API_KEY, Period.MONTH)]

@@ -5,6 +5,8 @@ Invalid values fail when the middleware, worker or CLI starts, with a message na
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 from enum import StrEnum
 from pathlib import Path
@@ -14,6 +16,8 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .errors import ConfigurationError
+
+log = logging.getLogger("spendguard")
 
 DEFAULT_ROUTES = (
     "/v1/chat/completions",
@@ -57,7 +61,9 @@ class Settings(BaseSettings):
     )
     settle_interval: float = Field(5.0, gt=0, le=3600, description="Seconds between settlements.")
     settle_batch: int = Field(1000, ge=1, le=100_000, description="Records per settlement batch.")
-    run_worker: bool = Field(True, description="Settle inside the app (the cache is kept in sync either way).")
+    run_worker: bool = Field(
+        True, description="Settle inside the app (the cache is kept in sync either way)."
+    )
     policy_ttl: float = Field(60.0, gt=0, le=86_400, description="Seconds a cached policy lives.")
     key_grace: float = Field(
         172_800.0,
@@ -130,7 +136,15 @@ class Settings(BaseSettings):
 
 
 def load_settings(**overrides: object) -> Settings:
-    """Build Settings from the environment (plus overrides), as a ConfigurationError on failure."""
+    """Build Settings from the environment (plus overrides), as a ConfigurationError on failure.
+
+    An unknown ``SPENDGUARD_*`` variable is most likely a typo of a real setting: it is logged
+    as a warning (not an error: other tools may share the prefix).
+    """
+    known = {f"SPENDGUARD_{name.upper()}" for name in Settings.model_fields}
+    for name in sorted(os.environ):
+        if name.upper().startswith("SPENDGUARD_") and name.upper() not in known:
+            log.warning("unknown setting %s ignored (known: %s)", name, ", ".join(sorted(known)))
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:

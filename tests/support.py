@@ -47,7 +47,9 @@ class StateAuth:
             state = scope.setdefault("state", {})
             headers = dict(scope["headers"])
             state["team_id"] = headers.get(b"x-test-team", self.team.encode()).decode()
-            state["api_key_id"] = headers.get(b"x-test-key", (self.key or "").encode()).decode() or None
+            state["api_key_id"] = (
+                headers.get(b"x-test-key", (self.key or "").encode()).decode() or None
+            )
         await self.app(scope, receive, send)
 
 
@@ -76,7 +78,9 @@ async def lifespan(app: ASGIApp) -> AsyncIterator[None]:
         await from_app_send.send(message)
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(app, {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+        tg.start_soon(
+            app, {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send
+        )
         await to_app_send.send({"type": "lifespan.startup"})
         started = await from_app_recv.receive()
         if started["type"] != "lifespan.startup.complete":

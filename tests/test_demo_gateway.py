@@ -97,7 +97,19 @@ def cli(env: dict[str, str], *args: str) -> Any:
 
 
 def test_demo_gateway_acceptance(gateway: str, env: dict[str, str]) -> None:
-    cli(env, "policy", "set", "--team", "acme", "--api-key", "alpha", "--period", "day", "--limit-usd", "0")
+    cli(
+        env,
+        "policy",
+        "set",
+        "--team",
+        "acme",
+        "--api-key",
+        "alpha",
+        "--period",
+        "day",
+        "--limit-usd",
+        "0",
+    )
     alpha = openai.OpenAI(base_url=f"{gateway}/v1", api_key="sk-demo-alpha", max_retries=0)
     beta = openai.OpenAI(base_url=f"{gateway}/v1", api_key="sk-demo-beta", max_retries=0)
     messages = [{"role": "user", "content": "Say something about budgets."}]
@@ -135,7 +147,9 @@ def test_demo_gateway_acceptance(gateway: str, env: dict[str, str]) -> None:
     expected += cost("/v1/embeddings", body)
 
     # Anthropic SDK through the gateway's Anthropic route, JSON and SSE.
-    claude = anthropic.Anthropic(base_url=f"{gateway}/anthropic", api_key="sk-demo-beta", max_retries=0)
+    claude = anthropic.Anthropic(
+        base_url=f"{gateway}/anthropic", api_key="sk-demo-beta", max_retries=0
+    )
     body = {"model": "claude-sonnet-4-6", "max_tokens": 64, "messages": messages}
     assert claude.messages.create(**body).usage.output_tokens > 0
     expected += cost("/v1/messages", body)

@@ -18,7 +18,9 @@ SEP30_LATE = datetime(2026, 9, 30, 23, 59, 59, 999000, tzinfo=UTC)
 OCT1 = datetime(2026, 10, 1, 0, 0, 5, tzinfo=UTC)
 
 
-def record(rid: str, t0: datetime, tokens: int, team: str = "acme", key: str = "alpha") -> InferenceRecord:
+def record(
+    rid: str, t0: datetime, tokens: int, team: str = "acme", key: str = "alpha"
+) -> InferenceRecord:
     return InferenceRecord(
         id=rid,
         inference_id=rid,
@@ -37,7 +39,9 @@ def price(rec: RecordRow) -> int:
     return rec.input_tokens  # one micro-USD per token keeps expectations obvious
 
 
-async def set_policy(led: Ledger, period: Period, limit: int, key: str | None = "alpha", now: datetime = SEP30_LATE) -> None:
+async def set_policy(
+    led: Ledger, period: Period, limit: int, key: str | None = "alpha", now: datetime = SEP30_LATE
+) -> None:
     ident = Identity("acme", key)
     await led.set_policy(
         team=ident.team,

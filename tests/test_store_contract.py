@@ -86,7 +86,9 @@ async def test_policy_without_usage_key_reports_which_keys_miss(store: Store) ->
     assert [c.field for c in pf.missing_usage] == ["team:month"]
 
 
-@pytest.mark.parametrize(("used", "limit", "outcome"), [(99, 100, "allow"), (100, 100, "deny"), (0, 0, "deny")])
+@pytest.mark.parametrize(
+    ("used", "limit", "outcome"), [(99, 100, "allow"), (100, 100, "deny"), (0, 0, "deny")]
+)
 async def test_usage_at_limit_denies_and_one_below_allows(
     store: Store, used: int, limit: int, outcome: str
 ) -> None:

@@ -849,7 +849,7 @@ async def served(app: FakeUpstream) -> AsyncIterator[str]:
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.serve, [sock])
         with anyio.fail_after(5):
-            while not server.started:  # noqa: ASYNC110 - uvicorn offers no startup event
+            while not server.started:
                 await anyio.sleep(0.01)
         try:
             yield f"http://127.0.0.1:{port}"

@@ -35,8 +35,13 @@ ALPHA = Identity("acme", "alpha")
 
 async def set_limit(g: SpendGuard, limit: int) -> None:
     await g.ledger.set_policy(
-        team="acme", team_id="acme", api_key="alpha", api_key_id="alpha",
-        period=Period.DAY, limit_micros=limit, now=g.clock(),
+        team="acme",
+        team_id="acme",
+        api_key="alpha",
+        api_key_id="alpha",
+        period=Period.DAY,
+        limit_micros=limit,
+        now=g.clock(),
     )
 
 
@@ -48,8 +53,9 @@ def day_key(g: SpendGuard) -> str:
 async def spend(g: SpendGuard, tokens: int, *, reported: bool = True) -> str:
     decision = await g.preflight(ALPHA, g.clock())
     usage = Usage(input_tokens=tokens, estimated=not reported)
-    record = await g.postflight(decision, model="unit-model", route="/v1/chat/completions",
-                                status_code=200, usage=usage)
+    record = await g.postflight(
+        decision, model="unit-model", route="/v1/chat/completions", status_code=200, usage=usage
+    )
     assert record is not None
     return record.id
 
@@ -126,8 +132,13 @@ async def test_policy_changed_elsewhere_is_evicted_by_the_next_pass(guard: Spend
 
 async def test_unknown_model_is_charged_the_default_price(guard: SpendGuard) -> None:
     decision = await guard.preflight(ALPHA, guard.clock())
-    await guard.postflight(decision, model="brand-new-model", route="/v1/chat/completions",
-                           status_code=200, usage=Usage(input_tokens=3, output_tokens=4))
+    await guard.postflight(
+        decision,
+        model="brand-new-model",
+        route="/v1/chat/completions",
+        status_code=200,
+        usage=Usage(input_tokens=3, output_tokens=4),
+    )
     await guard.recorder.flush()
     await guard.worker.run_once()
     assert await guard.ledger.charges_total() == 7  # the unit table's "default": 1 per token

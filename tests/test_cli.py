@@ -1,0 +1,81 @@
+"""The `spendguard` CLI in process: readable output, --json, exit codes, the same settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spendguard.cli import main
+
+
+@pytest.fixture
+def db(monkeypatch: pytest.MonkeyPatch, database_url: str) -> str:
+    monkeypatch.setenv("SPENDGUARD_DATABASE_URL", database_url)
+    return database_url
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = main(list(args))
+    return code, capsys.readouterr().out
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> Any:
+    code, out = run(capsys, *args, "--json")
+    assert code == 0, out
+    return json.loads(out)
+
+
+def test_policy_lifecycle(db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "db", "init")[0] == 0
+    code, out = run(
+        capsys,
+        "policy",
+        "set",
+        "--team",
+        "acme",
+        "--api-key",
+        "alpha",
+        "--period",
+        "day",
+        "--limit-usd",
+        "5.00",
+    )
+    assert code == 0 and "limit $5.000000" in out
+    run_json(capsys, "policy", "set", "--team", "acme", "--period", "month", "--limit-usd", "200")
+    listed = run_json(capsys, "policy", "ls", "--team", "acme")
+    assert {(p["api_key"], p["period"], p["limit_micros"]) for p in listed} == {
+        ("alpha", "day", 5_000_000),
+        (None, "month", 200_000_000),
+    }
+    assert "acme" in run(capsys, "policy", "ls")[1]
+    assert run_json(
+        capsys, "policy", "rm", "--team", "acme", "--api-key", "alpha", "--period", "day"
+    ) == {"removed": True}
+    assert (
+        run(capsys, "policy", "rm", "--team", "acme", "--api-key", "alpha", "--period", "day")[0]
+        == 1
+    )
+    usage = run_json(capsys, "usage", "--team", "acme")
+    month = [s for s in usage["scopes"] if s["scope"] == "team" and s["period"] == "month"]
+    assert month[0]["limit_micros"] == 200_000_000 and month[0]["settled_micros"] == 0
+    assert run_json(capsys, "settle") == {"settled": 0, "total_micros": 0}
+
+
+@pytest.mark.parametrize("limit", ["-1", "abc", "0.0000001", "NaN"])
+def test_bad_limit_is_a_usage_error(
+    db: str, capsys: pytest.CaptureFixture[str], limit: str
+) -> None:
+    code = main(["policy", "set", "--team", "acme", "--period", "day", "--limit-usd", limit])
+    assert code == 2
+    assert "--limit-usd" in capsys.readouterr().err
+
+
+def test_bad_settings_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SPENDGUARD_DATABASE_URL", "mysql://nope")
+    assert main(["policy", "ls"]) == 2
+    assert "SPENDGUARD_DATABASE_URL" in capsys.readouterr().err

@@ -1,0 +1,87 @@
+"""Records survive a database outage: buffered (bounded), written once after recovery."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+import pytest
+
+from spendguard.errors import LedgerUnavailable
+from spendguard.identity import Identity
+from spendguard.ledger import Ledger
+from spendguard.record import InferenceRecord, PostflightStatus
+from spendguard.recorder import Recorder
+from spendguard.usage import Usage
+
+pytestmark = pytest.mark.anyio
+
+
+def rec(i: int) -> InferenceRecord:
+    return InferenceRecord(
+        id=f"r{i}",
+        inference_id=f"r{i}",
+        identity=Identity("acme", "alpha"),
+        model="m",
+        route="/v1/chat/completions",
+        t0=datetime(2026, 10, 1, tzinfo=UTC),
+        status_code=200,
+        usage=Usage(input_tokens=i),
+        estimate_micros=i,
+        postflight=PostflightStatus.APPLIED,
+    )
+
+
+class FlakyLedger:
+    """The real ledger behind a switch that makes every write fail like a dead database."""
+
+    def __init__(self, real: Ledger) -> None:
+        self.real, self.down, self.attempts = real, True, 0
+
+    async def insert_records(self, batch: Any) -> None:
+        self.attempts += 1
+        if self.down:
+            raise LedgerUnavailable("connection refused")
+        await self.real.insert_records(batch)
+
+
+async def test_outage_buffers_then_writes_every_record_once(ledger: Ledger) -> None:
+    flaky = FlakyLedger(ledger)
+    recorder = Recorder(flaky, capacity=1000, batch_size=7, retry_max=0.05)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(recorder.run)
+        for i in range(1, 51):
+            assert recorder.submit(rec(i))
+        with anyio.fail_after(5):
+            while flaky.attempts < 3:  # the writer keeps retrying while the DB is down
+                await anyio.sleep(0.01)
+        assert recorder.pending == 50
+        flaky.down = False
+        with anyio.fail_after(5):
+            while recorder.pending:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert await ledger.unsettled() == (50, sum(range(1, 51)))
+
+
+async def test_full_buffer_drops_loudly_and_counts(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    flaky = FlakyLedger(ledger)
+    recorder = Recorder(flaky, capacity=3)  # type: ignore[arg-type]
+    assert all(recorder.submit(rec(i)) for i in range(3))
+    assert not recorder.submit(rec(99))
+    assert recorder.dropped == 1
+    assert "record buffer full" in caplog.text
+    flaky.down = False
+    await recorder.flush()  # what shutdown does
+    assert await ledger.unsettled() == (3, 0 + 1 + 2)
+
+
+async def test_flush_raises_while_the_database_is_down(ledger: Ledger) -> None:
+    recorder = Recorder(FlakyLedger(ledger), capacity=10)  # type: ignore[arg-type]
+    recorder.submit(rec(1))
+    with pytest.raises(LedgerUnavailable):
+        await recorder.flush()
+    assert recorder.pending == 1  # kept for the next attempt, not lost
