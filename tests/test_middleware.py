@@ -502,3 +502,40 @@ async def test_retry_marked_by_the_host_keeps_t0_and_inference_id(gw: Gateway) -
         r = await c.post("/v1/chat/completions", json=chat_body())
     assert r.headers["x-spendguard-inference-id"] == "inf-1"
     assert seen[0]["spendguard_t0"] == first_t0
+
+
+async def test_ledger_failure_on_a_cache_miss_is_503_with_retry_after(gw: Gateway) -> None:
+    async def down(*args: Any) -> Any:
+        from spendguard.errors import LedgerUnavailable
+
+        raise LedgerUnavailable("connection refused")
+
+    gw.guard.ledger.load_policies = down  # type: ignore[method-assign]
+    async with gw.client() as c:
+        r = await c.post("/v1/chat/completions", json=chat_body())
+        a = await c.post("/v1/messages", json=chat_body(max_tokens=5))
+    assert r.status_code == a.status_code == 503
+    assert (
+        r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "spend_limit_unavailable"
+    )
+    assert a.json()["type"] == "error"
+    assert gw.postflights == 0
+
+
+async def test_full_embedded_store_refuses_instead_of_allowing_untracked(tmp_path: Path) -> None:
+    async with Gateway(tmp_path) as gateway:
+        gateway.store = MemoryStore(max_keys=1, clock=gateway.clock)
+        gateway.guard.store = gateway.store
+        await gateway.policy(Period.DAY, 1_000_000)
+        async with gateway.client() as c:
+            r = await c.post("/v1/chat/completions", json=chat_body())
+        assert r.status_code == 503  # policy + usage key need 2 slots
+        assert gateway.postflights == 0
+
+
+async def test_unknown_model_can_be_rejected_before_the_provider(tmp_path: Path) -> None:
+    async with Gateway(tmp_path, unknown_model="reject") as gateway, gateway.client() as c:
+        r = await c.post("/v1/chat/completions", json=chat_body(model="mystery-model"))
+        ok = await c.post("/v1/chat/completions", json=chat_body())
+    assert r.status_code == 400 and "mystery-model" in r.json()["error"]["message"]
+    assert ok.status_code == 200
