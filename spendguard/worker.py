@@ -77,14 +77,14 @@ class SettlementWorker:
 
     async def run_once(self) -> PassResult:
         result = PassResult()
-        settled_ids: dict[str, list[str]] = {}
+        settled_ids: dict[str, dict[str, bool]] = {}
         for _ in range(_MAX_BATCHES_PER_PASS if self._settle else 0):
             batch: Settlement = await self._ledger.settle(self._batch, self._price, self._clock())
             result.settled += batch.charged
             result.total_micros += batch.total_micros
             result.estimate_error_micros += batch.estimate_error_micros
             for team, ids in batch.record_ids.items():
-                settled_ids.setdefault(team, []).extend(ids)
+                settled_ids.setdefault(team, {}).update(ids)
             if batch.charged < self._batch:
                 break
         if self._store is not None:
@@ -92,7 +92,7 @@ class SettlementWorker:
             others, newest = await self._ledger.settled_since(self._settled_mark - _OVERLAP_US)
             self._settled_mark = max(self._settled_mark, newest)
             for team, ids in others.items():
-                settled_ids.setdefault(team, []).extend(ids)
+                settled_ids.setdefault(team, {}).update(ids)
             await self._refresh(settled_ids, result)
         return result
 
@@ -106,7 +106,9 @@ class SettlementWorker:
             except SpendGuardError as exc:
                 log.warning("spendguard could not evict the policy cache of %s: %s", team, exc)
 
-    async def _refresh(self, settled_ids: dict[str, list[str]], result: PassResult) -> None:
+    async def _refresh(
+        self, settled_ids: dict[str, dict[str, bool]], result: PassResult
+    ) -> None:
         """Refresh the current periods of every team with policies, new charges or not (R7.4):
         a refresh lost to a crash or a store error heals on the next pass. Closed periods are
         left to the ledger (R7.5)."""
@@ -116,8 +118,11 @@ class SettlementWorker:
         rows = await self._ledger.policy_aggregates(day, month)
         for team, entries in rows.items():
             settled = {usage_key(self._prefix, team, f, pid): v for f, pid, v in entries}
+            ids = settled_ids.get(team, {})
+            applied = [rid for rid, unknown in ids.items() if not unknown]
+            unknown = [rid for rid, is_unknown in ids.items() if is_unknown]
             try:
-                await self._store.refresh(settled, settled_ids.get(team, []))
+                await self._store.refresh(settled, applied, unknown)
                 result.teams_refreshed += 1
             except SpendGuardError as exc:
                 # The DB is committed; a failed refresh must not undo it (R7.4).

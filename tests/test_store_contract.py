@@ -1,21 +1,28 @@
-"""One contract for every store. The Redis store (next milestone) joins the parametrization."""
+"""One contract, every store: the embedded store and the Redis store (a real redis-server).
+
+Time is real for Redis, so the harness exposes ``advance(seconds)``: the memory store's clock
+jumps, Redis sleeps. Expiry tests use sub-second TTLs to stay fast.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+import anyio
 import pytest
 
 from spendguard.errors import StoreFull
 from spendguard.identity import Identity
 from spendguard.keys import KeyPlan, plan
+from spendguard.periods import Period, period_end
 from spendguard.store.base import Outcome, Store, UsageFill
 from spendguard.store.memory import MemoryStore
+from spendguard.store.redis import RedisStore
 
 pytestmark = pytest.mark.anyio
 
-T0 = datetime(2026, 9, 30, 12, 0, tzinfo=UTC)
 GRACE = timedelta(days=2)
 
 
@@ -27,61 +34,71 @@ class Clock:
         return self.now
 
 
-StoreFactory = Callable[..., Store]
+@dataclass
+class Harness:
+    store: Store
+    now: Callable[[], datetime]
+    advance: Callable[[float], Awaitable[None]]
+    kind: str
 
 
-@pytest.fixture(params=["memory"])
-def make_store(request: pytest.FixtureRequest) -> StoreFactory:
-    def factory(clock: Clock, max_keys: int = 1000) -> Store:
-        return MemoryStore(max_keys=max_keys, clock=clock)
+@pytest.fixture(params=["memory", "redis"])
+async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    if request.param == "memory":
+        clock = Clock(datetime.now(UTC))
 
-    return factory
+        async def jump(seconds: float) -> None:
+            clock.now += timedelta(seconds=seconds)
 
+        yield Harness(MemoryStore(max_keys=1000, clock=clock), clock, jump, "memory")
+    else:
+        url: str = request.getfixturevalue("redis_url")
+        store = RedisStore.from_url(url)
 
-@pytest.fixture
-def clock() -> Clock:
-    return Clock(T0)
+        async def sleep(seconds: float) -> None:
+            await anyio.sleep(seconds)
 
-
-@pytest.fixture
-def store(make_store: StoreFactory, clock: Clock) -> Store:
-    return make_store(clock)
-
-
-def keys_for(team: str = "acme", key: str | None = "alpha", t0: datetime = T0) -> KeyPlan:
-    return plan("quota", Identity(team, key), t0, GRACE)
-
-
-def field_of(p: KeyPlan, name: str) -> UsageFill:
-    cand = next(c for c in p.candidates if c.field == name)
-    return UsageFill(cand.usage_key, 0, cand.expires_at)
+        try:
+            yield Harness(store, lambda: datetime.now(UTC), sleep, "redis")
+        finally:
+            await store.aclose()
 
 
-async def warm(store: Store, p: KeyPlan, limits: dict[str, int], settled: int = 0) -> None:
+def keys_for(h: Harness, team: str = "acme", key: str | None = "alpha", **kw: object) -> KeyPlan:
+    t0 = kw.get("t0", h.now())
+    grace = kw.get("grace", GRACE)
+    return plan("quota", Identity(team, key), t0, grace)  # type: ignore[arg-type]
+
+
+def usage_key(p: KeyPlan, field: str) -> str:
+    return next(c.usage_key for c in p.candidates if c.field == field)
+
+
+async def warm(h: Harness, p: KeyPlan, limits: dict[str, int], settled: int = 0) -> None:
     fills = [
         UsageFill(c.usage_key, settled, c.expires_at) for c in p.candidates if c.field in limits
     ]
-    await store.fill(p, limits, fills, policy_ttl=60)
+    await h.store.fill(p, limits, fills, policy_ttl=60)
 
 
-async def test_empty_store_reports_a_policy_miss(store: Store) -> None:
-    pf = await store.preflight(keys_for())
+async def test_empty_store_reports_a_policy_miss(harness: Harness) -> None:
+    pf = await harness.store.preflight(keys_for(harness))
     assert pf.outcome is Outcome.MISS and pf.missing_policy
 
 
-async def test_no_policy_is_cached_and_reads_no_usage(store: Store) -> None:
-    p = keys_for()
-    await store.fill(p, {}, [], policy_ttl=60)
-    pf = await store.preflight(p)
+async def test_no_policy_is_cached_and_reads_no_usage(harness: Harness) -> None:
+    p = keys_for(harness)
+    await harness.store.fill(p, {}, [], policy_ttl=60)
+    pf = await harness.store.preflight(p)
     assert pf.outcome is Outcome.ALLOW and pf.limits == ()
-    if isinstance(store, MemoryStore):
-        assert store.usage_reads == 0
+    if isinstance(harness.store, MemoryStore):
+        assert harness.store.usage_reads == 0
 
 
-async def test_policy_without_usage_key_reports_which_keys_miss(store: Store) -> None:
-    p = keys_for()
-    await store.fill(p, {"team:month": 100}, [], policy_ttl=60)
-    pf = await store.preflight(p)
+async def test_policy_without_usage_key_reports_which_keys_miss(harness: Harness) -> None:
+    p = keys_for(harness)
+    await harness.store.fill(p, {"team:month": 100}, [], policy_ttl=60)
+    pf = await harness.store.preflight(p)
     assert pf.outcome is Outcome.MISS and not pf.missing_policy
     assert [c.field for c in pf.missing_usage] == ["team:month"]
 
@@ -90,142 +107,182 @@ async def test_policy_without_usage_key_reports_which_keys_miss(store: Store) ->
     ("used", "limit", "outcome"), [(99, 100, "allow"), (100, 100, "deny"), (0, 0, "deny")]
 )
 async def test_usage_at_limit_denies_and_one_below_allows(
-    store: Store, used: int, limit: int, outcome: str
+    harness: Harness, used: int, limit: int, outcome: str
 ) -> None:
-    p = keys_for()
-    await warm(store, p, {"api_key:alpha:day": limit}, settled=used)
-    pf = await store.preflight(p)
+    p = keys_for(harness)
+    await warm(harness, p, {"api_key:alpha:day": limit}, settled=used)
+    pf = await harness.store.preflight(p)
     assert pf.outcome == outcome
     assert pf.limits[-1].used == used and pf.limits[-1].limit == limit
 
 
-async def test_every_configured_limit_must_pass(store: Store) -> None:
-    p = keys_for()
-    await store.fill(
+async def test_every_configured_limit_must_pass(harness: Harness) -> None:
+    p = keys_for(harness)
+    day, month = (
+        next(c for c in p.candidates if c.field == f) for f in ("api_key:alpha:day", "team:month")
+    )
+    await harness.store.fill(
         p,
         {"api_key:alpha:day": 5_000_000, "team:month": 200_000_000},
         [
-            UsageFill(field_of(p, "api_key:alpha:day").usage_key, 1, T0 + GRACE),
-            UsageFill(field_of(p, "team:month").usage_key, 200_000_000, T0 + GRACE),
+            UsageFill(day.usage_key, 1, day.expires_at),
+            UsageFill(month.usage_key, 200_000_000, month.expires_at),
         ],
         policy_ttl=60,
     )
-    pf = await store.preflight(p)
+    pf = await harness.store.preflight(p)
     assert pf.outcome is Outcome.DENY
     assert pf.denied is not None and pf.denied.candidate.field == "team:month"
 
 
-async def test_postflight_adds_once_and_never_creates_keys(store: Store) -> None:
-    p = keys_for()
-    await warm(store, p, {"api_key:alpha:day": 1000})
-    day = field_of(p, "api_key:alpha:day").usage_key
-    month = field_of(p, "team:month").usage_key  # no policy, never filled
-    assert await store.postflight("r1", 40, [day, month]) == 1
-    assert await store.postflight("r1", 40, [day]) == 0  # a re-sent record adds nothing
-    assert await store.read_usage([day, month]) == {day: 40, month: None}
+async def test_postflight_adds_once_and_never_creates_keys(harness: Harness) -> None:
+    p = keys_for(harness)
+    await warm(harness, p, {"api_key:alpha:day": 1000})
+    day, month = usage_key(p, "api_key:alpha:day"), usage_key(p, "team:month")
+    assert await harness.store.postflight("r1", 40, [day, month]) == 1
+    assert await harness.store.postflight("r1", 40, [day]) == 0  # a re-sent record adds nothing
+    assert await harness.store.read_usage([day, month]) == {day: 40, month: None}
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])
-async def test_postflight_validates_before_writing(store: Store, bad: object) -> None:
-    p = keys_for()
-    await warm(store, p, {"api_key:alpha:day": 1000})
-    day = field_of(p, "api_key:alpha:day").usage_key
+async def test_postflight_validates_before_writing(harness: Harness, bad: object) -> None:
+    p = keys_for(harness)
+    await warm(harness, p, {"api_key:alpha:day": 1000})
+    day = usage_key(p, "api_key:alpha:day")
     with pytest.raises(ValueError):
-        await store.postflight("r1", bad, [day])  # type: ignore[arg-type]
+        await harness.store.postflight("r1", bad, [day])  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        await store.postflight("", 5, [day])
-    assert await store.read_usage([day]) == {day: 0}
+        await harness.store.postflight("", 5, [day])
+    assert await harness.store.read_usage([day]) == {day: 0}
 
 
-async def test_fill_never_overwrites_what_postflight_added(store: Store) -> None:
-    p = keys_for()
-    await warm(store, p, {"api_key:alpha:day": 1000}, settled=10)
-    day = field_of(p, "api_key:alpha:day").usage_key
-    await store.postflight("r1", 5, [day])
-    await warm(store, p, {"api_key:alpha:day": 1}, settled=0)  # a stale second loader
-    assert await store.read_usage([day]) == {day: 15}
-    assert (await store.preflight(p)).limits[0].limit == 1000
+async def test_fill_never_overwrites_what_postflight_added(harness: Harness) -> None:
+    p = keys_for(harness)
+    await warm(harness, p, {"api_key:alpha:day": 1000}, settled=10)
+    day = usage_key(p, "api_key:alpha:day")
+    await harness.store.postflight("r1", 5, [day])
+    await warm(harness, p, {"api_key:alpha:day": 1}, settled=0)  # a stale second loader
+    assert await harness.store.read_usage([day]) == {day: 15}
+    assert (await harness.store.preflight(p)).limits[0].limit == 1000
 
 
-async def test_refresh_replaces_settled_and_drops_each_estimate_once(store: Store) -> None:
-    p = keys_for()
-    await warm(store, p, {"api_key:alpha:day": 10_000}, settled=100)
-    day = field_of(p, "api_key:alpha:day").usage_key
-    await store.postflight("r1", 30, [day])
-    await store.postflight("r2", 50, [day])
+async def test_refresh_replaces_settled_and_drops_each_estimate_once(harness: Harness) -> None:
+    p = keys_for(harness)
+    await warm(harness, p, {"api_key:alpha:day": 10_000}, settled=100)
+    day = usage_key(p, "api_key:alpha:day")
+    await harness.store.postflight("r1", 30, [day])
+    await harness.store.postflight("r2", 50, [day])
     # r1 settled at an exact charge of 32: settled 100 -> 132, pending keeps only r2.
-    await store.refresh({day: 132}, ["r1"])
-    assert await store.read_usage([day]) == {day: 182}
-    await store.refresh({day: 132}, ["r1"])  # idempotent
-    assert await store.read_usage([day]) == {day: 182}
-    await store.refresh({day: 132}, ["never-applied"])  # unknown record: nothing subtracted
-    assert await store.read_usage([day]) == {day: 182}
+    await harness.store.refresh({day: 132}, ["r1"])
+    assert await harness.store.read_usage([day]) == {day: 182}
+    await harness.store.refresh({day: 132}, ["r1"])  # idempotent
+    assert await harness.store.read_usage([day]) == {day: 182}
+    await harness.store.refresh({day: 132}, ["never-applied"])  # nothing to subtract
+    assert await harness.store.read_usage([day]) == {day: 182}
 
 
-async def test_refresh_does_not_create_absent_keys(store: Store) -> None:
-    p = keys_for()
-    day = field_of(p, "api_key:alpha:day").usage_key
-    await store.refresh({day: 500}, ["r1"])
-    assert await store.read_usage([day]) == {day: None}
+async def test_unknown_postflight_outcome_never_leaves_an_estimate_behind(harness: Harness) -> None:
+    p = keys_for(harness)
+    await warm(harness, p, {"api_key:alpha:day": 10_000})
+    day = usage_key(p, "api_key:alpha:day")
+    # Settled while its postflight was still "unknown"; the postflight lands afterwards.
+    await harness.store.refresh({day: 25}, [], ["late"])
+    assert await harness.store.postflight("late", 25, [day]) == 0
+    assert await harness.store.read_usage([day]) == {day: 25}
+    # Unknown but in fact applied before the refresh: its marker goes, exactly once.
+    await harness.store.postflight("early", 9, [day])
+    await harness.store.refresh({day: 34}, [], ["early"])
+    await harness.store.refresh({day: 34}, [], ["early"])
+    assert await harness.store.read_usage([day]) == {day: 34}
 
 
-async def test_keys_expire_after_their_period_plus_grace(store: Store, clock: Clock) -> None:
-    p = keys_for()
-    await warm(store, p, {"api_key:alpha:day": 1000}, settled=7)
-    day = field_of(p, "api_key:alpha:day").usage_key
-    clock.now = datetime(2026, 10, 1, tzinfo=UTC) + GRACE - timedelta(seconds=1)
-    assert await store.read_usage([day]) == {day: 7}
-    clock.now += timedelta(seconds=2)
-    assert await store.read_usage([day]) == {day: None}
+async def test_refresh_does_not_create_absent_keys(harness: Harness) -> None:
+    day = usage_key(keys_for(harness), "api_key:alpha:day")
+    await harness.store.refresh({day: 500}, ["r1"])
+    assert await harness.store.read_usage([day]) == {day: None}
 
 
-async def test_closed_period_key_is_never_recreated(store: Store, clock: Clock) -> None:
-    p = keys_for()
-    clock.now = T0 + timedelta(days=5)  # far past Sep 30 + grace
-    await warm(store, p, {"api_key:alpha:day": 1000})
-    day = field_of(p, "api_key:alpha:day").usage_key
-    assert await store.read_usage([day]) == {day: None}
-    assert await store.postflight("r1", 5, [day]) == 0
+async def test_keys_expire_at_period_end_plus_grace(harness: Harness) -> None:
+    now = harness.now()
+    # A grace chosen so this day's key expires 300 ms from now.
+    grace = now + timedelta(milliseconds=300) - period_end(Period.DAY, now)
+    p = keys_for(harness, grace=grace)
+    await warm(harness, p, {"api_key:alpha:day": 1000}, settled=7)
+    day = usage_key(p, "api_key:alpha:day")
+    assert await harness.store.read_usage([day]) == {day: 7}
+    await harness.advance(0.6)
+    assert await harness.store.read_usage([day]) == {day: None}
 
 
-async def test_policy_cache_expires_after_its_ttl_and_can_be_evicted(
-    store: Store, clock: Clock
-) -> None:
-    p = keys_for()
-    await store.fill(p, {}, [], policy_ttl=60)
-    clock.now = T0 + timedelta(seconds=61)
-    assert (await store.preflight(p)).missing_policy
-    await store.fill(p, {}, [], policy_ttl=60)
-    await store.evict_policy("acme", "quota")
-    assert (await store.preflight(p)).missing_policy
+async def test_closed_period_key_is_never_recreated(harness: Harness) -> None:
+    p = keys_for(harness, t0=harness.now() - timedelta(days=10))
+    await warm(harness, p, {"api_key:alpha:day": 1000})
+    day = usage_key(p, "api_key:alpha:day")
+    assert await harness.store.read_usage([day]) == {day: None}
+    assert await harness.store.postflight("r1", 5, [day]) == 0
+    assert await harness.store.read_usage([day]) == {day: None}
 
 
-async def test_full_store_refuses_new_keys(make_store: StoreFactory, clock: Clock) -> None:
-    small = make_store(clock, max_keys=2)
-    p = keys_for()
+async def test_policy_cache_expires_after_its_ttl_and_can_be_evicted(harness: Harness) -> None:
+    p = keys_for(harness)
+    await harness.store.fill(p, {}, [], policy_ttl=0.3)
+    await harness.advance(0.6)
+    assert (await harness.store.preflight(p)).missing_policy
+    await harness.store.fill(p, {}, [], policy_ttl=60)
+    await harness.store.evict_policy("acme", "quota")
+    assert (await harness.store.preflight(p)).missing_policy
+
+
+async def test_overwrites_keep_the_ttl(harness: Harness) -> None:
+    now = harness.now()
+    grace = now + timedelta(milliseconds=500) - period_end(Period.DAY, now)
+    p = keys_for(harness, grace=grace)
+    await warm(harness, p, {"api_key:alpha:day": 1000})
+    day = usage_key(p, "api_key:alpha:day")
+    await harness.store.postflight("r1", 5, [day])
+    await harness.store.refresh({day: 3}, ["r1"])
+    await harness.advance(0.8)
+    assert await harness.store.read_usage([day]) == {day: None}
+
+
+async def test_full_memory_store_refuses_new_keys() -> None:
+    small = MemoryStore(max_keys=2)
+    p = plan("quota", Identity("acme", "alpha"), datetime.now(UTC), GRACE)
+    fills = [UsageFill(c.usage_key, 0, c.expires_at) for c in p.candidates[:2]]
     with pytest.raises(StoreFull):
-        await warm(small, p, {"api_key:alpha:day": 1, "team:month": 1})
+        await small.fill(
+            p, {"api_key:alpha:day": 1, "api_key:alpha:month": 1}, fills, policy_ttl=60
+        )
     # Nothing partial was written: the request is refused, never allowed untracked.
     assert (await small.preflight(p)).missing_policy
 
 
-async def test_amounts_near_2_pow_53_stay_exact(store: Store) -> None:
-    p = keys_for()
-    big = 2**53 - 7
-    await warm(store, p, {"api_key:alpha:day": 2**62}, settled=big)
-    day = field_of(p, "api_key:alpha:day").usage_key
-    await store.postflight("r1", 300_000_000, [day])
-    assert await store.read_usage([day]) == {day: big + 300_000_000}
+@pytest.mark.parametrize("big", [2**53 - 7, 2**53 + 1, 9 * 10**17])
+async def test_amounts_near_2_pow_53_stay_exact(harness: Harness, big: int) -> None:
+    p = keys_for(harness)
+    await warm(harness, p, {"api_key:alpha:day": big + 300_000_001}, settled=big)
+    day = usage_key(p, "api_key:alpha:day")
+    await harness.store.postflight("r1", 300_000_000, [day])
+    assert await harness.store.read_usage([day]) == {day: big + 300_000_000}
+    pf = await harness.store.preflight(p)
+    assert pf.outcome is Outcome.ALLOW and pf.limits[0].used == big + 300_000_000
+    await harness.store.postflight("r2", 1, [day])
+    assert (await harness.store.preflight(p)).outcome is Outcome.DENY  # exactly at the limit
 
 
-async def test_hostile_ids_do_not_share_keys(store: Store) -> None:
-    ids = ["a:b", "a}b", "a{b", "a\nb", "a%3Ab", "x" * 10_000, "é", "e\u0301"]
+async def test_hostile_ids_do_not_share_keys(harness: Harness) -> None:
+    ids = ["a:b", "a}b", "a{b", "a\nb", "a%3Ab", "x" * 10_000, "é", "e\u0301", "{", "}"]
     seen: set[str] = set()
-    for raw in ids:
-        p = keys_for(team=raw, key=raw)
+    for n, raw in enumerate(ids):
+        p = keys_for(harness, team=raw, key=raw)
         for cand in p.candidates:
             assert cand.usage_key not in seen
             seen.add(cand.usage_key)
-            # one hash tag per key, holding exactly the encoded team
             assert cand.usage_key.count("{") == 1 and cand.usage_key.count("}") == 1
             assert "\n" not in cand.usage_key and len(cand.usage_key) < 300
+        enc = Identity(raw, raw).api_key
+        await warm(harness, p, {f"api_key:{enc}:day": 1000}, settled=n)
+    for n, raw in enumerate(ids):  # each id still reads back only its own usage
+        p = keys_for(harness, team=raw, key=raw)
+        pf = await harness.store.preflight(p)
+        assert pf.outcome is Outcome.ALLOW and [s.used for s in pf.limits] == [n]

@@ -58,6 +58,7 @@ class RecordRow:
     cached_input_tokens: int
     cache_write_tokens: int
     estimate_micros: int
+    postflight: str
 
 
 @dataclass(slots=True)
@@ -66,7 +67,8 @@ class Settlement:
 
     charged: int = 0  # records settled
     total_micros: int = 0
-    record_ids: dict[str, list[str]] = field(default_factory=dict)  # team -> settled records
+    # team -> {record id: whether its postflight outcome was unknown}
+    record_ids: dict[str, dict[str, bool]] = field(default_factory=dict)
     estimate_error_micros: int = 0  # sum of (charge - estimate)
 
 
@@ -330,6 +332,7 @@ class Ledger:
                 records.c.cached_input_tokens,
                 records.c.cache_write_tokens,
                 records.c.estimate_micros,
+                records.c.postflight,
             )
             .where(records.c.settled == sa.false())
             .order_by(records.c.created_us, records.c.id)
@@ -351,6 +354,7 @@ class Ledger:
                     cached_input_tokens=int(r[7]),
                     cache_write_tokens=int(r[8]),
                     estimate_micros=int(r[9]),
+                    postflight=r[10],
                 )
                 for r in await self._db.fetch_all(claim)
             ]
@@ -391,7 +395,7 @@ class Ledger:
                 out.charged += 1
                 out.total_micros += amount
                 out.estimate_error_micros += amount - rec.estimate_micros
-                out.record_ids.setdefault(rec.team, []).append(rec.id)
+                out.record_ids.setdefault(rec.team, {})[rec.id] = rec.postflight == "unknown"
 
             for start in range(0, len(charge_rows), _ROWS_PER_INSERT):
                 await self._db.execute(
@@ -469,17 +473,22 @@ class Ledger:
             out[team].append((policy_field(scope, period, key or None), pid, int(settled or 0)))
         return dict(out)
 
-    async def settled_since(self, since_us: int) -> tuple[dict[str, list[str]], int]:
-        """Records settled (by any worker) at or after ``since_us``, by team, and the newest
-        settlement time seen: every process's cache drops those records' markers."""
-        query = sa.select(charges.c.team, charges.c.record_id, charges.c.settled_us).where(
-            charges.c.settled_us >= since_us
+    async def settled_since(self, since_us: int) -> tuple[dict[str, dict[str, bool]], int]:
+        """Records settled (by any worker) at or after ``since_us``, by team, with whether
+        their postflight outcome was unknown, and the newest settlement time seen: every
+        process's cache drops those records' markers."""
+        query = (
+            sa.select(
+                charges.c.team, charges.c.record_id, charges.c.settled_us, records.c.postflight
+            )
+            .select_from(charges.join(records, records.c.id == charges.c.record_id))
+            .where(charges.c.settled_us >= since_us)
         )
-        out: dict[str, list[str]] = defaultdict(list)
+        out: dict[str, dict[str, bool]] = defaultdict(dict)
         newest = since_us
         async with self._guard("charge read"):
-            for team, rid, settled_us in _tuples(await self._db.fetch_all(query)):
-                out[team].append(rid)
+            for team, rid, settled_us, status in _tuples(await self._db.fetch_all(query)):
+                out[team][rid] = status == "unknown"
                 newest = max(newest, int(settled_us))
         return dict(out), newest
 

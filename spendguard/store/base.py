@@ -62,6 +62,30 @@ class UsageFill:
     expires_at: datetime
 
 
+def decide(checks: Sequence[tuple[Candidate, int | None, int | None]]) -> Preflight:
+    """The preflight rule shared by every store, on exact integers.
+
+    ``checks`` holds, in check order, (candidate, limit or None for no policy, usage or None
+    for an absent key). The first limit with usage >= limit denies; otherwise any absent key
+    of a policy-bearing candidate is a miss; otherwise the request is allowed.
+    """
+    checked: list[LimitState] = []
+    missing: list[Candidate] = []
+    for cand, limit, used in checks:
+        if limit is None:
+            continue
+        if used is None:
+            missing.append(cand)
+            continue
+        state = LimitState(cand, limit, used)
+        checked.append(state)
+        if used >= limit:
+            return Preflight(Outcome.DENY, tuple(checked))
+    if missing:
+        return Preflight(Outcome.MISS, tuple(checked), missing_usage=tuple(missing))
+    return Preflight(Outcome.ALLOW, tuple(checked))
+
+
 @runtime_checkable
 class Store(Protocol):
     async def preflight(self, plan: KeyPlan, *, reserve: int = 0) -> Preflight:
@@ -87,8 +111,18 @@ class Store(Protocol):
         """Add ``amount`` to the existing ``usage_keys`` once; returns how many were charged."""
         ...
 
-    async def refresh(self, settled: Mapping[str, int], record_ids: Sequence[str]) -> None:
-        """Settlement's cache refresh for one team's keys (keys absent stay absent)."""
+    async def refresh(
+        self,
+        settled: Mapping[str, int],
+        record_ids: Sequence[str],
+        unknown_ids: Sequence[str] = (),
+    ) -> None:
+        """Settlement's cache refresh for one team's keys (keys absent stay absent).
+
+        ``record_ids``: settled records whose postflight was applied (their markers go).
+        ``unknown_ids``: settled records whose postflight outcome was unknown; where they have
+        no marker a tombstone is left, so a postflight landing later adds nothing.
+        """
         ...
 
     async def evict_policy(self, team: str, prefix: str) -> None:

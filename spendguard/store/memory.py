@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from ..errors import StoreFull
-from ..keys import LOADED_FIELD, KeyPlan, policy_key
+from ..keys import LOADED_FIELD, Candidate, KeyPlan, policy_key
 from ..periods import utcnow
-from .base import LimitState, Outcome, Preflight, UsageFill
+from .base import Outcome, Preflight, UsageFill, decide
 
 
 @dataclass(slots=True)
@@ -23,6 +23,7 @@ class _Usage:
     expires_at: datetime
     pending: int = 0
     markers: dict[str, int] = field(default_factory=dict)
+    tombstones: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -76,24 +77,16 @@ class MemoryStore:
         policy = self._live_policy(plan.policy_key, now)
         if policy is None:
             return Preflight(Outcome.MISS, missing_policy=True)
-        checked: list[LimitState] = []
-        missing = []
+        checks: list[tuple[Candidate, int | None, int | None]] = []
         for cand in plan.candidates:
             limit = policy.limits.get(cand.field)
-            if limit is None:
-                continue
-            self.usage_reads += 1
-            usage = self._live_usage(cand.usage_key, now)
-            if usage is None:
-                missing.append(cand)
-                continue
-            state = LimitState(cand, limit, usage.settled + usage.pending)
-            checked.append(state)
-            if state.used >= limit:
-                return Preflight(Outcome.DENY, tuple(checked))
-        if missing:
-            return Preflight(Outcome.MISS, tuple(checked), missing_usage=tuple(missing))
-        return Preflight(Outcome.ALLOW, tuple(checked))
+            used = None
+            if limit is not None:
+                self.usage_reads += 1
+                usage = self._live_usage(cand.usage_key, now)
+                used = None if usage is None else usage.settled + usage.pending
+            checks.append((cand, limit, used))
+        return decide(checks)
 
     async def fill(
         self,
@@ -125,14 +118,19 @@ class MemoryStore:
         applied = 0
         for key in usage_keys:
             usage = self._live_usage(key, now)
-            if usage is None or record_id in usage.markers:
+            if usage is None or record_id in usage.markers or record_id in usage.tombstones:
                 continue
             usage.markers[record_id] = amount
             usage.pending += amount
             applied += 1
         return applied
 
-    async def refresh(self, settled: Mapping[str, int], record_ids: Sequence[str]) -> None:
+    async def refresh(
+        self,
+        settled: Mapping[str, int],
+        record_ids: Sequence[str],
+        unknown_ids: Sequence[str] = (),
+    ) -> None:
         for value in settled.values():
             _check_amount(value)
         now = self._clock()
@@ -144,6 +142,12 @@ class MemoryStore:
                 estimate = usage.markers.pop(rid, None)
                 if estimate is not None:
                     usage.pending -= estimate
+            for rid in unknown_ids:
+                estimate = usage.markers.pop(rid, None)
+                if estimate is not None:
+                    usage.pending -= estimate
+                else:
+                    usage.tombstones.add(rid)
             usage.settled = value
 
     async def evict_policy(self, team: str, prefix: str) -> None:

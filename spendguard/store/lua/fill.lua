@@ -1,0 +1,53 @@
+-- Fill after a miss (R5.3): write only keys that are absent, never overwrite.
+--
+-- KEYS[1]    the team's policy hash
+-- KEYS[1+i]  usage hash i
+-- ARGV[1]    policy TTL in ms, or "-" to leave the policy hash alone
+-- ARGV[2]    n = number of policy fields, then n (field, limit) pairs
+-- then, per usage key: settled micro-USD, expiry as epoch ms (period end + grace)
+--
+-- Every value is validated before the first write (Lua has no rollback). A usage key whose
+-- expiry has passed (a closed period) is never recreated.
+local function is_uint(v)
+  return type(v) == 'string' and #v > 0 and #v <= 18 and string.match(v, '^%d+$') ~= nil
+end
+local ttl = ARGV[1]
+local n = tonumber(ARGV[2])
+if (ttl ~= '-' and not is_uint(ttl)) or n == nil or n < 0 then
+  return redis.error_reply('spendguard fill: bad header')
+end
+local first_usage = 3 + 2 * n
+if #ARGV ~= first_usage - 1 + 2 * (#KEYS - 1) then
+  return redis.error_reply('spendguard fill: argument count')
+end
+for i = 3, first_usage - 1, 2 do
+  if string.find(ARGV[i], ':', 1, true) == nil or not is_uint(ARGV[i + 1]) then
+    return redis.error_reply('spendguard fill: bad policy field')
+  end
+end
+for i = first_usage, #ARGV do
+  if not is_uint(ARGV[i]) then
+    return redis.error_reply('spendguard fill: bad usage value')
+  end
+end
+
+if ttl ~= '-' and redis.call('EXISTS', KEYS[1]) == 0 then
+  local fields = {'_loaded', '1'}
+  for i = 3, first_usage - 1 do
+    fields[#fields + 1] = ARGV[i]
+  end
+  redis.call('HSET', KEYS[1], unpack(fields))
+  redis.call('PEXPIRE', KEYS[1], ttl)
+end
+
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+for k = 2, #KEYS do
+  local settled = ARGV[first_usage + 2 * (k - 2)]
+  local expire_at = ARGV[first_usage + 2 * (k - 2) + 1]
+  if tonumber(expire_at) > now_ms and redis.call('EXISTS', KEYS[k]) == 0 then
+    redis.call('HSET', KEYS[k], 's', settled, 'p', '0')
+    redis.call('PEXPIREAT', KEYS[k], expire_at)
+  end
+end
+return 1

@@ -1,0 +1,196 @@
+"""The Redis store: every decision is one Lua script, one round trip (R4-R7, R13).
+
+Scripts live in ``lua/*.lua``, are registered once per client and reloaded by redis-py after
+NOSCRIPT (a restart or SCRIPT FLUSH). Keys reach scripts only through KEYS, and every key of
+one call shares the team's ``{team}`` hash tag, so the same code runs on Redis Cluster.
+
+URLs: ``redis://``, ``rediss://``, ``unix://`` for one server; ``redis+cluster://host:port``
+(or ``rediss+cluster://``) for a cluster, any node as the seed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import datetime
+from importlib import resources
+from typing import Any, TypeVar
+
+import anyio
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+from redis.retry import Retry
+
+from ..errors import ConfigurationError, StoreUnavailable
+from ..keys import Candidate, KeyPlan, policy_key
+from .base import Outcome, Preflight, UsageFill, decide
+
+log = logging.getLogger("spendguard.store")
+
+T = TypeVar("T")
+_SCRIPTS = ("preflight", "fill", "postflight", "refresh")
+# Eviction policies that never drop a key carrying a TTL behind our back.
+_SAFE_EVICTION = {"noeviction"}
+
+
+def _lua(name: str) -> str:
+    return (resources.files("spendguard.store") / "lua" / f"{name}.lua").read_text("utf-8")
+
+
+def _ms(t: datetime) -> str:
+    return str(int(t.timestamp() * 1000))
+
+
+class RedisStore:
+    def __init__(self, client: aioredis.Redis | RedisCluster, *, timeout: float = 0.5) -> None:
+        self._client = client
+        self._timeout = timeout
+        self._scripts = {name: client.register_script(_lua(name)) for name in _SCRIPTS}
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout: float = 0.5) -> RedisStore:
+        """A store for ``url``; the timeout bounds every call, connecting included (R5.4)."""
+        opts: dict[str, Any] = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "decode_responses": True,
+            "health_check_interval": 30,
+        }
+        scheme, sep, rest = url.partition("://")
+        if not sep:
+            raise ConfigurationError(f"not a Redis URL: {url!r}")
+        if scheme in {"redis+cluster", "rediss+cluster"}:
+            base = scheme.split("+", 1)[0]
+            client: aioredis.Redis | RedisCluster = RedisCluster.from_url(
+                f"{base}://{rest}", **opts
+            )
+        elif scheme in {"redis", "rediss", "unix"}:
+            # One quick retry on a fresh connection: after a server restart the pool's sockets
+            # are dead, and the first command on each would otherwise fail.
+            client = aioredis.Redis.from_url(
+                url, retry=Retry(NoBackoff(), 1), retry_on_timeout=False, **opts
+            )
+        else:
+            raise ConfigurationError(
+                f"unsupported Redis URL scheme {scheme!r}: use redis://, rediss://, unix:// "
+                "or redis+cluster://"
+            )
+        return cls(client, timeout=timeout)
+
+    async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        try:
+            with anyio.fail_after(self._timeout):
+                return await fn()
+        except ResponseError as exc:
+            if "spendguard" in str(exc):
+                raise ValueError(str(exc)) from exc  # our own validation refused the input
+            raise StoreUnavailable(f"redis error: {exc}") from exc
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreUnavailable(f"redis unavailable: {exc!r}") from exc
+
+    async def _script(self, name: str, keys: Sequence[str], args: Sequence[str]) -> Any:
+        script = self._scripts[name]
+        return await self._call(lambda: script(keys=list(keys), args=list(args)))
+
+    # -- Store ----------------------------------------------------------------------------
+    async def preflight(self, plan: KeyPlan, *, reserve: int = 0) -> Preflight:
+        if reserve != 0:
+            raise ValueError("reservations (R12) are not supported yet")
+        keys = [plan.policy_key, *(c.usage_key for c in plan.candidates)]
+        raw = await self._script("preflight", keys, [c.field for c in plan.candidates])
+        if raw == 0:
+            return Preflight(Outcome.MISS, missing_policy=True)
+        checks: list[tuple[Candidate, int | None, int | None]] = []
+        for i, cand in enumerate(plan.candidates):
+            limit, settled, pending = raw[3 * i : 3 * i + 3]
+            used = None if settled is None else int(settled) + int(pending or 0)
+            checks.append((cand, None if limit is None else int(limit), used))
+        return decide(checks)
+
+    async def fill(
+        self,
+        plan: KeyPlan,
+        policies: Mapping[str, int] | None,
+        usage: Sequence[UsageFill],
+        *,
+        policy_ttl: float,
+    ) -> None:
+        args: list[str] = []
+        if policies is None:
+            args += ["-", "0"]
+        else:
+            args += [str(max(1, int(policy_ttl * 1000))), str(len(policies))]
+            for field, limit in policies.items():
+                args += [field, _uint(limit)]
+        for u in usage:
+            args += [_uint(u.settled), _ms(u.expires_at)]
+        await self._script("fill", [plan.policy_key, *(u.usage_key for u in usage)], args)
+
+    async def postflight(self, record_id: str, amount: int, usage_keys: Sequence[str]) -> int:
+        if not usage_keys:
+            return 0
+        applied = await self._script("postflight", usage_keys, [record_id, _uint(amount)])
+        return int(applied)
+
+    async def refresh(
+        self,
+        settled: Mapping[str, int],
+        record_ids: Sequence[str],
+        unknown_ids: Sequence[str] = (),
+    ) -> None:
+        if not settled:
+            return
+        keys = list(settled)
+        args = [_uint(settled[k]) for k in keys]
+        args += [str(len(record_ids)), *record_ids, *unknown_ids]
+        await self._script("refresh", keys, args)
+
+    async def evict_policy(self, team: str, prefix: str) -> None:
+        await self._call(lambda: self._client.delete(policy_key(prefix, team)))
+
+    async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:
+        out: dict[str, int | None] = {}
+        for key in usage_keys:  # a CLI/test helper: one call per key keeps it cluster-safe
+            settled, pending = await self._call(
+                lambda key=key: self._client.hmget(key, ["s", "p"])  # type: ignore[misc]
+            )
+            out[key] = None if settled is None else int(settled) + int(pending or 0)
+        return out
+
+    async def check_eviction_policy(self) -> str | None:
+        """Warn when Redis may evict quota keys under memory pressure (a silent budget leak)."""
+        try:
+            config = await self._call(lambda: self._client.config_get("maxmemory-policy"))
+        except (StoreUnavailable, ValueError):
+            return None  # CONFIG is disabled on many managed services; nothing to check
+        # One server answers {"maxmemory-policy": v}; a cluster may answer per node.
+        answers = config.values() if "maxmemory-policy" not in config else [config]
+        unsafe = [
+            a["maxmemory-policy"]
+            for a in answers
+            if isinstance(a, dict) and a.get("maxmemory-policy") not in (None, *_SAFE_EVICTION)
+        ]
+        policy = unsafe[0] if unsafe else None
+        if policy is not None:
+            log.warning(
+                "Redis maxmemory-policy is %r: under memory pressure Redis may evict spend "
+                "keys and limits would reset until reloaded. Use 'noeviction' (or a dedicated "
+                "instance) for spendguard.",
+                policy,
+            )
+        return policy
+
+    async def ping(self) -> None:
+        await self._call(self._client.ping)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _uint(value: int) -> str:
+    # Integer micro-USD only, sent as decimal strings: never a float near the wire.
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"amount must be a non-negative integer of micro-USD, got {value!r}")
+    return str(value)
