@@ -22,19 +22,22 @@ from types import TracebackType
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from . import metrics
 from .costing import Coster
-from .errors import ConfigurationError, LedgerUnavailable, StoreUnavailable
+from .errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnavailable
 from .identity import Identity
 from .keys import KeyPlan, parse_field, plan
 from .ledger import Ledger
+from .outage import OutageTracker
 from .periods import seconds_to_reset, utcnow
 from .pricing import PriceTable
 from .record import InferenceRecord, PostflightStatus
 from .recorder import Recorder
-from .settings import Settings, load_settings
+from .settings import FailMode, Settings, load_settings
 from .singleflight import SingleFlight
 from .store.base import LimitState, Outcome, Preflight, Store, UsageFill
 from .store.memory import MemoryStore
+from .store.redis import RedisStore
 from .usage import Usage
 from .worker import SettlementWorker
 
@@ -42,6 +45,15 @@ log = logging.getLogger("spendguard")
 
 _MAX_FILL_ROUNDS = 3  # a miss, a fill and a re-check; more means keys vanish as we fill them
 _POSTFLIGHT_TIMEOUT = 2.0
+
+
+def make_store(settings: Settings, clock: Callable[[], datetime] = utcnow) -> Store:
+    """The store the settings ask for: Redis when a URL is set, else the embedded one."""
+    if settings.redis_url is not None:
+        return RedisStore.from_url(
+            settings.redis_url.get_secret_value(), timeout=settings.redis_timeout
+        )
+    return MemoryStore(max_keys=settings.memory_max_keys, clock=clock)
 
 
 class Verdict(StrEnum):
@@ -80,9 +92,8 @@ class SpendGuard:
         self.settings = settings if settings is not None else load_settings()
         s = self.settings
         self.clock = clock
-        self.store: Store = (
-            store if store is not None else MemoryStore(max_keys=s.memory_max_keys, clock=clock)
-        )
+        self.store: Store = store if store is not None else make_store(s, clock)
+        self.outage = OutageTracker(s.fail_open_max_keys)
         self.ledger = ledger if ledger is not None else Ledger(s.database_url.get_secret_value())
         self.prices = prices if prices is not None else PriceTable.load(s.prices)
         self.coster = Coster(self.prices, s.unknown_model)
@@ -128,6 +139,8 @@ class SpendGuard:
         if self._cancel is not None:
             raise ConfigurationError("SpendGuard already started")
         await self._ensure_connected()
+        if isinstance(self.store, RedisStore):
+            await self.store.check_eviction_policy()
         if task_group is None:
             self._stack = AsyncExitStack()
             task_group = await self._stack.enter_async_context(anyio.create_task_group())
@@ -212,18 +225,35 @@ class SpendGuard:
         try:
             for _ in range(_MAX_FILL_ROUNDS):
                 pf = await self.store.preflight(keys)
+                if len(self.outage):
+                    self.outage.clear()  # the store answers again
                 if pf.outcome is Outcome.ALLOW:
                     return decide(Verdict.ALLOW, pf)
                 if pf.outcome is Outcome.DENY:
                     return decide(Verdict.DENY, pf)
                 await self._recover(keys, pf)
+        except StoreFull as exc:
+            log.error("spendguard store full, refusing: %s", exc)
+            metrics.STORE_UNAVAILABLE.labels("deny").inc()
+            return decide(Verdict.UNAVAILABLE, reason="store full")
         except StoreUnavailable as exc:
-            log.warning("spendguard store unavailable: %s", exc)
-            return decide(Verdict.UNAVAILABLE, reason="store")
+            return self._store_down(decide, identity, exc)
         except (LedgerUnavailable, TimeoutError) as exc:
             log.warning("spendguard ledger read failed on a cache miss: %r", exc)
             return decide(Verdict.UNAVAILABLE, reason="ledger")
         return decide(Verdict.UNAVAILABLE, reason="cache keys vanished while filling")
+
+    def _store_down(
+        self, decide: Callable[..., Decision], identity: Identity, exc: StoreUnavailable
+    ) -> Decision:
+        """R5.4: fail closed (503), or fail open into the bounded local tracker."""
+        if self.settings.fail_mode is FailMode.OPEN and self.outage.admit(identity):
+            log.warning("spendguard store unavailable, allowing (fail open): %s", exc)
+            metrics.STORE_UNAVAILABLE.labels("allow").inc()
+            return decide(Verdict.ALLOW, reason="fail open")
+        log.warning("spendguard store unavailable, refusing: %s", exc)
+        metrics.STORE_UNAVAILABLE.labels("deny").inc()
+        return decide(Verdict.UNAVAILABLE, reason="store")
 
     async def _recover(self, keys: KeyPlan, pf: Preflight) -> None:
         """R5.3: read policies and aggregates (coalesced per key), fill only empty keys."""
@@ -272,6 +302,8 @@ class SpendGuard:
         if not 200 <= status_code < 300:
             return None
         estimate = self.coster.cost(model, usage)
+        if decision.reason == "fail open":
+            self.outage.charge(decision.identity, estimate)
         status = PostflightStatus.SKIPPED
         keys = [limit.candidate.usage_key for limit in decision.limits]
         if keys:

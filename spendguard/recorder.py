@@ -15,6 +15,7 @@ import logging
 import anyio
 from anyio.abc import TaskStatus
 
+from . import metrics
 from .errors import LedgerUnavailable
 from .ledger import Ledger
 from .record import InferenceRecord
@@ -55,6 +56,7 @@ class Recorder:
             return True
         except anyio.WouldBlock:
             self.dropped += 1
+            metrics.RECORDS_DROPPED.inc()
             log.error(
                 "spendguard record buffer full (%d records): dropped record %s of team %s; "
                 "the ledger is not keeping up or is down",

@@ -29,6 +29,11 @@ DEFAULT_ROUTES = (
 )
 
 
+class FailMode(StrEnum):
+    OPEN = "open"  # allow, counted in a bounded local tracker
+    CLOSED = "closed"  # 503 with Retry-After
+
+
 class UnknownModel(StrEnum):
     DEFAULT_PRICE = "default_price"  # charge the price table's "default" entry
     FREE = "free"  # record tokens, charge 0
@@ -49,7 +54,17 @@ class Settings(BaseSettings):
         description="SQL ledger URL: sqlite:///path or postgresql://user@host/db.",
     )
     redis_url: SecretStr | None = Field(
-        None, description="Redis URL; unset = the embedded in-process store."
+        None,
+        description="Redis URL (redis://, rediss://, redis+cluster://); unset: embedded store.",
+    )
+    redis_timeout: float = Field(
+        0.25, gt=0, le=30, description="Seconds one Redis call may take, connecting included."
+    )
+    fail_mode: FailMode = Field(
+        FailMode.CLOSED, description="Redis unavailable: closed (503) or open (allow, tracked)."
+    )
+    fail_open_max_keys: int = Field(
+        10_000, ge=1, description="Identities the fail-open tracker holds (full: 503)."
     )
     key_prefix: str = Field("quota", description="Prefix of every cache key.")
     routes: Annotated[tuple[str, ...], NoDecode] = Field(
@@ -125,13 +140,11 @@ class Settings(BaseSettings):
 
     @field_validator("redis_url")
     @classmethod
-    def _redis_not_yet(cls, value: SecretStr | None) -> SecretStr | None:
+    def _check_redis(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
-            # The Redis store is the next milestone; refusing beats silently running embedded.
-            raise ValueError(
-                "the Redis store is not available in this version; "
-                "unset SPENDGUARD_REDIS_URL to use the embedded store"
-            )
+            scheme = value.get_secret_value().split("://", 1)[0]
+            if scheme not in {"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"}:
+                raise ValueError("use redis://, rediss://, unix:// or redis+cluster://host:port")
         return value
 
 

@@ -106,9 +106,7 @@ class SettlementWorker:
             except SpendGuardError as exc:
                 log.warning("spendguard could not evict the policy cache of %s: %s", team, exc)
 
-    async def _refresh(
-        self, settled_ids: dict[str, dict[str, bool]], result: PassResult
-    ) -> None:
+    async def _refresh(self, settled_ids: dict[str, dict[str, bool]], result: PassResult) -> None:
         """Refresh the current periods of every team with policies, new charges or not (R7.4):
         a refresh lost to a crash or a store error heals on the next pass. Closed periods are
         left to the ledger (R7.5)."""

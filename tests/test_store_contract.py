@@ -42,7 +42,7 @@ class Harness:
     kind: str
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     if request.param == "memory":
         clock = Clock(datetime.now(UTC))
@@ -52,8 +52,13 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
 
         yield Harness(MemoryStore(max_keys=1000, clock=clock), clock, jump, "memory")
     else:
-        url: str = request.getfixturevalue("redis_url")
-        store = RedisStore.from_url(url)
+        if request.param == "redis":
+            url: str = request.getfixturevalue("redis_url")
+        else:
+            cluster = request.getfixturevalue("redis_cluster")
+            cluster.flushall()
+            url = cluster.url  # redis+cluster://127.0.0.1:port
+        store = RedisStore.from_url(url, timeout=2.0)
 
         async def sleep(seconds: float) -> None:
             await anyio.sleep(seconds)
