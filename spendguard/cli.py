@@ -11,22 +11,34 @@ import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 import anyio
 
 from .costing import Coster
-from .errors import ConfigurationError, SpendGuardError
+from .errors import ConfigurationError, SpendGuardError, StoreUnavailable
+from .guard import make_store
 from .identity import Identity
+from .keys import Scope, policy_field, usage_key
 from .ledger import Ledger, SpendRow
 from .money import micros_to_usd, usd_to_micros
 from .periods import Period, period_id, utcnow
 from .pricing import PriceTable
 from .settings import Settings, load_settings
+from .store.redis import RedisStore
 from .worker import SettlementWorker
 
-Handler = Callable[[argparse.Namespace, Settings, Ledger], Awaitable[int]]
+
+@dataclass(frozen=True, slots=True)
+class Ctx:
+    settings: Settings
+    ledger: Ledger
+    store: RedisStore | None  # the embedded store lives in the gateway: out of the CLI's reach
+
+
+Handler = Callable[[argparse.Namespace, Ctx], Awaitable[int]]
 
 
 def _usd(micros: int | None) -> str | None:
@@ -45,12 +57,12 @@ def _identity(args: argparse.Namespace) -> Identity:
 
 
 # -- commands --------------------------------------------------------------------------------
-async def cmd_db_init(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+async def cmd_db_init(args: argparse.Namespace, ctx: Ctx) -> int:
     _emit(args, {"ok": True}, "schema ready")
     return 0
 
 
-async def cmd_policy_set(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+async def cmd_policy_set(args: argparse.Namespace, ctx: Ctx) -> int:
     ident = _identity(args)
     try:
         limit = usd_to_micros(Decimal(args.limit_usd))
@@ -58,7 +70,7 @@ async def cmd_policy_set(args: argparse.Namespace, settings: Settings, ledger: L
         raise ConfigurationError(f"--limit-usd: {exc}") from exc
     if limit < 0:
         raise ConfigurationError("--limit-usd must be >= 0")
-    row = await ledger.set_policy(
+    row = await ctx.ledger.set_policy(
         team=ident.team,
         team_id=ident.team_id,
         api_key=ident.api_key,
@@ -66,24 +78,26 @@ async def cmd_policy_set(args: argparse.Namespace, settings: Settings, ledger: L
         period=Period(args.period),
         limit_micros=limit,
     )
+    await _evict(ctx, ident)
     data = _policy_json(row.team_id, row.api_key_id, row.period, row.limit_micros)
     who = f"team {row.team_id}" + (f" key {row.api_key_id}" if row.api_key_id else "")
     _emit(args, data, f"policy set: {who} {row.period.value} limit ${_usd(row.limit_micros)}")
     return 0
 
 
-async def cmd_policy_rm(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+async def cmd_policy_rm(args: argparse.Namespace, ctx: Ctx) -> int:
     ident = _identity(args)
-    removed = await ledger.remove_policy(
+    removed = await ctx.ledger.remove_policy(
         team=ident.team, api_key=ident.api_key, period=Period(args.period)
     )
+    await _evict(ctx, ident)
     _emit(args, {"removed": removed}, "policy removed" if removed else "no such active policy")
     return 0 if removed else 1
 
 
-async def cmd_policy_ls(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+async def cmd_policy_ls(args: argparse.Namespace, ctx: Ctx) -> int:
     team = Identity(args.team).team if args.team else None
-    rows = await ledger.list_policies(team)
+    rows = await ctx.ledger.list_policies(team)
     data = [_policy_json(r.team_id, r.api_key_id, r.period, r.limit_micros) for r in rows]
     lines = [f"{'TEAM':<20} {'API KEY':<20} {'PERIOD':<6} LIMIT USD"] + [
         f"{r.team_id:<20} {r.api_key_id or '-':<20} {r.period.value:<6} {_usd(r.limit_micros)}"
@@ -93,18 +107,18 @@ async def cmd_policy_ls(args: argparse.Namespace, settings: Settings, ledger: Le
     return 0
 
 
-async def cmd_usage(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+async def cmd_usage(args: argparse.Namespace, ctx: Ctx) -> int:
     ident = _identity(args)
     now = utcnow()
     day, month = period_id(Period.DAY, now), period_id(Period.MONTH, now)
-    spend = await ledger.spend(ident.team, day, month)
-    policy_rows = await ledger.list_policies(ident.team)
+    spend = await ctx.ledger.spend(ident.team, day, month)
+    policy_rows = await ctx.ledger.list_policies(ident.team)
     policies = {(p.api_key, p.period): p.limit_micros for p in policy_rows}
     aggs = {
         (r["api_key"] or None, r["period"], r["period_id"]): int(r["settled_micros"])
-        for r in await ledger.aggregate_rows(ident.team)
+        for r in await ctx.ledger.aggregate_rows(ident.team)
     }
-    count, estimates = await ledger.unsettled(ident.team)
+    count, estimates = await ctx.ledger.unsettled(ident.team)
     # Limits with no spend yet still show, at 0.
     seen = {(r.api_key, r.period) for r in spend}
     spend += [
@@ -135,11 +149,11 @@ async def cmd_usage(args: argparse.Namespace, settings: Settings, ledger: Ledger
         "day": day,
         "month": month,
         "scopes": scopes,
-        "charges_total_micros": await ledger.charges_total(ident.team),
+        "charges_total_micros": await ctx.ledger.charges_total(ident.team),
         "unsettled_records": count,
         "unsettled_estimate_micros": estimates,
         # The embedded store lives inside the gateway process: the CLI can't read its cache.
-        "cached": None,
+        "cached": await _cached(ctx, ident, scopes),
     }
     lines = [f"team {ident.team_id}: day {day}, month {month}"]
     for s in scopes:
@@ -151,26 +165,66 @@ async def cmd_usage(args: argparse.Namespace, settings: Settings, ledger: Ledger
     return 0
 
 
-def _worker(settings: Settings, ledger: Ledger) -> SettlementWorker:
+async def _evict(ctx: Ctx, ident: Identity) -> None:
+    """R9.2: a policy change takes effect at once in Redis. The embedded store of a running
+    gateway picks it up on its next settlement pass."""
+    if ctx.store is not None:
+        try:
+            await ctx.store.evict_policy(ident.team, ctx.settings.key_prefix)
+        except StoreUnavailable as exc:
+            print(
+                f"spendguard: policy saved, cache not evicted ({exc}); it expires in "
+                f"{ctx.settings.policy_ttl:g}s",
+                file=sys.stderr,
+            )
+
+
+def _worker(ctx: Ctx) -> SettlementWorker:
+    settings = ctx.settings
     coster = Coster(PriceTable.load(settings.prices), settings.unknown_model)
-    # No store: the embedded cache lives in the gateway, whose own worker heals it from the
-    # ledger on its next pass (it picks up records settled by anyone).
+    # Without Redis the cache lives in the gateway, whose own worker heals it from the ledger
+    # on its next pass (it picks up records settled by anyone).
     return SettlementWorker(
-        ledger, None, coster, key_prefix=settings.key_prefix, batch_size=settings.settle_batch
+        ctx.ledger,
+        ctx.store,
+        coster,
+        key_prefix=settings.key_prefix,
+        batch_size=settings.settle_batch,
     )
 
 
-async def cmd_settle(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
-    result = await _worker(settings, ledger).run_once()
+async def cmd_settle(args: argparse.Namespace, ctx: Ctx) -> int:
+    result = await _worker(ctx).run_once()
     data = {"settled": result.settled, "total_micros": result.total_micros}
     _emit(args, data, f"settled {result.settled} records (${_usd(result.total_micros)})")
     return 0
 
 
-async def cmd_worker(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
-    print(f"spendguard worker: settling every {settings.settle_interval}s (Ctrl-C stops)")
-    await _worker(settings, ledger).run(settings.settle_interval)
+async def cmd_worker(args: argparse.Namespace, ctx: Ctx) -> int:
+    interval = ctx.settings.settle_interval
+    print(f"spendguard worker: settling every {interval}s (Ctrl-C stops)")
+    await _worker(ctx).run(interval)
     return 0
+
+
+async def _cached(ctx: Ctx, ident: Identity, scopes: list[dict[str, Any]]) -> Any:
+    """Cached usage (settled + pending) of the policy-bearing scopes, when Redis is used."""
+    if ctx.store is None:
+        return None
+    keys = {}
+    for s in scopes:
+        if s["limit_micros"] is None:
+            continue
+        key = Identity(ident.team_id, s["api_key"]).api_key if s["api_key"] else None
+        scope = Scope.API_KEY if key else Scope.TEAM
+        field = policy_field(scope, Period(s["period"]), key)
+        name = f"{field}:{s['period_id']}"
+        keys[name] = usage_key(ctx.settings.key_prefix, ident.team, field, s["period_id"])
+    try:
+        values = await ctx.store.read_usage(list(keys.values()))
+    except StoreUnavailable as exc:
+        return {"error": str(exc)}
+    return {name: values[key] for name, key in keys.items()}
 
 
 def _policy_json(
@@ -229,13 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _run(args: argparse.Namespace, settings: Settings) -> int:
     ledger = Ledger(settings.database_url.get_secret_value())
+    store = make_store(settings) if settings.redis_url is not None else None
+    assert store is None or isinstance(store, RedisStore)
     await ledger.connect()
     try:
         await ledger.init_schema()
         handler: Handler = args.handler
-        return await handler(args, settings, ledger)
+        return await handler(args, Ctx(settings, ledger, store))
     finally:
         await ledger.disconnect()
+        if store is not None:
+            await store.aclose()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
