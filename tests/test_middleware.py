@@ -22,6 +22,7 @@ from support import Clock, Exploding, StateAuth, lifespan, write_unit_prices
 from spendguard import Settings, SpendGuard, SpendGuardMiddleware
 from spendguard.identity import Identity
 from spendguard.periods import Period
+from spendguard.store.base import Store
 from spendguard.store.memory import MemoryStore
 
 pytestmark = pytest.mark.anyio
@@ -72,14 +73,22 @@ def upstream() -> Starlette:
 
 
 class Gateway:
-    def __init__(self, tmp_path: Path, clock: Clock | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        clock: Any = None,
+        *,
+        store: Store | None = None,
+        database_url: str | None = None,
+        **settings: Any,
+    ) -> None:
         self.clock = clock or Clock()
         self.settings = Settings(
-            database_url=f"sqlite:///{tmp_path / 'ledger.db'}",
+            database_url=database_url or f"sqlite:///{tmp_path / 'ledger.db'}",
             prices=write_unit_prices(tmp_path),
             **settings,
         )
-        self.store = MemoryStore(clock=self.clock)
+        self.store: Any = store if store is not None else MemoryStore(clock=self.clock)
         self.guard = SpendGuard(self.settings, store=self.store, clock=self.clock)
         self.inner = upstream()
         self.app: ASGIApp = StateAuth(SpendGuardMiddleware(self.inner, guard=self.guard))

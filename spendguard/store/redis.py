@@ -19,9 +19,10 @@ from typing import Any, TypeVar
 import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
-from redis.retry import Retry
 
 from ..errors import ConfigurationError, StoreUnavailable
 from ..keys import Candidate, KeyPlan, policy_key
@@ -70,7 +71,11 @@ class RedisStore:
             # One quick retry on a fresh connection: after a server restart the pool's sockets
             # are dead, and the first command on each would otherwise fail.
             client = aioredis.Redis.from_url(
-                url, retry=Retry(NoBackoff(), 1), retry_on_timeout=False, **opts
+                url,
+                retry=Retry(NoBackoff(), 1),
+                # Only a broken connection is retried; a timeout is not (R5.4: bounded time).
+                retry_on_error=[RedisConnectionError],
+                **opts,
             )
         else:
             raise ConfigurationError(

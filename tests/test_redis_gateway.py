@@ -1,0 +1,277 @@
+"""The middleware on the Redis store, against real redis-server processes.
+
+Round trips on the hot path, miss recovery, fail modes (refused, hung), restarts and script
+flushes in the middle of traffic, the eviction-policy warning, cluster slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from redis_servers import RedisCluster, RedisServer
+from test_middleware import Gateway, chat_body
+
+from spendguard import Identity
+from spendguard.keys import plan
+from spendguard.periods import Period
+from spendguard.store.redis import RedisStore
+
+pytestmark = pytest.mark.anyio
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@pytest.fixture
+async def redis_gw(tmp_path: Path, redis_url: str) -> AsyncIterator[Gateway]:
+    store = RedisStore.from_url(redis_url, timeout=1.0)
+    async with Gateway(tmp_path, utc_now, store=store) as gateway:
+        yield gateway
+    await store.aclose()
+
+
+def data_commands(server: RedisServer) -> dict[str, int]:
+    stats = server.cli("INFO", "commandstats")
+    calls = {m[0]: int(m[1]) for m in re.findall(r"cmdstat_([a-z|]+):calls=(\d+)", stats)}
+    # Housekeeping from the test itself or the client, not the request's work.
+    return {k: v for k, v in calls.items() if k.split("|")[0] not in {"info", "config", "ping"}}
+
+
+class CountingDB:
+    """Counts every query the ledger sends through `databases`."""
+
+    def __init__(self, db: Any) -> None:
+        self.db, self.queries = db, 0
+        for name in ("execute", "execute_many", "fetch_all", "fetch_one", "fetch_val"):
+            real = getattr(db, name)
+
+            async def counted(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+                self.queries += 1
+                return await _real(*args, **kwargs)
+
+            setattr(db, name, counted)
+
+
+async def test_warm_inference_is_two_round_trips_and_no_sql(
+    redis_gw: Gateway, shared_redis: RedisServer
+) -> None:
+    await redis_gw.policy(Period.DAY, 10**9)
+    await redis_gw.policy(Period.MONTH, 10**9, key=None)
+    async with redis_gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200  # warm
+        await redis_gw.guard.recorder.flush()
+        submitted: list[Any] = []
+        redis_gw.guard.recorder.submit = submitted.append  # type: ignore[assignment,method-assign]
+        sql = CountingDB(redis_gw.guard.ledger._db)
+        client = redis_gw.store._client
+        sent: list[str] = []
+        real_execute = client.execute_command
+
+        async def counting(*args: Any, **kwargs: Any) -> Any:
+            sent.append(str(args[0]))
+            return await real_execute(*args, **kwargs)
+
+        client.execute_command = counting
+        shared_redis.cli("CONFIG", "RESETSTAT")
+        r = await c.post("/v1/chat/completions", json=chat_body())
+    assert r.status_code == 200
+    assert sent == ["EVALSHA", "EVALSHA"]  # round trips: one preflight, one postflight
+    assert data_commands(shared_redis)["evalsha"] == 2  # and the server saw exactly those
+    assert sql.queries == 0
+    assert len(submitted) == 1  # the record went to the background writer
+
+
+async def test_concurrent_misses_make_one_ledger_read(redis_gw: Gateway) -> None:
+    await redis_gw.policy(Period.DAY, 10**9)
+    loads = {"policies": 0, "aggregates": 0}
+    ledger = redis_gw.guard.ledger
+    real_p, real_a = ledger.load_policies, ledger.load_aggregates
+
+    async def slow_policies(*args: Any) -> Any:
+        loads["policies"] += 1
+        await anyio.sleep(0.05)
+        return await real_p(*args)
+
+    async def slow_aggregates(*args: Any) -> Any:
+        loads["aggregates"] += 1
+        await anyio.sleep(0.05)
+        return await real_a(*args)
+
+    ledger.load_policies = slow_policies  # type: ignore[method-assign]
+    ledger.load_aggregates = slow_aggregates  # type: ignore[method-assign]
+    statuses: list[int] = []
+    async with redis_gw.client() as c:
+
+        async def one() -> None:
+            statuses.append((await c.post("/v1/chat/completions", json=chat_body())).status_code)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(100):
+                tg.start_soon(one)
+    assert statuses == [200] * 100
+    assert loads == {"policies": 1, "aggregates": 1}
+
+
+async def test_no_aggregate_in_the_ledger_starts_at_zero(redis_gw: Gateway) -> None:
+    await redis_gw.policy(Period.DAY, 15)
+    async with redis_gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+        assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 429
+
+
+@pytest.mark.parametrize("mode", ["closed", "open"])
+async def test_refused_connection_fail_modes(tmp_path: Path, mode: str) -> None:
+    server = RedisServer().start()
+    url = server.url
+    server.stop()  # nothing listens on that port now: connections are refused
+    store = RedisStore.from_url(url, timeout=0.2)
+    async with Gateway(tmp_path, utc_now, store=store, fail_mode=mode) as gw, gw.client() as c:
+        r = await c.post("/v1/chat/completions", json=chat_body())
+        if mode == "closed":
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert len(gw.guard.outage) == 0
+        else:
+            assert r.status_code == 200
+            assert gw.guard.outage.spent(Identity("acme", "alpha")) == (1, 15)
+            await gw.guard.recorder.flush()
+            assert (await gw.guard.ledger.unsettled())[0] == 1  # recorded for settlement
+    await store.aclose()
+
+
+async def test_fail_open_tracker_is_bounded(tmp_path: Path) -> None:
+    server = RedisServer().start()
+    url = server.url
+    server.stop()
+    store = RedisStore.from_url(url, timeout=0.2)
+    async with (
+        Gateway(tmp_path, utc_now, store=store, fail_mode="open", fail_open_max_keys=1) as gw,
+        gw.client() as c,
+    ):
+        first = await c.post("/v1/chat/completions", json=chat_body())
+        other = await c.post(
+            "/v1/chat/completions", json=chat_body(), headers={"x-test-key": "beta"}
+        )
+    assert first.status_code == 200 and other.status_code == 503
+    await store.aclose()
+
+
+@pytest.mark.parametrize("mode", ["closed", "open"])
+async def test_hung_redis_costs_at_most_the_timeout(
+    tmp_path: Path, redis_server: RedisServer, mode: str
+) -> None:
+    store = RedisStore.from_url(redis_server.url, timeout=0.2)
+    async with Gateway(tmp_path, utc_now, store=store, fail_mode=mode) as gw:
+        await gw.policy(Period.DAY, 10**9)
+        async with gw.client() as c:
+            assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+            redis_server.pause()
+            try:
+                started = time.monotonic()
+                r = await c.post("/v1/chat/completions", json=chat_body())
+                elapsed = time.monotonic() - started
+            finally:
+                redis_server.resume()
+        assert r.status_code == (503 if mode == "closed" else 200)
+        # Bounded by the timeout (0.2 s per call), not by the hang: generous margin for CI.
+        assert elapsed < 2.0
+    await store.aclose()
+
+
+async def test_restart_and_script_flush_mid_traffic(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    store = RedisStore.from_url(redis_server.url, timeout=1.0)
+    async with Gateway(tmp_path, utc_now, store=store) as gw:
+        await gw.policy(Period.DAY, 10**9)
+        statuses: list[int] = []
+        async with gw.client() as c:
+
+            async def burst(n: int) -> None:
+                for _ in range(n):
+                    statuses.append(
+                        (await c.post("/v1/chat/completions", json=chat_body())).status_code
+                    )
+
+            await burst(5)
+            await gw.settle()
+            redis_server.cli("SCRIPT", "FLUSH")
+            await burst(5)
+            redis_server.restart()  # every key and script is gone; pooled sockets are dead
+            await burst(5)
+        assert statuses == [200] * 15
+        # The keys lost in the restart were rebuilt from the ledger: settled 5 requests, plus
+        # pending estimates of the 10 after it that were not settled.
+        day = plan("quota", Identity("acme", "alpha"), utc_now(), timedelta(days=2))
+        key = next(c.usage_key for c in day.candidates if c.field == "api_key:alpha:day")
+        cached = (await store.read_usage([key]))[key]
+        await gw.settle()
+        assert cached is not None and 5 * 15 <= cached <= 15 * 15
+        assert (await store.read_usage([key]))[key] == await gw.guard.ledger.charges_total()
+    await store.aclose()
+
+
+async def test_eviction_policy_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with RedisServer(extra_args=["--maxmemory-policy", "allkeys-lru"]) as server:
+        store = RedisStore.from_url(server.url)
+        caplog.set_level(logging.WARNING, "spendguard.store")
+        async with Gateway(tmp_path, utc_now, store=store):
+            pass
+        assert "allkeys-lru" in caplog.text and "noeviction" in caplog.text
+        await store.aclose()
+
+
+async def test_cluster_keys_of_a_request_share_the_team_slot(redis_cluster: RedisCluster) -> None:
+    hostile = ["acme", "a{b}", "}{", "a:b", "a\nb", "", "x" * 10_000, "é", "e\u0301"]
+    for raw in hostile:
+        team = raw or "empty-key-only"
+        for key in (raw or None, "k"):
+            p = plan("quota", Identity(team, key), utc_now(), timedelta(days=2))
+            slots = {
+                redis_cluster.slot_of(k)
+                for k in [p.policy_key, *(c.usage_key for c in p.candidates)]
+            }
+            assert len(slots) == 1, (raw, slots)
+
+
+async def test_cluster_gateway_end_to_end(tmp_path: Path, redis_cluster: RedisCluster) -> None:
+    redis_cluster.flushall()
+    store = RedisStore.from_url(redis_cluster.url, timeout=2.0)
+    async with Gateway(tmp_path, utc_now, store=store) as gw:
+        await gw.policy(Period.DAY, 30)
+        async with gw.client() as c:
+            codes = [
+                (await c.post("/v1/chat/completions", json=chat_body())).status_code
+                for _ in range(3)
+            ]
+        assert codes == [200, 200, 429]
+        await gw.settle()
+        assert await gw.aggregates() == {("alpha", "day", utc_now().strftime("%Y%m%d")): 30}
+    await store.aclose()
+
+
+def test_bad_redis_url_fails_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spendguard.errors import ConfigurationError
+    from spendguard.settings import load_settings
+
+    monkeypatch.setenv("SPENDGUARD_REDIS_URL", "memcached://localhost")
+    with pytest.raises(ConfigurationError, match="SPENDGUARD_REDIS_URL"):
+        load_settings()
+
+
+async def test_redis_url_switches_the_middleware_store(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, tmp_path: Path
+) -> None:
+    from spendguard import Settings, SpendGuard
+
+    guard = SpendGuard(Settings(redis_url=redis_url, database_url=f"sqlite:///{tmp_path}/x.db"))
+    assert isinstance(guard.store, RedisStore)
+    await guard.store.aclose()
