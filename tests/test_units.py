@@ -22,7 +22,7 @@ from spendguard.singleflight import SingleFlight
         ("SPENDGUARD_KEY_PREFIX", "a{b}", "SPENDGUARD_KEY_PREFIX"),
         ("SPENDGUARD_DATABASE_URL", "mysql://x", "SPENDGUARD_DATABASE_URL"),
         ("SPENDGUARD_ROUTES", "v1/chat", "SPENDGUARD_ROUTES"),
-        ("SPENDGUARD_REDIS_URL", "redis://127.0.0.1:6379", "SPENDGUARD_REDIS_URL"),
+        ("SPENDGUARD_REDIS_URL", "http://127.0.0.1:6379", "SPENDGUARD_REDIS_URL"),
         ("SPENDGUARD_PRICES", "/nonexistent/prices.json", "SPENDGUARD_PRICES"),
         ("SPENDGUARD_UNKNOWN_MODEL", "guess", "SPENDGUARD_UNKNOWN_MODEL"),
     ],
