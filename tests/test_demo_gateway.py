@@ -64,16 +64,7 @@ def gateway(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError((tmp_path / "gateway.log").read_text())
-            time.sleep(0.1)
+        wait_healthy(base, proc, tmp_path / "gateway.log")
         yield base
     finally:
         proc.terminate()
@@ -81,6 +72,19 @@ def gateway(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
         log.close()
     # Graceful shutdown ran the middleware's lifespan to the end (records flushed).
     assert "Application shutdown complete" in (tmp_path / "gateway.log").read_text()
+
+
+def wait_healthy(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(log.read_text())
+        time.sleep(0.1)
 
 
 def cli(env: dict[str, str], *args: str) -> Any:

@@ -1,0 +1,157 @@
+"""Two gateway processes, one Redis, one PostgreSQL: 200 concurrent requests against one key.
+
+The cached usage must equal the sum of the estimates before settlement and the sum of the
+exact charges after it, to the micro-USD.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from conftest import _truncate_pg
+from test_demo_gateway import ROOT, free_port, wait_healthy
+
+from spendguard import Identity
+from spendguard.keys import plan
+from spendguard.ledger import Ledger
+from spendguard.store.redis import RedisStore
+
+
+@pytest.fixture
+def env(postgres_url: str, redis_url: str) -> dict[str, str]:
+    _truncate_pg(postgres_url)
+    out = {k: v for k, v in os.environ.items() if not k.startswith("SPENDGUARD_")}
+    out.update(
+        SPENDGUARD_DATABASE_URL=postgres_url,
+        SPENDGUARD_REDIS_URL=redis_url,
+        SPENDGUARD_RUN_WORKER="false",  # settle only when the test says so
+        SPENDGUARD_SETTLE_INTERVAL="3600",
+        SPENDGUARD_REDIS_TIMEOUT="2",
+        PYTHONPATH=str(ROOT),
+    )
+    return out
+
+
+@pytest.fixture
+def gateways(env: dict[str, str], tmp_path: Path) -> Iterator[list[str]]:
+    procs, bases = [], []
+    try:
+        for n in range(2):
+            port = free_port()
+            log = (tmp_path / f"gw{n}.log").open("w")
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "uvicorn", "examples.gateway:app", "--port", str(port)],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            bases.append(f"http://127.0.0.1:{port}")
+        for base, proc, n in zip(bases, procs, range(2), strict=True):
+            wait_healthy(base, proc, tmp_path / f"gw{n}.log")
+        yield bases
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=20)  # graceful: each flushes its record buffer
+
+
+def cli(env: dict[str, str], *args: str) -> Any:
+    done = subprocess.run(
+        [sys.executable, "-m", "spendguard.cli", *args, "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_two_gateways_200_concurrent_requests_one_key(
+    gateways: list[str], env: dict[str, str], postgres_url: str, redis_url: str
+) -> None:
+    cli(
+        env,
+        "policy",
+        "set",
+        "--team",
+        "acme",
+        "--api-key",
+        "alpha",
+        "--period",
+        "day",
+        "--limit-usd",
+        "1000",
+    )
+    cli(env, "policy", "set", "--team", "acme", "--period", "month", "--limit-usd", "1000")
+
+    async def fire() -> list[int]:
+        statuses: list[int] = []
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+
+            async def one(i: int) -> None:
+                body: dict[str, Any] = {
+                    "model": "gpt-4o-mini",
+                    "messages": [{"role": "user", "content": "x" * (i % 37)}],
+                }
+                if i % 3 == 1:
+                    body.update(stream=True, stream_options={"include_usage": True})
+                elif i % 3 == 2:
+                    body.update(stream=True)  # no usage: estimated
+                r = await client.post(
+                    f"{gateways[i % 2]}/v1/chat/completions",
+                    json=body,
+                    headers={"authorization": "Bearer sk-demo-alpha"},
+                )
+                statuses.append(r.status_code)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(200):
+                    tg.start_soon(one, i)
+        return statuses
+
+    assert anyio.run(fire) == [200] * 200
+
+    async def check() -> None:
+        store = RedisStore.from_url(redis_url, timeout=2)
+        ledger = Ledger(postgres_url)
+        await ledger.connect()
+        p = plan("quota", Identity("acme", "alpha"), datetime.now(UTC), timedelta(days=2))
+        keys = [c.usage_key for c in p.candidates if c.field in ("api_key:alpha:day", "team:month")]
+        try:
+            with anyio.fail_after(20):
+                while (await ledger.unsettled())[0] < 200:  # the writers flush in the background
+                    await anyio.sleep(0.1)
+            count, estimates = await ledger.unsettled()
+            assert count == 200
+            cached = await store.read_usage(keys)
+            assert set(cached.values()) == {estimates}  # before settlement: sum of estimates
+
+            result = cli(env, "settle")
+            assert result["settled"] == 200
+            charges = await ledger.charges_total("acme")
+            cached = await store.read_usage(keys)
+            assert set(cached.values()) == {charges}  # after: sum of exact charges
+            assert await ledger.unsettled() == (0, 0)
+        finally:
+            await ledger.disconnect()
+            await store.aclose()
+
+    anyio.run(check)
