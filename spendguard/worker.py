@@ -16,10 +16,10 @@ from anyio.abc import TaskStatus
 
 from .costing import Coster
 from .errors import LedgerUnavailable, SpendGuardError
-from .keys import usage_key
-from .ledger import Ledger, RecordRow, Settlement
+from .keys import parse_field, usage_key
+from .ledger import Ledger, RecordRow, SettledRecord, Settlement
 from .periods import Period, period_id, to_micros, utcnow
-from .store.base import Store
+from .store.base import RefreshEntry, Store
 from .usage import Usage
 
 log = logging.getLogger("spendguard.worker")
@@ -77,23 +77,23 @@ class SettlementWorker:
 
     async def run_once(self) -> PassResult:
         result = PassResult()
-        settled_ids: dict[str, dict[str, bool]] = {}
+        settled: dict[str, dict[str, SettledRecord]] = {}
         for _ in range(_MAX_BATCHES_PER_PASS if self._settle else 0):
             batch: Settlement = await self._ledger.settle(self._batch, self._price, self._clock())
             result.settled += batch.charged
             result.total_micros += batch.total_micros
             result.estimate_error_micros += batch.estimate_error_micros
-            for team, ids in batch.record_ids.items():
-                settled_ids.setdefault(team, {}).update(ids)
+            for team, recs in batch.records.items():
+                settled.setdefault(team, {}).update((r.id, r) for r in recs)
             if batch.charged < self._batch:
                 break
         if self._store is not None:
             await self._evict_changed_policies()
             others, newest = await self._ledger.settled_since(self._settled_mark - _OVERLAP_US)
             self._settled_mark = max(self._settled_mark, newest)
-            for team, ids in others.items():
-                settled_ids.setdefault(team, {}).update(ids)
-            await self._refresh(settled_ids, result)
+            for team, recs in others.items():
+                settled.setdefault(team, {}).update((r.id, r) for r in recs)
+            await self._refresh(settled, result)
         return result
 
     async def _evict_changed_policies(self) -> None:
@@ -106,21 +106,40 @@ class SettlementWorker:
             except SpendGuardError as exc:
                 log.warning("spendguard could not evict the policy cache of %s: %s", team, exc)
 
-    async def _refresh(self, settled_ids: dict[str, dict[str, bool]], result: PassResult) -> None:
+    async def _refresh(
+        self, settled: dict[str, dict[str, SettledRecord]], result: PassResult
+    ) -> None:
         """Refresh the current periods of every team with policies, new charges or not (R7.4):
         a refresh lost to a crash or a store error heals on the next pass. Closed periods are
-        left to the ledger (R7.5)."""
+        left to the ledger (R7.5). Each key only hears of the records that could be in it."""
         assert self._store is not None
         now = self._clock()
         day, month = period_id(Period.DAY, now), period_id(Period.MONTH, now)
         rows = await self._ledger.policy_aggregates(day, month)
         for team, entries in rows.items():
-            settled = {usage_key(self._prefix, team, f, pid): v for f, pid, v in entries}
-            ids = settled_ids.get(team, {})
-            applied = [rid for rid, unknown in ids.items() if not unknown]
-            unknown = [rid for rid, is_unknown in ids.items() if is_unknown]
+            recs = settled.get(team, {}).values()
+            refresh = []
+            for field, pid, value in entries:
+                parsed = parse_field(field)
+                if parsed is None:
+                    continue
+                _, key, period = parsed
+                mine = [
+                    r
+                    for r in recs
+                    if (key is None or r.api_key == key)
+                    and (r.day_id if period is Period.DAY else r.month_id) == pid
+                ]
+                refresh.append(
+                    RefreshEntry(
+                        usage_key(self._prefix, team, field, pid),
+                        value,
+                        applied=tuple(r.id for r in mine if not r.unknown),
+                        unknown=tuple(r.id for r in mine if r.unknown),
+                    )
+                )
             try:
-                await self._store.refresh(settled, applied, unknown)
+                await self._store.refresh(refresh)
                 result.teams_refreshed += 1
             except SpendGuardError as exc:
                 # The DB is committed; a failed refresh must not undo it (R7.4).

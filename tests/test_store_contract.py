@@ -17,7 +17,7 @@ from spendguard.errors import StoreFull
 from spendguard.identity import Identity
 from spendguard.keys import KeyPlan, plan
 from spendguard.periods import Period, period_end
-from spendguard.store.base import Outcome, Store, UsageFill
+from spendguard.store.base import Outcome, RefreshEntry, Store, UsageFill
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
 
@@ -178,11 +178,11 @@ async def test_refresh_replaces_settled_and_drops_each_estimate_once(harness: Ha
     await harness.store.postflight("r1", 30, [day])
     await harness.store.postflight("r2", 50, [day])
     # r1 settled at an exact charge of 32: settled 100 -> 132, pending keeps only r2.
-    await harness.store.refresh({day: 132}, ["r1"])
+    await harness.store.refresh([RefreshEntry(day, 132, ("r1",))])
     assert await harness.store.read_usage([day]) == {day: 182}
-    await harness.store.refresh({day: 132}, ["r1"])  # idempotent
+    await harness.store.refresh([RefreshEntry(day, 132, ("r1",))])  # idempotent
     assert await harness.store.read_usage([day]) == {day: 182}
-    await harness.store.refresh({day: 132}, ["never-applied"])  # nothing to subtract
+    await harness.store.refresh([RefreshEntry(day, 132, ("never-applied",))])  # nothing to subtract
     assert await harness.store.read_usage([day]) == {day: 182}
 
 
@@ -191,19 +191,33 @@ async def test_unknown_postflight_outcome_never_leaves_an_estimate_behind(harnes
     await warm(harness, p, {"api_key:alpha:day": 10_000})
     day = usage_key(p, "api_key:alpha:day")
     # Settled while its postflight was still "unknown"; the postflight lands afterwards.
-    await harness.store.refresh({day: 25}, [], ["late"])
+    await harness.store.refresh([RefreshEntry(day, 25, (), ("late",))])
     assert await harness.store.postflight("late", 25, [day]) == 0
     assert await harness.store.read_usage([day]) == {day: 25}
     # Unknown but in fact applied before the refresh: its marker goes, exactly once.
     await harness.store.postflight("early", 9, [day])
-    await harness.store.refresh({day: 34}, [], ["early"])
-    await harness.store.refresh({day: 34}, [], ["early"])
+    await harness.store.refresh([RefreshEntry(day, 34, (), ("early",))])
+    await harness.store.refresh([RefreshEntry(day, 34, (), ("early",))])
     assert await harness.store.read_usage([day]) == {day: 34}
+
+
+async def test_refresh_never_lowers_settled(harness: Harness) -> None:
+    p = keys_for(harness)
+    await warm(harness, p, {"api_key:alpha:day": 10_000}, settled=100)
+    day = usage_key(p, "api_key:alpha:day")
+    await harness.store.postflight("r2", 7, [day])
+    await harness.store.refresh([RefreshEntry(day, 300, ("r1",))])  # worker B, newer read
+    await harness.store.refresh([RefreshEntry(day, 200, ("r0",))])  # worker A, older read
+    assert await harness.store.read_usage([day]) == {day: 307}
+    # Exact beyond 2**53: decimal strings compared by length, then lexically.
+    await harness.store.refresh([RefreshEntry(day, 2**53 + 1)])
+    await harness.store.refresh([RefreshEntry(day, 2**53)])
+    assert await harness.store.read_usage([day]) == {day: 2**53 + 1 + 7}
 
 
 async def test_refresh_does_not_create_absent_keys(harness: Harness) -> None:
     day = usage_key(keys_for(harness), "api_key:alpha:day")
-    await harness.store.refresh({day: 500}, ["r1"])
+    await harness.store.refresh([RefreshEntry(day, 500, ("r1",))])
     assert await harness.store.read_usage([day]) == {day: None}
 
 
@@ -245,7 +259,7 @@ async def test_overwrites_keep_the_ttl(harness: Harness) -> None:
     await warm(harness, p, {"api_key:alpha:day": 1000})
     day = usage_key(p, "api_key:alpha:day")
     await harness.store.postflight("r1", 5, [day])
-    await harness.store.refresh({day: 3}, ["r1"])
+    await harness.store.refresh([RefreshEntry(day, 3, ("r1",))])
     await harness.advance(0.8)
     assert await harness.store.read_usage([day]) == {day: None}
 

@@ -1,3 +1,3 @@
-from .ledger import Ledger, PolicyRow, RecordRow, Settlement, SpendRow
+from .ledger import Ledger, PolicyRow, RecordRow, SettledRecord, Settlement, SpendRow
 
-__all__ = ["Ledger", "PolicyRow", "RecordRow", "Settlement", "SpendRow"]
+__all__ = ["Ledger", "PolicyRow", "RecordRow", "SettledRecord", "Settlement", "SpendRow"]

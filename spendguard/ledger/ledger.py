@@ -61,14 +61,24 @@ class RecordRow:
     postflight: str
 
 
+@dataclass(frozen=True, slots=True)
+class SettledRecord:
+    """What a cache refresh needs to know of a settled record: which keys it touched."""
+
+    id: str
+    api_key: str | None
+    day_id: str
+    month_id: str
+    unknown: bool  # its postflight outcome was unknown
+
+
 @dataclass(slots=True)
 class Settlement:
     """What one settlement transaction committed."""
 
     charged: int = 0  # records settled
     total_micros: int = 0
-    # team -> {record id: whether its postflight outcome was unknown}
-    record_ids: dict[str, dict[str, bool]] = field(default_factory=dict)
+    records: dict[str, list[SettledRecord]] = field(default_factory=dict)  # by team
     estimate_error_micros: int = 0  # sum of (charge - estimate)
 
 
@@ -129,6 +139,20 @@ class Ledger:
                 records.update().where(sa.false()).values(settled=records.c.settled)
             )
 
+    async def _lock_teams(self, teams: Iterable[str]) -> None:
+        """On PostgreSQL, serialise policy changes and settlements of the same team.
+
+        Without it a settlement that read "no policy" and a policy activation that summed the
+        charges committed so far can both miss the settlement's charges (READ COMMITTED).
+        Locks are taken in sorted order, so two settlements never deadlock. SQLite already
+        serialises writers (see ``_lock_for_write``).
+        """
+        if self.is_postgres:
+            for team in sorted(set(teams)):
+                await self._db.execute(
+                    sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtextextended(team, 0)))
+                )
+
     async def init_schema(self) -> None:
         """Create the tables and indexes if they are missing (idempotent, safe at every start)."""
         dialect = self._db._backend._dialect
@@ -170,6 +194,7 @@ class Ledger:
         key = api_key or ""
         async with self._guard("policy write"), self._db.transaction():
             await self._lock_for_write()
+            await self._lock_teams([team])
             existing = await self._db.fetch_one(
                 sa.select(policies.c.active).where(
                     policies.c.team == team, policies.c.api_key == key, policies.c.period == period
@@ -361,6 +386,7 @@ class Ledger:
             if not rows:
                 return out
             teams = sorted({r.team for r in rows})
+            await self._lock_teams(teams)
             active = await self._db.fetch_all(
                 sa.select(policies.c.team, policies.c.api_key, policies.c.period).where(
                     policies.c.team.in_(teams), policies.c.active == sa.true()
@@ -395,7 +421,9 @@ class Ledger:
                 out.charged += 1
                 out.total_micros += amount
                 out.estimate_error_micros += amount - rec.estimate_micros
-                out.record_ids.setdefault(rec.team, {})[rec.id] = rec.postflight == "unknown"
+                out.records.setdefault(rec.team, []).append(
+                    SettledRecord(rec.id, rec.api_key, day, month, rec.postflight == "unknown")
+                )
 
             for start in range(0, len(charge_rows), _ROWS_PER_INSERT):
                 await self._db.execute(
@@ -473,23 +501,29 @@ class Ledger:
             out[team].append((policy_field(scope, period, key or None), pid, int(settled or 0)))
         return dict(out)
 
-    async def settled_since(self, since_us: int) -> tuple[dict[str, dict[str, bool]], int]:
-        """Records settled (by any worker) at or after ``since_us``, by team, with whether
-        their postflight outcome was unknown, and the newest settlement time seen: every
-        process's cache drops those records' markers."""
+    async def settled_since(self, since_us: int) -> tuple[dict[str, list[SettledRecord]], int]:
+        """Records settled (by any worker) at or after ``since_us``, by team, and the newest
+        settlement time seen: every process's cache drops those records' markers."""
         query = (
             sa.select(
-                charges.c.team, charges.c.record_id, charges.c.settled_us, records.c.postflight
+                charges.c.team,
+                charges.c.record_id,
+                charges.c.api_key,
+                charges.c.day_id,
+                charges.c.month_id,
+                charges.c.settled_us,
+                records.c.postflight,
             )
             .select_from(charges.join(records, records.c.id == charges.c.record_id))
             .where(charges.c.settled_us >= since_us)
         )
-        out: dict[str, dict[str, bool]] = defaultdict(dict)
+        out: dict[str, list[SettledRecord]] = defaultdict(list)
         newest = since_us
         async with self._guard("charge read"):
-            for team, rid, settled_us, status in _tuples(await self._db.fetch_all(query)):
-                out[team][rid] = status == "unknown"
-                newest = max(newest, int(settled_us))
+            rows = _tuples(await self._db.fetch_all(query))
+        for team, rid, key, day, month, settled_us, status in rows:
+            out[team].append(SettledRecord(rid, key or None, day, month, status == "unknown"))
+            newest = max(newest, int(settled_us))
         return dict(out), newest
 
     async def policies_changed_since(self, since_us: int) -> tuple[list[str], int]:

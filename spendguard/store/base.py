@@ -56,6 +56,14 @@ class Preflight:
 
 
 @dataclass(frozen=True, slots=True)
+class RefreshEntry:
+    usage_key: str
+    settled: int
+    applied: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class UsageFill:
     usage_key: str
     settled: int
@@ -111,17 +119,14 @@ class Store(Protocol):
         """Add ``amount`` to the existing ``usage_keys`` once; returns how many were charged."""
         ...
 
-    async def refresh(
-        self,
-        settled: Mapping[str, int],
-        record_ids: Sequence[str],
-        unknown_ids: Sequence[str] = (),
-    ) -> None:
-        """Settlement's cache refresh for one team's keys (keys absent stay absent).
+    async def refresh(self, entries: Sequence[RefreshEntry]) -> None:
+        """Settlement's cache refresh for one team's keys (absent keys stay absent).
 
-        ``record_ids``: settled records whose postflight was applied (their markers go).
-        ``unknown_ids``: settled records whose postflight outcome was unknown; where they have
-        no marker a tombstone is left, so a postflight landing later adds nothing.
+        Per key: raise ``settled`` to the ledger's aggregate (never lower it: aggregates only
+        grow, and a late refresh from an older read must not undo a newer one); drop the
+        markers of ``applied`` records, subtracting each marker's estimate; for ``unknown``
+        records (postflight outcome unknown) drop the marker if there is one, else leave a
+        tombstone so a postflight landing later adds nothing.
         """
         ...
 

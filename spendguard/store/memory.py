@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from ..errors import StoreFull
 from ..keys import LOADED_FIELD, Candidate, KeyPlan, policy_key
 from ..periods import utcnow
-from .base import Outcome, Preflight, UsageFill, decide
+from .base import Outcome, Preflight, RefreshEntry, UsageFill, decide
 
 
 @dataclass(slots=True)
@@ -125,30 +125,21 @@ class MemoryStore:
             applied += 1
         return applied
 
-    async def refresh(
-        self,
-        settled: Mapping[str, int],
-        record_ids: Sequence[str],
-        unknown_ids: Sequence[str] = (),
-    ) -> None:
-        for value in settled.values():
-            _check_amount(value)
+    async def refresh(self, entries: Sequence[RefreshEntry]) -> None:
+        for entry in entries:
+            _check_amount(entry.settled)
         now = self._clock()
-        for key, value in settled.items():
-            usage = self._live_usage(key, now)
+        for entry in entries:
+            usage = self._live_usage(entry.usage_key, now)
             if usage is None:
                 continue
-            for rid in record_ids:
+            for rid in (*entry.applied, *entry.unknown):
                 estimate = usage.markers.pop(rid, None)
                 if estimate is not None:
                     usage.pending -= estimate
-            for rid in unknown_ids:
-                estimate = usage.markers.pop(rid, None)
-                if estimate is not None:
-                    usage.pending -= estimate
-                else:
+                elif rid in entry.unknown:
                     usage.tombstones.add(rid)
-            usage.settled = value
+            usage.settled = max(usage.settled, entry.settled)
 
     async def evict_policy(self, team: str, prefix: str) -> None:
         self._policies.pop(policy_key(prefix, team), None)

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from ..errors import ConfigurationError, StoreUnavailable
 from ..keys import Candidate, KeyPlan, policy_key
-from .base import Outcome, Preflight, UsageFill, decide
+from .base import Outcome, Preflight, RefreshEntry, UsageFill, decide
 
 log = logging.getLogger("spendguard.store")
 
@@ -139,18 +139,14 @@ class RedisStore:
         applied = await self._script("postflight", usage_keys, [record_id, _uint(amount)])
         return int(applied)
 
-    async def refresh(
-        self,
-        settled: Mapping[str, int],
-        record_ids: Sequence[str],
-        unknown_ids: Sequence[str] = (),
-    ) -> None:
-        if not settled:
+    async def refresh(self, entries: Sequence[RefreshEntry]) -> None:
+        if not entries:
             return
-        keys = list(settled)
-        args = [_uint(settled[k]) for k in keys]
-        args += [str(len(record_ids)), *record_ids, *unknown_ids]
-        await self._script("refresh", keys, args)
+        args: list[str] = []
+        for e in entries:
+            args += [_uint(e.settled), str(len(e.applied)), str(len(e.unknown))]
+            args += [*e.applied, *e.unknown]
+        await self._script("refresh", [e.usage_key for e in entries], args)
 
     async def evict_policy(self, team: str, prefix: str) -> None:
         await self._call(lambda: self._client.delete(policy_key(prefix, team)))

@@ -1,39 +1,52 @@
 -- Settlement's cache refresh (R7.3/R7.4) for one team's usage keys.
 --
--- KEYS[i]        usage hash i (absent keys stay absent: the next preflight loads them)
--- ARGV[i]        the ledger's settled aggregate for KEYS[i], i = 1..#KEYS
--- ARGV[#KEYS+1]  m = number of settled record ids whose postflight was applied, then m ids
--- then           ids of settled records whose postflight outcome was unknown
+-- KEYS[k]  usage hash k (absent keys stay absent: the next preflight loads them)
+-- ARGV     per key, in KEYS order: settled, a, u, then a record ids whose postflight was
+--          applied, then u record ids whose postflight outcome was unknown
 --
--- For every settled record, remove its marker and subtract the estimate the marker holds;
--- then replace the settled part. Running it twice subtracts nothing twice. A record whose
--- postflight outcome was unknown gets a tombstone where it has no marker, so a postflight
--- that lands after this refresh cannot leave its estimate behind for good.
-local nkeys = #KEYS
-for i = 1, nkeys do
-  local v = ARGV[i]
-  if type(v) ~= 'string' or #v == 0 or #v > 18 or not string.match(v, '^%d+$') then
-    return redis.error_reply('spendguard refresh: bad settled value')
+-- For every settled record, remove its marker and subtract the estimate the marker holds, then
+-- raise the settled part to the ledger's aggregate. Aggregates only grow, so a refresh that
+-- arrives late (another worker's, from an older read) never lowers it. Running it twice
+-- subtracts nothing twice. A record whose postflight outcome was unknown gets a tombstone where
+-- it has no marker, so a postflight landing after this refresh cannot leave its estimate behind.
+local function is_uint(v)
+  return type(v) == 'string' and #v > 0 and #v <= 18 and string.match(v, '^%d+$') ~= nil
+end
+-- Validate the whole layout before the first write (Lua has no rollback).
+local pos = 1
+for k = 1, #KEYS do
+  local settled, a, u = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2]
+  if not (is_uint(settled) and is_uint(a) and is_uint(u)) then
+    return redis.error_reply('spendguard refresh: bad entry header')
   end
+  pos = pos + 3 + tonumber(a) + tonumber(u)
 end
-local m = tonumber(ARGV[nkeys + 1])
-if m == nil or m < 0 or nkeys + 1 + m > #ARGV then
-  return redis.error_reply('spendguard refresh: bad record count')
+if pos ~= #ARGV + 1 then
+  return redis.error_reply('spendguard refresh: argument count')
 end
-for k = 1, nkeys do
+
+pos = 1
+for k = 1, #KEYS do
   local key = KEYS[k]
+  local settled, a, u = ARGV[pos], tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
+  local first = pos + 3
+  pos = first + a + u
   if redis.call('EXISTS', key) == 1 then
-    for i = nkeys + 2, #ARGV do
+    for i = first, first + a + u - 1 do
       local marker = 'r:' .. ARGV[i]
       local estimate = redis.call('HGET', key, marker)
       if estimate then
         redis.call('HDEL', key, marker)
         redis.call('HINCRBY', key, 'p', '-' .. estimate)
-      elseif i > nkeys + 1 + m then
+      elseif i >= first + a then
         redis.call('HSET', key, 'd:' .. ARGV[i], '1')
       end
     end
-    redis.call('HSET', key, 's', ARGV[k])
+    local current = redis.call('HGET', key, 's')
+    -- Compare as decimal strings of equal length: exact beyond 2^53, unlike tonumber.
+    if not current or #settled > #current or (#settled == #current and settled > current) then
+      redis.call('HSET', key, 's', settled)
+    end
   end
 end
 return 1
