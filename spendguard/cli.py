@@ -27,6 +27,7 @@ from .money import micros_to_usd, usd_to_micros
 from .periods import Period, period_id, utcnow
 from .pricing import PriceTable
 from .settings import Settings, load_settings
+from .store.base import RefreshEntry
 from .store.redis import RedisStore
 from .worker import SettlementWorker
 
@@ -78,7 +79,7 @@ async def cmd_policy_set(args: argparse.Namespace, ctx: Ctx) -> int:
         period=Period(args.period),
         limit_micros=limit,
     )
-    await _evict(ctx, ident)
+    await _evict(ctx, ident, row.period)
     data = _policy_json(row.team_id, row.api_key_id, row.period, row.limit_micros)
     who = f"team {row.team_id}" + (f" key {row.api_key_id}" if row.api_key_id else "")
     _emit(args, data, f"policy set: {who} {row.period.value} limit ${_usd(row.limit_micros)}")
@@ -165,12 +166,24 @@ async def cmd_usage(args: argparse.Namespace, ctx: Ctx) -> int:
     return 0
 
 
-async def _evict(ctx: Ctx, ident: Identity) -> None:
+async def _evict(ctx: Ctx, ident: Identity, period: Period | None = None) -> None:
     """R9.2: a policy change takes effect at once in Redis. The embedded store of a running
-    gateway picks it up on its next settlement pass."""
+    gateway picks it up on its next settlement pass.
+
+    A (re)activated limit's usage key may still hold a stale value from before (it outlives
+    a removed policy): it is raised to the aggregate the activation just rebuilt.
+    """
     if ctx.store is not None:
         try:
             await ctx.store.evict_policy(ident.team, ctx.settings.key_prefix)
+            if period is not None:
+                pid = period_id(period, utcnow())
+                wanted = (ident.api_key, period, pid)
+                agg = (await ctx.ledger.load_aggregates(ident.team, [wanted]))[wanted]
+                scope = Scope.API_KEY if ident.api_key else Scope.TEAM
+                field = policy_field(scope, period, ident.api_key)
+                key = usage_key(ctx.settings.key_prefix, ident.team, field, pid)
+                await ctx.store.refresh([RefreshEntry(key, agg)])
         except StoreUnavailable as exc:
             print(
                 f"spendguard: policy saved, cache not evicted ({exc}); it expires in "

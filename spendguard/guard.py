@@ -125,8 +125,10 @@ class SpendGuard:
             return
         async with self._connect_lock:
             if not self.ledger.connected:
-                await self.ledger.connect()
-                await self.ledger.init_schema()
+                # Bounded: without a lifespan this runs on a request (TimeoutError -> 503).
+                with anyio.fail_after(self.settings.db_timeout):
+                    await self.ledger.connect()
+                    await self.ledger.init_schema()
 
     async def start(
         self, *, task_group: TaskGroup | None = None, worker: bool | None = None
@@ -332,8 +334,9 @@ class SpendGuard:
             # but durably, instead of leaving the record in a queue nobody drains.
             try:
                 await self._ensure_connected()
-                await self.recorder.flush()
-            except LedgerUnavailable as exc:
+                with anyio.fail_after(self.settings.db_timeout):
+                    await self.recorder.flush()
+            except (LedgerUnavailable, TimeoutError) as exc:
                 log.error("spendguard could not write record %s: %s", record.id, exc)
         return record
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import HTTPConnection
+
+log = logging.getLogger("spendguard")
 
 # Characters an encoded id may contain as themselves. Everything else (including `%`, `~`,
 # `{`, `}`, `:` and whitespace) is percent-encoded from its UTF-8 bytes, which keeps the
@@ -102,10 +105,13 @@ async def resolve(resolver: IdentityResolver | None, conn: HTTPConnection) -> Id
     """Run a sync or async resolver; anything that is not a usable identity counts as none."""
     if resolver is None:
         return from_auth_state(conn)
-    value = resolver(conn)
-    if inspect.isawaitable(value):
-        value = await value
     try:
+        value = resolver(conn)
+        if inspect.isawaitable(value):
+            value = await value
         return _coerce(value)
-    except ValueError:
+    except Exception:
+        # A resolver that raises (say, a KeyError on an unauthenticated request) has found
+        # no identity: the client gets a clear 401, not a 500, and the cause is logged.
+        log.warning("spendguard identity resolver failed; treating as no identity", exc_info=True)
         return None

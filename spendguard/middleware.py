@@ -12,10 +12,12 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 from starlette.datastructures import MutableHeaders
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .decoding import BodyObserver, observer_for
 from .guard import Decision, SpendGuard, Verdict
 from .identity import IdentityResolver, resolve
 from .ledger import Ledger
@@ -25,7 +27,7 @@ from .responses import limit_message, send_error
 from .routes import Dialect, RouteTable
 from .settings import MissingIdentity, Settings, load_settings
 from .store.base import Store
-from .usage import UsageObserver, estimate_usage
+from .usage import estimate_usage
 
 log = logging.getLogger("spendguard")
 
@@ -86,28 +88,65 @@ class SpendGuardMiddleware:
         self, guard: SpendGuard, scope: Scope, receive: Receive, send: Send
     ) -> None:
         """Start the background tasks when the app reports started, stop (and flush) them
-        before reporting shut down: adding the middleware is enough."""
+        before reporting shut down: adding the middleware is enough.
+
+        An app that does not speak lifespan (it raises, or returns without answering) gets
+        the protocol run by spendguard itself, so the worker runs all the same.
+        """
+        seen = {"startup": False, "answered": False}
         async with anyio.create_task_group() as tg:
+
+            async def lifespan_receive() -> Message:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    seen["startup"] = True
+                return message
 
             async def lifespan_send(message: Message) -> None:
                 if message["type"] == "lifespan.startup.complete":
-                    try:
-                        await guard.start(task_group=tg)
-                    except Exception as exc:
-                        log.exception("spendguard failed to start")
-                        await send(
-                            {"type": "lifespan.startup.failed", "message": f"spendguard: {exc}"}
-                        )
+                    seen["answered"] = True
+                    if not await self._start(guard, tg, send):
                         return
+                elif message["type"] == "lifespan.startup.failed":
+                    seen["answered"] = True
                 elif message["type"] == "lifespan.shutdown.complete":
                     await guard.stop()
                 await send(message)
 
             try:
-                await self.app(scope, receive, lifespan_send)
+                await self.app(scope, lifespan_receive, lifespan_send)
+            except Exception:
+                if seen["answered"]:
+                    raise
+                log.info("the app does not handle ASGI lifespan; spendguard runs it itself")
+            try:
+                if not seen["answered"]:
+                    await self._own_lifespan(guard, tg, seen["startup"], receive, send)
             finally:
                 if guard.running:
                     await guard.stop()
+
+    async def _start(self, guard: SpendGuard, tg: TaskGroup, send: Send) -> bool:
+        try:
+            await guard.start(task_group=tg)
+            return True
+        except Exception as exc:
+            log.exception("spendguard failed to start")
+            await send({"type": "lifespan.startup.failed", "message": f"spendguard: {exc}"})
+            return False
+
+    async def _own_lifespan(
+        self, guard: SpendGuard, tg: TaskGroup, got_startup: bool, receive: Receive, send: Send
+    ) -> None:
+        if not got_startup:
+            await receive()  # lifespan.startup
+        if not await self._start(guard, tg, send):
+            return
+        await send({"type": "lifespan.startup.complete"})
+        while (await receive())["type"] != "lifespan.shutdown":
+            pass
+        await guard.stop()
+        await send({"type": "lifespan.shutdown.complete"})
 
     # -- one inference --------------------------------------------------------------------
     async def _inference(
@@ -168,7 +207,7 @@ class SpendGuardMiddleware:
             return await receive()
 
         status_code = 0
-        observer: UsageObserver | None = None
+        observer: BodyObserver | None = None
         inference_header = decision.inference_id.encode()
 
         async def observed_send(message: Message) -> None:
@@ -176,12 +215,12 @@ class SpendGuardMiddleware:
             if message["type"] == "http.response.start":
                 status_code = message["status"]
                 headers = MutableHeaders(scope=message)
-                # A compressed body can't be read as it passes; such a response is estimated.
-                if (
-                    200 <= status_code < 300
-                    and headers.get("content-encoding", "identity") == "identity"
-                ):
-                    observer = UsageObserver(dialect.value, headers.get("content-type"))
+                if 200 <= status_code < 300:
+                    observer = observer_for(
+                        dialect.value,
+                        headers.get("content-type"),
+                        headers.get("content-encoding", "identity"),
+                    )
                 headers.raw.append((HEADER_INFERENCE_ID.encode(), inference_header))
             elif observer is not None and message["type"] == "http.response.body":
                 observer.feed(message.get("body", b""))
@@ -202,7 +241,7 @@ class SpendGuardMiddleware:
         request: InferenceRequest,
         route: str,
         status_code: int,
-        observer: UsageObserver | None,
+        observer: BodyObserver | None,
     ) -> None:
         if not 200 <= status_code < 300:
             return

@@ -77,10 +77,40 @@ class Recorder:
         async with self._lock:
             self._take()
             while self._batch:
-                await self._ledger.insert_records(self._batch)
+                try:
+                    await self._ledger.insert_records(self._batch)
+                except LedgerUnavailable:
+                    await self._drop_poison()  # raises again when the database is down
+                    continue
                 self.written += len(self._batch)
                 self._batch = []
                 self._take()
+
+    async def _drop_poison(self) -> None:
+        """A batch failed: is the database down, or does it refuse a record for what it is?
+
+        Records are retried one by one; if the database answers a trivial query while a
+        record keeps failing, that record is dropped (ERROR log, counted) so it can't block
+        every record queued behind it. Otherwise the failure propagates and the batch is kept.
+        """
+        kept: list[InferenceRecord] = []
+        for record in self._batch:
+            try:
+                await self._ledger.insert_records([record])
+                self.written += 1
+            except LedgerUnavailable:
+                kept.append(record)
+        if kept:
+            await self._ledger.ping()  # LedgerUnavailable: down, keep everything for later
+            for record in kept:
+                self.dropped += 1
+                metrics.RECORDS_DROPPED.inc()
+                log.error(
+                    "spendguard dropped record %s of team %s: the database refuses it",
+                    record.id,
+                    record.identity.team,
+                )
+        self._batch = []
 
     async def flush(self) -> None:
         """Write everything queued now; raises LedgerUnavailable if the database is down."""

@@ -11,10 +11,11 @@ T = TypeVar("T")
 
 
 class _Call(Generic[T]):
-    __slots__ = ("done", "error", "result")
+    __slots__ = ("cancelled", "done", "error", "result")
 
     def __init__(self) -> None:
         self.done = anyio.Event()
+        self.cancelled = False
         self.result: T | None = None
         self.error: BaseException | None = None
 
@@ -24,19 +25,25 @@ class SingleFlight(Generic[T]):
         self._calls: dict[Hashable, _Call[T]] = {}
 
     async def do(self, key: Hashable, fn: Callable[[], Awaitable[T]]) -> T:
-        call = self._calls.get(key)
-        if call is not None:
+        while True:
+            call = self._calls.get(key)
+            if call is None:
+                break
             await call.done.wait()
             if call.error is not None:
                 raise call.error
-            return call.result  # type: ignore[return-value]
+            if not call.cancelled:
+                return call.result  # type: ignore[return-value]
+            # The leader was cancelled (its request went away): load again, one of us leads.
         call = self._calls[key] = _Call()
         try:
             call.result = await fn()
             return call.result
-        except BaseException as exc:
-            # Followers see the leader's failure (a cancelled leader must not hang them).
-            call.error = exc if isinstance(exc, Exception) else RuntimeError("load cancelled")
+        except Exception as exc:
+            call.error = exc  # followers share the leader's failure
+            raise
+        except BaseException:
+            call.cancelled = True
             raise
         finally:
             del self._calls[key]

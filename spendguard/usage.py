@@ -261,7 +261,13 @@ def _anthropic_content_chars(content: object) -> int:
 
 
 def _valid_model(value: object) -> str | None:
-    if isinstance(value, str) and 0 < len(value) <= _MAX_MODEL_LEN:
+    # Same rules as a request's model: it may be used for pricing and lands in ledger rows.
+    if (
+        isinstance(value, str)
+        and 0 < len(value) <= _MAX_MODEL_LEN
+        and value.strip()
+        and value.isprintable()
+    ):
         return value
     return None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -39,9 +40,20 @@ async def chat(request: Request) -> Response:
         return JSONResponse({"error": {"message": "upstream broke"}}, status_code=status)
     usage = {"prompt_tokens": body.get("x_in", 10), "completion_tokens": body.get("x_out", 5)}
     if not body.get("stream"):
-        return JSONResponse(
-            {"object": "chat.completion", "model": body["model"], "choices": [], "usage": usage}
-        )
+        payload = {
+            "object": "chat.completion",
+            "model": body["model"],
+            "choices": [],
+            "usage": usage,
+        }
+        if body.get("x_encoding") == "gzip":
+            raw = gzip.compress(json.dumps(payload).encode())
+            headers = {"content-encoding": "gzip"}
+            return Response(raw, media_type="application/json", headers=headers)
+        if body.get("x_encoding") == "br":  # undecodable here: pretend-compressed bytes
+            headers = {"content-encoding": "br"}
+            return Response(b"\x00" * 100, media_type="application/json", headers=headers)
+        return JSONResponse(payload)
 
     async def events() -> AsyncIterator[bytes]:
         for i in range(int(body.get("x_chunks", 3))):
@@ -253,6 +265,27 @@ async def test_streaming_with_and_without_usage_is_charged(gw: Gateway) -> None:
     assert gw.postflights == 2
 
 
+@pytest.mark.parametrize(("encoding", "charged"), [("gzip", 10 + 1000), ("br", 100)])
+async def test_compressed_responses_are_still_charged(
+    gw: Gateway, encoding: str, charged: int
+) -> None:
+    await gw.policy(Period.DAY, 10**9)
+    async with gw.client() as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json=chat_body(x_in=10, x_out=1000, x_encoding=encoding),
+            headers={"accept-encoding": "identity"},
+        )
+    assert r.status_code == 200
+    await gw.settle()
+    total = await gw.guard.ledger.charges_total()
+    if encoding == "gzip":
+        assert total == charged  # the provider's own usage, read through the gzip layer
+    else:
+        # Unreadable: 4 characters per body byte (100 bytes = 100 tokens) plus the prompt.
+        assert total >= charged
+
+
 async def test_upstream_error_is_not_charged(gw: Gateway) -> None:
     await gw.policy(Period.DAY, 1_000_000)
     async with gw.client() as c:
@@ -355,6 +388,13 @@ async def test_app_exception_mid_stream_still_postflights_once(gw: Gateway) -> N
 
 async def test_cancelled_request_still_postflights(gw: Gateway) -> None:
     await gw.policy(Period.DAY, 1_000_000)
+    real = gw.store.postflight
+
+    async def yielding(*args: Any) -> Any:
+        await anyio.sleep(0.01)  # a real store awaits I/O here: cancellation would land
+        return await real(*args)
+
+    gw.store.postflight = yielding
     body = json.dumps(chat_body(stream=True, x_stall_at=1)).encode()
     with anyio.move_on_after(0.3):
         await raw_call(gw.app, body)
@@ -449,6 +489,18 @@ async def test_resolver_sync_and_async(tmp_path: Path) -> None:
                 assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 429
     finally:
         await gateway.__aexit__()
+
+
+async def test_resolver_that_raises_is_a_401_not_a_500(tmp_path: Path) -> None:
+    def broken(conn: Any) -> Identity:
+        raise KeyError("key")
+
+    async with Gateway(tmp_path) as gateway:
+        app = SpendGuardMiddleware(upstream(), guard=gateway.guard, resolve_identity=broken)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://g") as c:
+            r = await c.post("/v1/chat/completions", json=chat_body())
+    assert r.status_code == 401
 
 
 async def _async_resolver(conn: Any) -> Identity:
@@ -548,3 +600,35 @@ async def test_unknown_model_can_be_rejected_before_the_provider(tmp_path: Path)
         ok = await c.post("/v1/chat/completions", json=chat_body())
     assert r.status_code == 400 and "mystery-model" in r.json()["error"]["message"]
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("behaviour", ["raises", "returns"])
+async def test_app_without_lifespan_support_still_gets_the_worker(
+    tmp_path: Path, behaviour: str
+) -> None:
+    inner = upstream()
+
+    async def bare(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            if behaviour == "raises":
+                raise RuntimeError("lifespan? never heard of it")
+            return
+        await inner(scope, receive, send)
+
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'l.db'}",
+        prices=write_unit_prices(tmp_path),
+        settle_interval=0.05,
+    )
+    middleware = SpendGuardMiddleware(bare, settings)
+    app = StateAuth(middleware)
+    assert middleware.guard is not None
+    async with lifespan(app):
+        assert middleware.guard.running
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://g") as c:
+            assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+        with anyio.fail_after(5):
+            while not await middleware.guard.ledger.charges_total():
+                await anyio.sleep(0.05)
+    assert not middleware.guard.running

@@ -36,14 +36,20 @@ def rec(i: int) -> InferenceRecord:
 class FlakyLedger:
     """The real ledger behind a switch that makes every write fail like a dead database."""
 
-    def __init__(self, real: Ledger) -> None:
-        self.real, self.down, self.attempts = real, True, 0
+    def __init__(self, real: Ledger, refuse: str | None = None) -> None:
+        self.real, self.down, self.attempts, self.refuse = real, True, 0, refuse
 
     async def insert_records(self, batch: Any) -> None:
         self.attempts += 1
         if self.down:
             raise LedgerUnavailable("connection refused")
+        if any(r.id == self.refuse for r in batch):
+            raise LedgerUnavailable("invalid byte sequence")  # what PostgreSQL says to NUL
         await self.real.insert_records(batch)
+
+    async def ping(self) -> None:
+        if self.down:
+            raise LedgerUnavailable("connection refused")
 
 
 async def test_outage_buffers_then_writes_every_record_once(ledger: Ledger) -> None:
@@ -85,3 +91,31 @@ async def test_flush_raises_while_the_database_is_down(ledger: Ledger) -> None:
     with pytest.raises(LedgerUnavailable):
         await recorder.flush()
     assert recorder.pending == 1  # kept for the next attempt, not lost
+
+
+async def test_a_record_the_database_refuses_does_not_block_the_others(ledger: Ledger) -> None:
+    flaky = FlakyLedger(ledger, refuse="r2")
+    flaky.down = False
+    recorder = Recorder(flaky, capacity=10)  # type: ignore[arg-type]
+    for i in range(1, 5):
+        recorder.submit(rec(i))
+    await recorder.flush()
+    assert recorder.pending == 0 and recorder.dropped == 1
+    assert await ledger.unsettled() == (3, 1 + 3 + 4)
+
+
+async def test_hostile_display_text_is_stored(ledger: Ledger) -> None:
+    odd = InferenceRecord(
+        id="odd",
+        inference_id="odd",
+        identity=Identity("team\x00nul", "key\ud800"),
+        model="m\x00",
+        route="/v1/chat/completions",
+        t0=datetime(2026, 10, 1, tzinfo=UTC),
+        status_code=200,
+        usage=Usage(input_tokens=1),
+        estimate_micros=1,
+        postflight=PostflightStatus.APPLIED,
+    )
+    await ledger.insert_records([odd])
+    assert await ledger.unsettled() == (1, 1)

@@ -275,3 +275,30 @@ async def test_redis_url_switches_the_middleware_store(
     guard = SpendGuard(Settings(redis_url=redis_url, database_url=f"sqlite:///{tmp_path}/x.db"))
     assert isinstance(guard.store, RedisStore)
     await guard.store.aclose()
+
+
+async def test_readded_policy_does_not_trust_a_stale_usage_key(
+    redis_gw: Gateway, redis_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from spendguard.cli import main as cli_main
+
+    async def main(argv: list[str]) -> int:  # the CLI runs its own event loop: in a thread
+        return await anyio.to_thread.run_sync(cli_main, argv)
+
+    monkeypatch.setenv("SPENDGUARD_REDIS_URL", redis_url)
+    monkeypatch.setenv(
+        "SPENDGUARD_DATABASE_URL", str(redis_gw.settings.database_url.get_secret_value())
+    )
+    monkeypatch.setenv("SPENDGUARD_PRICES", str(redis_gw.settings.prices))
+    day = ["--team", "acme", "--api-key", "alpha", "--period", "day"]
+    assert await main(["policy", "set", *day, "--limit-usd", "1"]) == 0
+    async with redis_gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+        assert await main(["policy", "rm", *day]) == 0
+        for _ in range(3):  # spend while no limit applies: the cached key is not updated
+            assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+        await redis_gw.settle()
+        # Re-add a limit the period's spend (4 x 15) already reaches: denied at once.
+        assert await main(["policy", "set", *day, "--limit-usd", "0.00006"]) == 0
+        r = await c.post("/v1/chat/completions", json=chat_body())
+    assert r.status_code == 429

@@ -136,3 +136,27 @@ async def test_single_flight_shares_failures() -> None:
         for _ in range(5):
             tg.start_soon(one)
     assert errors == ["db down"] * 5
+
+
+@pytest.mark.anyio
+async def test_single_flight_survives_a_cancelled_leader() -> None:
+    flight: SingleFlight[int] = SingleFlight()
+    calls = 0
+
+    async def load() -> int:
+        nonlocal calls
+        calls += 1
+        await anyio.sleep(0.1)
+        return 7
+
+    results: list[int] = []
+
+    async def follower() -> None:
+        await anyio.sleep(0.01)
+        results.append(await flight.do("k", load))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(follower)
+        with anyio.move_on_after(0.03):  # the leader's request goes away mid-load
+            await flight.do("k", load)
+    assert results == [7] and calls == 2

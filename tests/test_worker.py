@@ -64,6 +64,20 @@ async def cached(g: SpendGuard) -> int | None:
     return (await g.store.read_usage([day_key(g)]))[day_key(g)]
 
 
+def double_prices(g: SpendGuard) -> None:
+    """Settlement prices at twice the estimate's rate, so exact charges differ from estimates
+    and a test can tell "estimate replaced by charge" from "charge added on top"."""
+    from spendguard.costing import Coster
+    from spendguard.pricing import PriceTable
+    from spendguard.settings import UnknownModel
+
+    doubled_path = Path(str(g.settings.prices))
+    text = doubled_path.read_text().replace('"1"', '"2"')
+    doubled_path.with_name("double.json").write_text(text)
+    doubled = PriceTable.load(doubled_path.with_name("double.json"))
+    g.worker._coster = Coster(doubled, UnknownModel.DEFAULT_PRICE)
+
+
 async def test_cache_is_settled_plus_pending_through_settlement(guard: SpendGuard) -> None:
     await set_limit(guard, 10_000)
     await spend(guard, 100)
@@ -72,18 +86,21 @@ async def test_cache_is_settled_plus_pending_through_settlement(guard: SpendGuar
     await guard.recorder.flush()
     # A finished inference whose record has not reached the ledger yet: only its marker.
     assert await guard.store.postflight("in-flight", 7, [day_key(guard)]) == 1
+    double_prices(guard)
     result = await guard.worker.run_once()
-    assert result.settled == 2 and result.total_micros == 130
-    assert await cached(guard) == 137  # settled 130 + pending 7: no gap, no double count
+    assert result.settled == 2 and result.total_micros == 260
+    # Settled 260 (exact) + pending 7: estimates replaced, not added, and no gap.
+    assert await cached(guard) == 267
     await guard.worker.run_once()
-    assert await cached(guard) == 137
-    assert await guard.ledger.charges_total() == 130
+    assert await cached(guard) == 267
+    assert await guard.ledger.charges_total() == 260
 
 
 async def test_refresh_lost_to_a_crash_heals_on_the_next_pass(guard: SpendGuard) -> None:
     await set_limit(guard, 10_000)
     await spend(guard, 50)
     await guard.recorder.flush()
+    double_prices(guard)
     real_refresh = guard.store.refresh
 
     async def crash(*args: object) -> None:
@@ -93,10 +110,10 @@ async def test_refresh_lost_to_a_crash_heals_on_the_next_pass(guard: SpendGuard)
     with pytest.raises(RuntimeError):
         await guard.worker.run_once()
     guard.store.refresh = real_refresh  # type: ignore[method-assign]
-    assert await guard.ledger.charges_total() == 50  # the DB committed
-    assert await cached(guard) == 50  # estimate still there: not lost, not doubled
-    await guard.worker.run_once()  # nothing new to settle; refresh heals
-    assert await cached(guard) == 50
+    assert await guard.ledger.charges_total() == 100  # the DB committed (exact: 2x)
+    assert await cached(guard) == 50  # the estimate is still there: not lost
+    await guard.worker.run_once()  # nothing new to settle; the refresh heals
+    assert await cached(guard) == 100  # the exact charge replaced the estimate
 
 
 async def test_records_settled_by_another_process_leave_this_cache(
@@ -112,13 +129,14 @@ async def test_records_settled_by_another_process_leave_this_cache(
     )
     await other.start(worker=False)
     other.worker._store = None
+    double_prices(other)
     assert (await other.worker.run_once()).settled == 1
     await other.stop()
     assert await cached(guard) == 40
     await guard.worker.run_once()  # this process's sync drops the marker, takes the aggregate
-    assert await cached(guard) == 40
+    assert await cached(guard) == 80
     await spend(guard, 2)
-    assert await cached(guard) == 42
+    assert await cached(guard) == 82
 
 
 async def test_policy_changed_elsewhere_is_evicted_by_the_next_pass(guard: SpendGuard) -> None:

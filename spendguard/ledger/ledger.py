@@ -153,6 +153,10 @@ class Ledger:
                     sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtextextended(team, 0)))
                 )
 
+    async def ping(self) -> None:
+        async with self._guard("ping"):
+            await self._db.fetch_val(sa.select(sa.literal(1)))
+
     async def init_schema(self) -> None:
         """Create the tables and indexes if they are missing (idempotent, safe at every start)."""
         dialect = self._db._backend._dialect
@@ -204,8 +208,8 @@ class Ledger:
                 team=team,
                 api_key=key,
                 period=period.value,
-                team_id=team_id,
-                api_key_id=api_key_id,
+                team_id=_text(team_id),
+                api_key_id=_text(api_key_id),
                 limit_micros=limit_micros,
                 active=True,
                 created_us=now_us,
@@ -606,6 +610,15 @@ def _tuples(rows: Sequence[Any]) -> list[tuple[Any, ...]]:
     return [tuple(r._mapping.values()) for r in rows]
 
 
+def _text(value: str | None) -> str | None:
+    """Display text from the host app, made storable everywhere: PostgreSQL refuses NUL and
+    lone surrogates in text, and one such record must not block the record writer."""
+    if value is None:
+        return None
+    cleaned = value.replace("\x00", "\ufffd")
+    return cleaned.encode("utf-8", "replace").decode("utf-8")
+
+
 def _policy_row(m: Any) -> PolicyRow:
     return PolicyRow(
         team=m["team"],
@@ -624,10 +637,10 @@ def _record_values(r: InferenceRecord, now_us: int) -> dict[str, Any]:
         "inference_id": r.inference_id,
         "team": r.identity.team,
         "api_key": r.identity.api_key or "",
-        "team_id": r.identity.team_id,
-        "api_key_id": r.identity.api_key_id,
-        "model": r.model,
-        "route": r.route,
+        "team_id": _text(r.identity.team_id),
+        "api_key_id": _text(r.identity.api_key_id),
+        "model": _text(r.model),
+        "route": _text(r.route),
         "t0_us": to_micros(r.t0),
         "status_code": r.status_code,
         "input_tokens": r.usage.input_tokens,
