@@ -21,7 +21,3 @@ RECORDS_DROPPED = Counter(
     "spendguard_records_dropped_total",
     "Inference records dropped because the record buffer was full.",
 )
-RECORDS_PENDING = Gauge(
-    "spendguard_records_pending",
-    "Inference records accepted but not yet written to the ledger.",
-)
