@@ -39,6 +39,12 @@ async def redis_gw(tmp_path: Path, redis_url: str) -> AsyncIterator[Gateway]:
     await store.aclose()
 
 
+def metric(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 def data_commands(server: RedisServer) -> dict[str, int]:
     stats = server.cli("INFO", "commandstats")
     calls = {m[0]: int(m[1]) for m in re.findall(r"cmdstat_([a-z|]+):calls=(\d+)", stats)}
@@ -134,8 +140,11 @@ async def test_refused_connection_fail_modes(tmp_path: Path, mode: str) -> None:
     url = server.url
     server.stop()  # nothing listens on that port now: connections are refused
     store = RedisStore.from_url(url, timeout=0.2)
+    action = "deny" if mode == "closed" else "allow"
+    before = metric("spendguard_store_unavailable_total", action=action)
     async with Gateway(tmp_path, utc_now, store=store, fail_mode=mode) as gw, gw.client() as c:
         r = await c.post("/v1/chat/completions", json=chat_body())
+        assert metric("spendguard_store_unavailable_total", action=action) == before + 1
         if mode == "closed":
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert len(gw.guard.outage) == 0
