@@ -21,7 +21,7 @@ from .costing import Coster
 from .errors import ConfigurationError, SpendGuardError, StoreUnavailable
 from .guard import make_store
 from .identity import Identity
-from .keys import Scope, policy_field, usage_key
+from .keys import Scope, balance_key, policy_field, usage_key
 from .ledger import Ledger, SpendRow
 from .money import micros_to_usd, usd_to_micros
 from .periods import Period, period_id, utcnow
@@ -192,6 +192,67 @@ async def _evict(ctx: Ctx, ident: Identity, period: Period | None = None) -> Non
             )
 
 
+async def cmd_balance_topup(args: argparse.Namespace, ctx: Ctx) -> int:
+    ident = Identity(args.team)
+    try:
+        micros = usd_to_micros(Decimal(args.usd))
+    except (ValueError, ArithmeticError) as exc:
+        raise ConfigurationError(f"--usd: {exc}") from exc
+    if micros <= 0:
+        raise ConfigurationError("--usd must be positive")
+    topped_up, charged = await ctx.ledger.topup(
+        team=ident.team, team_id=ident.team_id, micros=micros
+    )
+    if ctx.store is not None:
+        try:
+            # A first top-up creates the account: the cached policy hash must learn of it.
+            await ctx.store.evict_policy(ident.team, ctx.settings.key_prefix)
+            key = balance_key(ctx.settings.key_prefix, ident.team)
+            await ctx.store.refresh([RefreshEntry(key, charged, limit=topped_up)])
+        except StoreUnavailable as exc:
+            print(f"spendguard: top-up saved, cache not updated ({exc})", file=sys.stderr)
+    data = _balance_json(ident, topped_up, charged)
+    _emit(args, data, f"team {ident.team_id}: balance ${data['balance_usd']}")
+    return 0
+
+
+async def cmd_balance_show(args: argparse.Namespace, ctx: Ctx) -> int:
+    ident = Identity(args.team)
+    account = await ctx.ledger.load_balance(ident.team)
+    if account is None:
+        _emit(args, {"team": ident.team_id, "account": None}, "no balance account (unlimited)")
+        return 1
+    data = _balance_json(ident, *account)
+    count, estimates = await ctx.ledger.unsettled(ident.team)
+    data["unsettled_estimate_micros"] = estimates
+    data["cached_micros"] = None
+    if ctx.store is not None:
+        key = balance_key(ctx.settings.key_prefix, ident.team)
+        try:
+            used = (await ctx.store.read_usage([key]))[key]
+            data["cached_micros"] = None if used is None else account[0] - used
+        except StoreUnavailable:
+            pass
+    _emit(
+        args,
+        data,
+        f"team {ident.team_id}: balance ${data['balance_usd']} (topped up "
+        f"${_usd(account[0])}, charged ${_usd(account[1])}; {count} records unsettled, "
+        f"estimated ${_usd(estimates)})",
+    )
+    return 0
+
+
+def _balance_json(ident: Identity, topped_up: int, charged: int) -> dict[str, Any]:
+    return {
+        "team": ident.team_id,
+        "topped_up_micros": topped_up,
+        "charged_micros": charged,
+        "balance_micros": topped_up - charged,
+        "balance_usd": str(micros_to_usd(topped_up - charged)),
+    }
+
+
 def _worker(ctx: Ctx) -> SettlementWorker:
     settings = ctx.settings
     coster = Coster(PriceTable.load(settings.prices), settings.unknown_model)
@@ -284,6 +345,17 @@ def build_parser() -> argparse.ArgumentParser:
     use.add_argument("--team", required=True)
     use.add_argument("--api-key", default=None)
     use.set_defaults(handler=cmd_usage)
+
+    bal = sub.add_parser("balance", help="prepaid credit").add_subparsers(
+        dest="balance_cmd", required=True
+    )
+    b_top = bal.add_parser("topup", parents=[common], help="add credit to a team's account")
+    b_top.add_argument("--team", required=True)
+    b_top.add_argument("--usd", required=True, help="e.g. 100")
+    b_top.set_defaults(handler=cmd_balance_topup)
+    b_show = bal.add_parser("show", parents=[common], help="a team's balance")
+    b_show.add_argument("--team", required=True)
+    b_show.set_defaults(handler=cmd_balance_show)
 
     sub.add_parser("settle", parents=[common], help="run one settlement pass").set_defaults(
         handler=cmd_settle

@@ -26,7 +26,7 @@ from . import metrics
 from .costing import Coster
 from .errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnavailable
 from .identity import Identity
-from .keys import KeyPlan, parse_field, plan
+from .keys import KeyPlan, Scope, parse_field, plan
 from .ledger import Ledger
 from .outage import OutageTracker
 from .periods import seconds_to_reset, utcnow
@@ -218,7 +218,7 @@ class SpendGuard:
                 limits=pf.limits if pf is not None else (),
                 retry_after=(
                     seconds_to_reset(denied.candidate.period, self.clock())
-                    if denied is not None
+                    if denied is not None and denied.candidate.period is not None
                     else (1 if verdict is Verdict.UNAVAILABLE else None)
                 ),
                 reason=reason,
@@ -269,6 +269,13 @@ class SpendGuard:
         else:
             wanted = list(pf.missing_usage)
         fills: list[UsageFill] = []
+        if any(c.scope is Scope.BALANCE for c in wanted):
+            loaded = await self._load(("balance", keys.team), self.ledger.load_balance, keys.team)
+            assert isinstance(loaded, tuple)
+            topped_up, charged = loaded
+            cand = next(c for c in wanted if c.scope is Scope.BALANCE)
+            fills.append(UsageFill(cand.usage_key, charged, cand.expires_at, limit=topped_up))
+        wanted = [c for c in wanted if c.period is not None]
         if wanted:
             spec = [(c, (_api_key_of(c.field), c.period, c.period_id)) for c in wanted]
             sig = ("agg", keys.team, tuple(s for _, s in spec))
@@ -276,7 +283,7 @@ class SpendGuard:
                 sig, self.ledger.load_aggregates, keys.team, [s for _, s in spec]
             )
             assert isinstance(loaded, dict)
-            fills = [UsageFill(c.usage_key, int(loaded[s]), c.expires_at) for c, s in spec]
+            fills += [UsageFill(c.usage_key, int(loaded[s]), c.expires_at) for c, s in spec]
         await self.store.fill(keys, policies, fills, policy_ttl=self.settings.policy_ttl)
 
     async def _load(self, key: object, fn: Callable[..., object], *args: object) -> object:

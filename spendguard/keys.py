@@ -28,6 +28,12 @@ LOADED_FIELD = "_loaded"
 class Scope(StrEnum):
     TEAM = "team"
     API_KEY = "api_key"
+    BALANCE = "balance"  # the team's prepaid account: no period
+
+
+# The policy-hash field saying the team has a balance account (its value is "1"). The balance
+# itself lives in the balance key: t (topped up), s (settled charges), p (pending estimates).
+BALANCE_FIELD = "balance"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +41,7 @@ class Candidate:
     """One limit a request may be subject to: its policy field and the usage key of t0's period."""
 
     scope: Scope
-    period: Period
+    period: Period | None  # None for the balance
     period_id: str
     field: str
     usage_key: str
@@ -65,6 +71,10 @@ def usage_key(prefix: str, team: str, field: str, pid: str) -> str:
     return f"{prefix}:{{{team}}}:spend:usage:{field}:{pid}"
 
 
+def balance_key(prefix: str, team: str) -> str:
+    return f"{prefix}:{{{team}}}:spend:balance"
+
+
 def plan(prefix: str, identity: Identity, t0: datetime, grace: timedelta) -> KeyPlan:
     """Every limit that may apply to ``identity`` at ``t0`` (the store skips unset ones)."""
     scopes: list[tuple[Scope, Period]] = []
@@ -85,6 +95,17 @@ def plan(prefix: str, identity: Identity, t0: datetime, grace: timedelta) -> Key
                 expires_at=period_end(period, t0) + grace,
             )
         )
+    # Checked last: a spend limit names the narrower problem when both apply.
+    candidates.append(
+        Candidate(
+            scope=Scope.BALANCE,
+            period=None,
+            period_id="",
+            field=BALANCE_FIELD,
+            usage_key=balance_key(prefix, identity.team),
+            expires_at=t0 + grace,  # no period: reloaded from the ledger now and then
+        )
+    )
     return KeyPlan(
         team=identity.team,
         policy_key=policy_key(prefix, identity.team),

@@ -300,6 +300,11 @@ class SpendGuardMiddleware:
     async def _refuse(self, decision: Decision, dialect: Dialect, send: Send) -> None:
         denied = decision.denied
         if decision.verdict is Verdict.DENY and denied is not None:
+            if denied.candidate.period is None:  # the prepaid balance, not a period limit
+                await send_error(
+                    send, dialect, 429, "insufficient_quota", "Account balance exhausted."
+                )
+                return
             await send_error(
                 send,
                 dialect,

@@ -16,7 +16,7 @@ from anyio.abc import TaskStatus
 
 from .costing import Coster
 from .errors import LedgerUnavailable, SpendGuardError
-from .keys import parse_field, usage_key
+from .keys import balance_key, parse_field, usage_key
 from .ledger import Ledger, RecordRow, SettledRecord, Settlement
 from .periods import Period, period_id, to_micros, utcnow
 from .store.base import RefreshEntry, Store
@@ -116,9 +116,22 @@ class SettlementWorker:
         now = self._clock()
         day, month = period_id(Period.DAY, now), period_id(Period.MONTH, now)
         rows = await self._ledger.policy_aggregates(day, month)
-        for team, entries in rows.items():
+        accounts = await self._ledger.balance_accounts()
+        for team in sorted(rows.keys() | accounts.keys()):
+            entries = rows.get(team, [])
             recs = settled.get(team, {}).values()
             refresh = []
+            if team in accounts:
+                topped_up, charged = accounts[team]
+                refresh.append(
+                    RefreshEntry(
+                        balance_key(self._prefix, team),
+                        charged,
+                        applied=tuple(r.id for r in recs if not r.unknown),
+                        unknown=tuple(r.id for r in recs if r.unknown),
+                        limit=topped_up,
+                    )
+                )
             for field, pid, value in entries:
                 parsed = parse_field(field)
                 if parsed is None:

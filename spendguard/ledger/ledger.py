@@ -20,10 +20,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from ..errors import LedgerUnavailable
-from ..keys import Scope, policy_field
+from ..keys import BALANCE_FIELD, Scope, policy_field
 from ..periods import Period, from_micros, period_id, to_micros, utcnow
 from ..record import InferenceRecord
-from .schema import aggregates, charges, metadata, policies, records
+from .schema import aggregates, balances, charges, metadata, policies, records, topups
 
 log = logging.getLogger("spendguard.ledger")
 
@@ -290,8 +290,74 @@ class Ledger:
         return [_policy_row(r._mapping) for r in rows]
 
     async def load_policies(self, team: str) -> dict[str, int]:
-        """The team's active policies as cache hash fields (empty: no policy)."""
-        return {p.field: p.limit_micros for p in await self.list_policies(team)}
+        """The team's active policies as cache hash fields (empty: no policy), plus the
+        balance marker when the team has a prepaid account."""
+        fields = {p.field: p.limit_micros for p in await self.list_policies(team)}
+        if await self.load_balance(team) is not None:
+            fields[BALANCE_FIELD] = 1
+        return fields
+
+    # -- balances -------------------------------------------------------------------------
+    async def load_balance(self, team: str) -> tuple[int, int] | None:
+        """(topped up, charged) micro-USD of the team's account; None: no account."""
+        async with self._guard("balance read"):
+            row = await self._db.fetch_one(
+                sa.select(balances.c.topped_up_micros, balances.c.charged_micros).where(
+                    balances.c.team == team
+                )
+            )
+        return None if row is None else (int(row[0]), int(row[1]))
+
+    async def topup(
+        self, *, team: str, team_id: str, micros: int, now: datetime | None = None
+    ) -> tuple[int, int]:
+        """Add prepaid credit (creating the account on first top-up); returns the account."""
+        if micros <= 0:
+            raise ValueError("a top-up must be positive")
+        now_us = to_micros(now or utcnow())
+        async with self._guard("top-up"), self._db.transaction():
+            await self._lock_for_write()
+            await self._lock_teams([team])
+            stmt = self._insert(balances).values(
+                team=team,
+                team_id=_text(team_id),
+                topped_up_micros=micros,
+                charged_micros=0,
+                created_us=now_us,
+                updated_us=now_us,
+            )
+            await self._db.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=[balances.c.team],
+                    set_={
+                        "topped_up_micros": balances.c.topped_up_micros + micros,
+                        "updated_us": now_us,
+                    },
+                )
+            )
+            await self._db.execute(
+                topups.insert().values(team=team, amount_micros=micros, at_us=now_us)
+            )
+        account = await self.load_balance(team)
+        assert account is not None
+        return account
+
+    async def balance_accounts(self) -> dict[str, tuple[int, int]]:
+        """Every account: team -> (topped up, charged). Used by the self-healing refresh."""
+        async with self._guard("balance read"):
+            rows = await self._db.fetch_all(
+                sa.select(balances.c.team, balances.c.topped_up_micros, balances.c.charged_micros)
+            )
+        return {t: (int(a), int(b)) for t, a, b in _tuples(rows)}
+
+    async def topups_total(self, team: str) -> int:
+        async with self._guard("top-up read"):
+            total = await self._db.fetch_val(
+                sa.select(sa.func.coalesce(sa.func.sum(topups.c.amount_micros), 0)).where(
+                    topups.c.team == team
+                )
+            )
+        return int(total)
 
     async def load_aggregates(
         self, team: str, wanted: Iterable[tuple[str | None, Period, str]]
@@ -401,9 +467,11 @@ class Ledger:
                 bearing[team].add((key, period))
 
             charge_rows = []
+            per_team: dict[str, int] = defaultdict(int)
             deltas: dict[tuple[str, str, str, str], int] = defaultdict(int)
             for rec in rows:
                 amount = price(rec)
+                per_team[rec.team] += amount
                 key = rec.api_key or ""
                 day, month = period_id(Period.DAY, rec.t0), period_id(Period.MONTH, rec.t0)
                 charge_rows.append(
@@ -457,6 +525,13 @@ class Ledger:
                             "updated_us": now_us,
                         },
                     )
+                )
+            for team, amount in sorted(per_team.items()):
+                # Teams without an account match no row: not balance-limited.
+                await self._db.execute(
+                    balances.update()
+                    .where(balances.c.team == team)
+                    .values(charged_micros=balances.c.charged_micros + amount, updated_us=now_us)
                 )
             ids = [r.id for r in rows]
             for start in range(0, len(ids), _ROWS_PER_INSERT):
@@ -537,10 +612,14 @@ class Ledger:
             .where(policies.c.updated_us >= since_us)
             .group_by(policies.c.team)
         )
+        opened = sa.select(balances.c.team, balances.c.created_us).where(
+            balances.c.created_us >= since_us
+        )
         async with self._guard("policy read"):
-            rows = await self._db.fetch_all(query)
+            rows = _tuples(await self._db.fetch_all(query))
+            rows += _tuples(await self._db.fetch_all(opened))  # a new account: new marker
         newest = max([since_us, *(int(r[1]) for r in rows)])
-        return [r[0] for r in rows], newest
+        return sorted({r[0] for r in rows}), newest
 
     # -- reports --------------------------------------------------------------------------
     async def spend(self, team: str, day_id: str, month_id: str) -> list[SpendRow]:

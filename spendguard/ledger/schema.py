@@ -79,3 +79,27 @@ aggregates = sa.Table(
     sa.Column("settled_micros", sa.BigInteger, nullable=False),
     sa.Column("updated_us", sa.BigInteger, nullable=False),
 )
+
+# Prepaid credit per team (optional). Balance = topped_up - charged. Both only grow, so a
+# cache can take the larger of two reads and never move backwards. A team without a row is
+# not balance-limited; settlement debits only charges settled after the account existed.
+balances = sa.Table(
+    "spendguard_balances",
+    metadata,
+    sa.Column("team", sa.String(100), primary_key=True),
+    sa.Column("team_id", sa.Text, nullable=False),
+    sa.Column("topped_up_micros", sa.BigInteger, nullable=False),
+    sa.Column("charged_micros", sa.BigInteger, nullable=False),
+    sa.Column("created_us", sa.BigInteger, nullable=False),
+    sa.Column("updated_us", sa.BigInteger, nullable=False),
+)
+
+topups = sa.Table(
+    "spendguard_topups",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("team", sa.String(100), nullable=False, index=True),
+    sa.Column("amount_micros", sa.BigInteger, nullable=False),
+    sa.Column("at_us", sa.BigInteger, nullable=False),
+    sa.CheckConstraint("amount_micros > 0", name="spendguard_topup_positive"),
+)

@@ -61,6 +61,7 @@ class RefreshEntry:
     settled: int
     applied: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
+    limit: int | None = None  # the balance key's topped-up total (also never lowered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ class UsageFill:
     usage_key: str
     settled: int
     expires_at: datetime
+    limit: int | None = None  # the balance key's topped-up total
 
 
 def decide(checks: Sequence[tuple[Candidate, int | None, int | None]]) -> Preflight:
@@ -75,7 +77,9 @@ def decide(checks: Sequence[tuple[Candidate, int | None, int | None]]) -> Prefli
 
     ``checks`` holds, in check order, (candidate, limit or None for no policy, usage or None
     for an absent key). The first limit with usage >= limit denies; otherwise any absent key
-    of a policy-bearing candidate is a miss; otherwise the request is allowed.
+    of a policy-bearing candidate is a miss; otherwise the request is allowed. A balance is
+    the same comparison (limit = topped up, usage = charges settled plus pending), so it
+    denies once nothing is left.
     """
     checked: list[LimitState] = []
     missing: list[Candidate] = []

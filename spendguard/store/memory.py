@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from ..errors import StoreFull
-from ..keys import LOADED_FIELD, Candidate, KeyPlan, policy_key
+from ..keys import LOADED_FIELD, Candidate, KeyPlan, Scope, policy_key
 from ..periods import utcnow
 from .base import Outcome, Preflight, RefreshEntry, UsageFill, decide
 
@@ -21,6 +21,7 @@ from .base import Outcome, Preflight, RefreshEntry, UsageFill, decide
 class _Usage:
     settled: int
     expires_at: datetime
+    limit: int | None = None  # balance keys: topped up
     pending: int = 0
     markers: dict[str, int] = field(default_factory=dict)
     tombstones: set[str] = field(default_factory=set)
@@ -85,6 +86,8 @@ class MemoryStore:
                 self.usage_reads += 1
                 usage = self._live_usage(cand.usage_key, now)
                 used = None if usage is None else usage.settled + usage.pending
+                if cand.scope is Scope.BALANCE and usage is not None:
+                    limit = usage.limit or 0
             checks.append((cand, limit, used))
         return decide(checks)
 
@@ -99,6 +102,9 @@ class MemoryStore:
         now = self._clock()
         for value in list((policies or {}).values()) + [u.settled for u in usage]:
             _check_amount(value)
+        for u in usage:
+            if u.limit is not None:
+                _check_amount(u.limit)
         new_policy = policies is not None and self._live_policy(plan.policy_key, now) is None
         new_usage = [
             u for u in usage if u.expires_at > now and self._live_usage(u.usage_key, now) is None
@@ -108,7 +114,7 @@ class MemoryStore:
             limits = {k: v for k, v in policies.items() if k != LOADED_FIELD}
             self._policies[plan.policy_key] = _Policy(limits, now + timedelta(seconds=policy_ttl))
         for u in new_usage:
-            self._usage[u.usage_key] = _Usage(settled=u.settled, expires_at=u.expires_at)
+            self._usage[u.usage_key] = _Usage(u.settled, u.expires_at, limit=u.limit)
 
     async def postflight(self, record_id: str, amount: int, usage_keys: Sequence[str]) -> int:
         if not record_id:
@@ -128,6 +134,8 @@ class MemoryStore:
     async def refresh(self, entries: Sequence[RefreshEntry]) -> None:
         for entry in entries:
             _check_amount(entry.settled)
+            if entry.limit is not None:
+                _check_amount(entry.limit)
         now = self._clock()
         for entry in entries:
             usage = self._live_usage(entry.usage_key, now)
@@ -140,6 +148,8 @@ class MemoryStore:
                 elif rid in entry.unknown:
                     usage.tombstones.add(rid)
             usage.settled = max(usage.settled, entry.settled)
+            if entry.limit is not None:
+                usage.limit = max(usage.limit or 0, entry.limit)
 
     async def evict_policy(self, team: str, prefix: str) -> None:
         self._policies.pop(policy_key(prefix, team), None)

@@ -127,10 +127,11 @@ class RedisStore:
             args += ["-", "0"]
         else:
             args += [str(max(1, int(policy_ttl * 1000))), str(len(policies))]
-            for field, limit in policies.items():
-                args += [field, _uint(limit)]
+            for field, value in policies.items():
+                args += [field, _uint(value)]
         for u in usage:
-            args += [_uint(u.settled), _ms(u.expires_at)]
+            limit = "-" if u.limit is None else _uint(u.limit)
+            args += [_uint(u.settled), limit, _ms(u.expires_at)]
         await self._script("fill", [plan.policy_key, *(u.usage_key for u in usage)], args)
 
     async def postflight(self, record_id: str, amount: int, usage_keys: Sequence[str]) -> int:
@@ -144,7 +145,8 @@ class RedisStore:
             return
         args: list[str] = []
         for e in entries:
-            args += [_uint(e.settled), str(len(e.applied)), str(len(e.unknown))]
+            limit = "-" if e.limit is None else _uint(e.limit)
+            args += [_uint(e.settled), limit, str(len(e.applied)), str(len(e.unknown))]
             args += [*e.applied, *e.unknown]
         await self._script("refresh", [e.usage_key for e in entries], args)
 

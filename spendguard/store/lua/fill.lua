@@ -4,7 +4,8 @@
 -- KEYS[1+i]  usage hash i
 -- ARGV[1]    policy TTL in ms, or "-" to leave the policy hash alone
 -- ARGV[2]    n = number of policy fields, then n (field, limit) pairs
--- then, per usage key: settled micro-USD, expiry as epoch ms (period end + grace)
+-- then, per usage key: settled micro-USD, limit ("-", or a balance key's topped-up total),
+-- expiry as epoch ms (period end + grace)
 --
 -- Every value is validated before the first write (Lua has no rollback). A usage key whose
 -- expiry has passed (a closed period) is never recreated.
@@ -17,7 +18,7 @@ if (ttl ~= '-' and not is_uint(ttl)) or n == nil or n < 0 then
   return redis.error_reply('spendguard fill: bad header')
 end
 local first_usage = 3 + 2 * n
-if #ARGV ~= first_usage - 1 + 2 * (#KEYS - 1) then
+if #ARGV ~= first_usage - 1 + 3 * (#KEYS - 1) then
   return redis.error_reply('spendguard fill: argument count')
 end
 for i = 3, first_usage - 1, 2 do
@@ -25,8 +26,9 @@ for i = 3, first_usage - 1, 2 do
     return redis.error_reply('spendguard fill: bad policy field')
   end
 end
-for i = first_usage, #ARGV do
-  if not is_uint(ARGV[i]) then
+for i = first_usage, #ARGV, 3 do
+  if not is_uint(ARGV[i]) or not (ARGV[i + 1] == '-' or is_uint(ARGV[i + 1]))
+      or not is_uint(ARGV[i + 2]) then
     return redis.error_reply('spendguard fill: bad usage value')
   end
 end
@@ -43,10 +45,13 @@ end
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 for k = 2, #KEYS do
-  local settled = ARGV[first_usage + 2 * (k - 2)]
-  local expire_at = ARGV[first_usage + 2 * (k - 2) + 1]
+  local at = first_usage + 3 * (k - 2)
+  local settled, limit, expire_at = ARGV[at], ARGV[at + 1], ARGV[at + 2]
   if tonumber(expire_at) > now_ms and redis.call('EXISTS', KEYS[k]) == 0 then
     redis.call('HSET', KEYS[k], 's', settled, 'p', '0')
+    if limit ~= '-' then
+      redis.call('HSET', KEYS[k], 't', limit)
+    end
     redis.call('PEXPIREAT', KEYS[k], expire_at)
   end
 end

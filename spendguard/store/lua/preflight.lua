@@ -8,7 +8,8 @@
 -- Returns 0 when the policy hash is absent (a miss: the caller loads it from the ledger).
 -- Otherwise a flat list, 3 entries per candidate: limit, settled, pending. A nil limit means
 -- "no policy" and then its usage key is not even read (R5.1: no policy, no usage lookups);
--- nil settled means the usage key is absent (a miss for that key).
+-- nil settled means the usage key is absent (a miss for that key). The "balance" field only
+-- marks that the team has a prepaid account; its limit is the balance key's t (topped up).
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
 end
@@ -17,7 +18,10 @@ local out = {}
 for i = 1, #ARGV do
   local limit = limits[i]
   if limit then
-    local usage = redis.call('HMGET', KEYS[i + 1], 's', 'p')
+    local usage = redis.call('HMGET', KEYS[i + 1], 's', 'p', 't')
+    if ARGV[i] == 'balance' then
+      limit = usage[3] or '0'
+    end
     out[3 * i - 2] = limit
     out[3 * i - 1] = usage[1]
     out[3 * i] = usage[2]

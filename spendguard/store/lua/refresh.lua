@@ -1,8 +1,9 @@
 -- Settlement's cache refresh (R7.3/R7.4) for one team's usage keys.
 --
 -- KEYS[k]  usage hash k (absent keys stay absent: the next preflight loads them)
--- ARGV     per key, in KEYS order: settled, a, u, then a record ids whose postflight was
---          applied, then u record ids whose postflight outcome was unknown
+-- ARGV     per key, in KEYS order: settled, limit ("-", or a balance key's topped-up total),
+--          a, u, then a record ids whose postflight was applied, then u record ids whose
+--          postflight outcome was unknown
 --
 -- For every settled record, remove its marker and subtract the estimate the marker holds, then
 -- raise the settled part to the ledger's aggregate. Aggregates only grow, so a refresh that
@@ -13,13 +14,20 @@ local function is_uint(v)
   return type(v) == 'string' and #v > 0 and #v <= 18 and string.match(v, '^%d+$') ~= nil
 end
 -- Validate the whole layout before the first write (Lua has no rollback).
+local function raise_to(key, field, value)
+  local current = redis.call('HGET', key, field)
+  -- Compare as decimal strings of equal length: exact beyond 2^53, unlike tonumber.
+  if not current or #value > #current or (#value == #current and value > current) then
+    redis.call('HSET', key, field, value)
+  end
+end
 local pos = 1
 for k = 1, #KEYS do
-  local settled, a, u = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2]
-  if not (is_uint(settled) and is_uint(a) and is_uint(u)) then
+  local settled, limit, a, u = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], ARGV[pos + 3]
+  if not (is_uint(settled) and (limit == '-' or is_uint(limit)) and is_uint(a) and is_uint(u)) then
     return redis.error_reply('spendguard refresh: bad entry header')
   end
-  pos = pos + 3 + tonumber(a) + tonumber(u)
+  pos = pos + 4 + tonumber(a) + tonumber(u)
 end
 if pos ~= #ARGV + 1 then
   return redis.error_reply('spendguard refresh: argument count')
@@ -28,8 +36,9 @@ end
 pos = 1
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local settled, a, u = ARGV[pos], tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
-  local first = pos + 3
+  local settled, limit = ARGV[pos], ARGV[pos + 1]
+  local a, u = tonumber(ARGV[pos + 2]), tonumber(ARGV[pos + 3])
+  local first = pos + 4
   pos = first + a + u
   if redis.call('EXISTS', key) == 1 then
     for i = first, first + a + u - 1 do
@@ -42,10 +51,9 @@ for k = 1, #KEYS do
         redis.call('HSET', key, 'd:' .. ARGV[i], '1')
       end
     end
-    local current = redis.call('HGET', key, 's')
-    -- Compare as decimal strings of equal length: exact beyond 2^53, unlike tonumber.
-    if not current or #settled > #current or (#settled == #current and settled > current) then
-      redis.call('HSET', key, 's', settled)
+    raise_to(key, 's', settled)
+    if limit ~= '-' then
+      raise_to(key, 't', limit)
     end
   end
 end

@@ -1,0 +1,1 @@
+"""spendguard's benchmark suite: ``python -m benchmarks.run`` (see benchmarks/README.md)."""
