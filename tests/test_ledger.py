@@ -153,3 +153,18 @@ async def test_unreachable_database_raises_ledger_unavailable() -> None:
     led = Ledger("postgresql://nobody@127.0.0.1:1/none")
     with pytest.raises(LedgerUnavailable):
         await led.connect()
+
+
+async def test_settlement_debits_balances_in_the_same_transaction(ledger: Ledger) -> None:
+    assert await ledger.load_policies("acme") == {}
+    await ledger.topup(team="acme", team_id="acme", micros=1_000)
+    assert await ledger.load_policies("acme") == {"balance": 1}  # the cache's account marker
+    await ledger.insert_records(
+        [record("a", OCT1, 7), record("b", OCT1, 8), record("c", OCT1, 9, team="other")]
+    )
+    await ledger.settle(100, price, now=OCT1)
+    assert await ledger.load_balance("acme") == (1_000, 15)
+    assert await ledger.load_balance("other") is None  # no account: not debited, not created
+    await ledger.topup(team="acme", team_id="acme", micros=500)
+    assert await ledger.load_balance("acme") == (1_500, 15)
+    assert await ledger.topups_total("acme") == 1_500

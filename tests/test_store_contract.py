@@ -305,3 +305,20 @@ async def test_hostile_ids_do_not_share_keys(harness: Harness) -> None:
         p = keys_for(harness, team=raw, key=raw)
         pf = await harness.store.preflight(p)
         assert pf.outcome is Outcome.ALLOW and [s.used for s in pf.limits] == [n]
+
+
+async def test_balance_denies_once_nothing_is_left(harness: Harness) -> None:
+    p = keys_for(harness)
+    bal = next(c for c in p.candidates if c.field == "balance")
+    await harness.store.fill(
+        p, {"balance": 1}, [UsageFill(bal.usage_key, 60, bal.expires_at, limit=100)], policy_ttl=60
+    )
+    pf = await harness.store.preflight(p)
+    assert pf.outcome is Outcome.ALLOW and (pf.limits[-1].limit, pf.limits[-1].used) == (100, 60)
+    await harness.store.postflight("r1", 40, [bal.usage_key])
+    pf = await harness.store.preflight(p)
+    assert pf.outcome is Outcome.DENY and pf.denied is not None and pf.denied.candidate is bal
+    # A top-up raises t; settlement raises s and drops the marker.
+    await harness.store.refresh([RefreshEntry(bal.usage_key, 100, ("r1",), limit=150)])
+    pf = await harness.store.preflight(p)
+    assert pf.outcome is Outcome.ALLOW and (pf.limits[-1].limit, pf.limits[-1].used) == (150, 100)

@@ -22,7 +22,8 @@ if #ARGV ~= first_usage - 1 + 3 * (#KEYS - 1) then
   return redis.error_reply('spendguard fill: argument count')
 end
 for i = 3, first_usage - 1, 2 do
-  if string.find(ARGV[i], ':', 1, true) == nil or not is_uint(ARGV[i + 1]) then
+  local field = ARGV[i]
+  if (field ~= 'balance' and string.find(field, ':', 1, true) == nil) or not is_uint(ARGV[i + 1]) then
     return redis.error_reply('spendguard fill: bad policy field')
   end
 end

@@ -1,0 +1,95 @@
+"""Driving an ASGI app directly, as a server would but without sockets: its lifespan, and one
+request with a prebuilt scope so that the measured time is the app's own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.types import ASGIApp, Message
+
+
+@asynccontextmanager
+async def lifespan(app: ASGIApp) -> AsyncIterator[None]:
+    """Run ``app``'s lifespan around a block (startup before, shutdown after)."""
+    to_app: asyncio.Queue[Message] = asyncio.Queue()
+    from_app: asyncio.Queue[Message] = asyncio.Queue()
+    scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
+    task = asyncio.create_task(app(scope, to_app.get, from_app.put))
+    await to_app.put({"type": "lifespan.startup"})
+    started = await from_app.get()
+    if started["type"] != "lifespan.startup.complete":
+        task.cancel()
+        raise RuntimeError(f"app startup failed: {started}")
+    try:
+        yield
+    finally:
+        await to_app.put({"type": "lifespan.shutdown"})
+        done = await from_app.get()
+        if done["type"] != "lifespan.shutdown.complete":
+            raise RuntimeError(f"app shutdown failed: {done}")
+        await task
+
+
+def http_scope(
+    method: str, path: str, headers: Sequence[tuple[bytes, bytes]], body: bytes = b""
+) -> dict[str, Any]:
+    """What uvicorn hands an app for one request (ASGI spec 2.3, like uvicorn's h11 server)."""
+    raw = [(k.lower(), v) for k, v in headers]
+    if body:
+        raw.append((b"content-length", str(len(body)).encode()))
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "server": ("127.0.0.1", 8000),
+        "client": ("127.0.0.1", 50000),
+        "scheme": "http",
+        "method": method,
+        "root_path": "",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": raw,
+    }
+
+
+class Call:
+    """One request against an app: ``await call()`` returns the response status.
+
+    The scope is copied per call (apps write into ``scope["state"]``). After the body, ``receive``
+    blocks like a connection that stays open; Starlette's streaming response listens for a
+    disconnect that way and cancels the wait when the body is done.
+    """
+
+    __slots__ = ("_app", "_body", "_scope")
+
+    def __init__(self, app: ASGIApp, scope: dict[str, Any], body: bytes = b"") -> None:
+        self._app, self._scope, self._body = app, scope, body
+
+    async def __call__(self) -> int:
+        scope = dict(self._scope)
+        scope["state"] = {}
+        body = self._body
+        sent = False
+        status = 0
+        never: asyncio.Future[None] | None = None
+
+        async def receive() -> Message:
+            nonlocal sent, never
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            never = asyncio.get_running_loop().create_future()
+            await never
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+
+        await self._app(scope, receive, send)
+        return status

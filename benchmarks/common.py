@@ -1,0 +1,138 @@
+"""What every measurement shares: the run's services, its sizes, and the gateway setup."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from spendguard import Identity
+from spendguard.guard import SpendGuard
+from spendguard.ledger import Ledger
+from spendguard.middleware import SpendGuardMiddleware
+from spendguard.periods import Period
+
+from .apps import KEY_ID, TEAM_ID
+
+# Limits high enough that no benchmark request is ever refused: the limit is checked (policies
+# exist, usage keys are read and charged) but never reached.
+HIGH_LIMIT_MICROS = 10**15
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    redis_url: str
+    postgres_url: str
+    workdir: Path  # private scratch dir of this run (SQLite files, logs)
+
+    @property
+    def sqlite_url(self) -> str:
+        return f"sqlite:///{self.workdir / 'embedded.db'}"
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """How much work each measurement does; ``--quick`` shrinks all of it."""
+
+    inproc_inference: int  # timed requests per variant per repeat
+    inproc_health: int
+    inproc_block: int  # requests of one variant in a row before the next variant's turn
+    inproc_warmup: int
+    http_seconds: float  # one load run
+    http_health_seconds: float
+    http_concurrency: tuple[int, ...]
+    overshoot_n: tuple[int, ...]
+    settle_records: int
+    settle_batches: tuple[int, ...]
+    preflight_calls: int  # per concurrency level
+    preflight_concurrency: tuple[int, ...]
+    client_calls: int  # Redis client-path experiment, calls per client
+
+    @classmethod
+    def full(cls) -> Sizes:
+        return cls(
+            inproc_inference=2000,
+            inproc_health=5000,
+            inproc_block=50,
+            inproc_warmup=300,
+            http_seconds=1.0,
+            http_health_seconds=1.0,
+            http_concurrency=(1, 16, 64),
+            overshoot_n=(10, 100, 500),
+            settle_records=10_000,
+            settle_batches=(100, 1000, 5000),
+            preflight_calls=4000,
+            preflight_concurrency=(1, 64),
+            client_calls=4000,
+        )
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(
+            inproc_inference=100,
+            inproc_health=200,
+            inproc_block=20,
+            inproc_warmup=30,
+            http_seconds=0.3,
+            http_health_seconds=0.3,
+            http_concurrency=(1, 16, 64),
+            overshoot_n=(10, 100, 500),
+            settle_records=300,
+            settle_batches=(100, 1000),
+            preflight_calls=200,
+            preflight_concurrency=(1, 64),
+            client_calls=200,
+        )
+
+
+def bench_identity() -> Identity:
+    return Identity(TEAM_ID, KEY_ID)
+
+
+async def set_policies(
+    database_url: str,
+    identity: Identity,
+    *,
+    key_day: int = HIGH_LIMIT_MICROS,
+    team_month: int | None = HIGH_LIMIT_MICROS,
+    now: datetime | None = None,
+) -> None:
+    """The limits a real deployment has: the key per day and the team per month."""
+    ledger = Ledger(database_url)
+    await ledger.connect()
+    try:
+        await ledger.init_schema()
+        await ledger.set_policy(
+            team=identity.team,
+            team_id=identity.team_id,
+            api_key=identity.api_key,
+            api_key_id=identity.api_key_id,
+            period=Period.DAY,
+            limit_micros=key_day,
+            now=now or datetime.now(UTC),
+        )
+        if team_month is not None:
+            await ledger.set_policy(
+                team=identity.team,
+                team_id=identity.team_id,
+                api_key=None,
+                api_key_id=None,
+                period=Period.MONTH,
+                limit_micros=team_month,
+                now=now or datetime.now(UTC),
+            )
+    finally:
+        await ledger.disconnect()
+
+
+def find_guard(app: Any) -> SpendGuard | None:
+    """The SpendGuard inside a built Starlette app's middleware stack, if any."""
+    node: Any = getattr(app, "middleware_stack", None) or app
+    for _ in range(50):
+        if isinstance(node, SpendGuardMiddleware):
+            return node.guard
+        node = getattr(node, "app", None)
+        if node is None:
+            return None
+    return None

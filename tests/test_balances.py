@@ -1,0 +1,114 @@
+"""Prepaid balances (R4.1/R5.1/R6.3, issue: account balances), on both stores."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_middleware import Gateway, chat_body
+
+from spendguard.cli import main as cli_main
+from spendguard.identity import Identity
+from spendguard.keys import balance_key
+from spendguard.store.redis import RedisStore
+
+pytestmark = pytest.mark.anyio
+
+BALANCE_429 = {
+    "error": {
+        "type": "insufficient_quota",
+        "code": "insufficient_quota",
+        "message": "Account balance exhausted.",
+    }
+}
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def gw(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Gateway]:
+    if request.param == "memory":
+        async with Gateway(tmp_path, utc_now) as gateway:
+            yield gateway
+    else:
+        store = RedisStore.from_url(request.getfixturevalue("redis_url"), timeout=1.0)
+        async with Gateway(tmp_path, utc_now, store=store) as gateway:
+            yield gateway
+        await store.aclose()
+
+
+async def topup(gw: Gateway, micros: int, team: str = "acme") -> None:
+    ident = Identity(team)
+    topped, charged = await gw.guard.ledger.topup(team=ident.team, team_id=team, micros=micros)
+    await gw.store.evict_policy(ident.team, "quota")  # what the CLI / worker pass does
+
+
+async def test_balance_runs_out_then_a_top_up_reopens_it(gw: Gateway) -> None:
+    await topup(gw, 40)  # each request costs 15 micro-USD
+    async with gw.client() as c:
+        codes = [
+            (await c.post("/v1/chat/completions", json=chat_body())).status_code for _ in range(4)
+        ]
+        assert codes == [200, 200, 200, 429]  # 40 -> 25 -> 10 -> -5: denied at <= 0
+        denied = await c.post("/v1/chat/completions", json=chat_body())
+        assert denied.json() == BALANCE_429
+        assert "retry-after" not in denied.headers  # a balance has no reset time
+        anthropic = await c.post("/v1/messages", json=chat_body(max_tokens=5))
+        assert anthropic.json()["error"]["message"] == "Account balance exhausted."
+        await gw.settle()
+        account = await gw.guard.ledger.load_balance("acme")
+        assert account == (40, 45)  # overdrawn by the last admitted request (a soft cap)
+        await topup(gw, 100)
+        await gw.guard.worker.run_once()  # the sync pass raises the cached top-up total
+        assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+    await gw.settle()
+    topped, charged = await gw.guard.ledger.load_balance("acme") or (0, 0)
+    assert topped == await gw.guard.ledger.topups_total("acme") == 140
+    assert charged == await gw.guard.ledger.charges_total("acme") == 60
+
+
+async def test_teams_without_an_account_are_not_balance_limited(gw: Gateway) -> None:
+    await topup(gw, 1, team="other")
+    async with gw.client() as c:
+        for _ in range(3):
+            assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+    await gw.settle()
+    assert await gw.guard.ledger.load_balance("acme") is None
+
+
+async def test_cached_balance_is_settled_plus_pending(gw: Gateway) -> None:
+    await topup(gw, 1_000)
+    async with gw.client() as c:
+        for _ in range(2):
+            assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+    key = balance_key("quota", "acme")
+    assert (await gw.store.read_usage([key]))[key] == 30  # pending estimates
+    await gw.settle()
+    assert (await gw.store.read_usage([key]))[key] == 30  # now settled charges, not doubled
+    assert await gw.guard.ledger.load_balance("acme") == (1_000, 30)
+
+
+def test_cli_balance_topup_and_show(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    monkeypatch.setenv("SPENDGUARD_DATABASE_URL", f"sqlite:///{tmp_path / 'b.db'}")
+
+    def run(*argv: str) -> tuple[int, Any]:
+        code = cli_main([*argv, "--json"])
+        out = capsys.readouterr().out
+        return code, json.loads(out) if out.strip() else None
+
+    assert run("balance", "show", "--team", "acme")[0] == 1  # no account yet
+    code, data = run("balance", "topup", "--team", "acme", "--usd", "100")
+    assert code == 0 and data["balance_micros"] == 100_000_000
+    run("balance", "topup", "--team", "acme", "--usd", "0.5")
+    code, data = run("balance", "show", "--team", "acme")
+    assert code == 0 and data["topped_up_micros"] == 100_500_000 and data["charged_micros"] == 0
+    assert cli_main(["balance", "topup", "--team", "acme", "--usd", "-1"]) == 2
