@@ -6,7 +6,7 @@ Served by whatever exposes your app's default registry (e.g. ``prometheus_client
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 STORE_UNAVAILABLE = Counter(
     "spendguard_store_unavailable_total",
@@ -20,4 +20,19 @@ FAIL_OPEN_TRACKED = Gauge(
 RECORDS_DROPPED = Counter(
     "spendguard_records_dropped_total",
     "Inference records dropped because the record buffer was full.",
+)
+AGGREGATE_UPDATE_SECONDS = Histogram(
+    "spendguard_aggregate_update_seconds",
+    "Time of one aggregate-row UPDATE in settlement; on PostgreSQL it includes row-lock waits "
+    "on hot team-month rows (R7.7).",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+SETTLED_RECORDS = Counter("spendguard_settled_records_total", "Records settled by this process.")
+ESTIMATE_ERROR = Counter(
+    "spendguard_estimate_error_micros_total",
+    "Sum of (exact charge - postflight estimate) over settled records, by sign.",
+    ["sign"],
+)
+CACHE_REFRESH_FAILURES = Counter(
+    "spendguard_cache_refresh_failures_total", "Cache refreshes that failed after a commit."
 )

@@ -6,14 +6,17 @@ every interval, subtracting the pass's own time from the sleep.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import IO
 
 import anyio
 from anyio.abc import TaskStatus
 
+from . import metrics
 from .costing import Coster
 from .errors import LedgerUnavailable, SpendGuardError
 from .keys import balance_key, parse_field, usage_key
@@ -83,6 +86,9 @@ class SettlementWorker:
             result.settled += batch.charged
             result.total_micros += batch.total_micros
             result.estimate_error_micros += batch.estimate_error_micros
+            metrics.SETTLED_RECORDS.inc(batch.charged)
+            error = batch.estimate_error_micros
+            metrics.ESTIMATE_ERROR.labels("over" if error > 0 else "under").inc(abs(error))
             for team, recs in batch.records.items():
                 settled.setdefault(team, {}).update((r.id, r) for r in recs)
             if batch.charged < self._batch:
@@ -157,11 +163,41 @@ class SettlementWorker:
             except SpendGuardError as exc:
                 # The DB is committed; a failed refresh must not undo it (R7.4).
                 result.refresh_failures += 1
+                metrics.CACHE_REFRESH_FAILURES.inc()
                 log.warning("spendguard cache refresh failed for team %s: %s", team, exc)
+
+    def _claim_sqlite(self) -> IO[bytes] | None:
+        """SQLite supports one settlement worker: take an exclusive lock file beside the
+        database. A second worker says so and only keeps its own cache in sync."""
+        path = self._ledger.sqlite_path
+        if path is None or not self._settle:
+            return None
+        handle = open(f"{path}.settle.lock", "a+b")  # noqa: SIM115 - held for the loop's life
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except OSError:
+            handle.close()
+            log.warning(
+                "another spendguard worker is settling the SQLite database %s; SQLite supports "
+                "a single worker, so this one only keeps its cache in sync. Use PostgreSQL for "
+                "several workers.",
+                path,
+            )
+            self._settle = False
+            return None
 
     async def run(
         self, interval: float, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
+        lock = self._claim_sqlite()
+        try:
+            await self._loop(interval, task_status)
+        finally:
+            if lock is not None:
+                lock.close()
+
+    async def _loop(self, interval: float, task_status: TaskStatus[None]) -> None:
         task_status.started()
         while True:
             started = anyio.current_time()

@@ -88,6 +88,13 @@ def _truncate_pg(url: str) -> None:
 
 
 @pytest.fixture
+def clean_postgres_url(postgres_url: str) -> str:
+    """The session's PostgreSQL database, emptied for this test."""
+    _truncate_pg(postgres_url)
+    return postgres_url
+
+
+@pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'ledger.db'}"
 

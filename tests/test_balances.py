@@ -44,7 +44,7 @@ async def gw(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Ga
 
 async def topup(gw: Gateway, micros: int, team: str = "acme") -> None:
     ident = Identity(team)
-    topped, charged = await gw.guard.ledger.topup(team=ident.team, team_id=team, micros=micros)
+    await gw.guard.ledger.topup(team=ident.team, team_id=team, micros=micros)
     await gw.store.evict_policy(ident.team, "quota")  # what the CLI / worker pass does
 
 

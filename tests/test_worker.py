@@ -160,3 +160,86 @@ async def test_unknown_model_is_charged_the_default_price(guard: SpendGuard) -> 
     await guard.recorder.flush()
     await guard.worker.run_once()
     assert await guard.ledger.charges_total() == 7  # the unit table's "default": 1 per token
+
+
+async def test_second_sqlite_worker_says_so_and_does_not_settle(
+    sqlite_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import anyio
+
+    settings = Settings(database_url=sqlite_url, prices=write_unit_prices(tmp_path))
+    first, second = SpendGuard(settings), SpendGuard(settings)
+    await first.start(worker=False)
+    await second.start(worker=False)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(first.worker.run, 60.0)
+            await tg.start(second.worker.run, 60.0)
+            assert first.worker._settle and not second.worker._settle
+            tg.cancel_scope.cancel()
+        assert "SQLite supports a single worker" in caplog.text
+    finally:
+        await second.stop()  # own task groups: closed in reverse order of opening
+        await first.stop()
+
+
+KILLER = """
+import os, signal, sys, anyio
+from spendguard import Settings
+from spendguard.costing import Coster
+from spendguard.ledger import Ledger
+from spendguard.pricing import PriceTable
+from spendguard.settings import UnknownModel
+from spendguard.store.redis import RedisStore
+from spendguard.worker import SettlementWorker
+
+async def main():
+    ledger = Ledger(sys.argv[1])
+    await ledger.connect()
+    store = RedisStore.from_url(sys.argv[2])
+    async def die(entries):  # the DB transaction has committed; the refresh never happens
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.refresh = die
+    coster = Coster(PriceTable.load(sys.argv[3]), UnknownModel.DEFAULT_PRICE)
+    worker = SettlementWorker(ledger, store, coster, key_prefix="quota")
+    await worker.run_once()
+
+anyio.run(main)
+"""
+
+
+async def test_worker_process_killed_between_commit_and_refresh_heals(
+    clean_postgres_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from spendguard.store.redis import RedisStore
+
+    postgres_url = clean_postgres_url
+    store = RedisStore.from_url(redis_url, timeout=2)
+    settings = Settings(database_url=postgres_url, prices=write_unit_prices(tmp_path))
+    g = SpendGuard(settings, store=store)
+    await g.start(worker=False)
+    try:
+        await set_limit(g, 10_000)
+        await spend(g, 50)
+        await spend(g, 20)
+        await g.recorder.flush()
+        assert await cached(g) == 70
+        doubled = tmp_path / "double.json"
+        doubled.write_text(Path(str(settings.prices)).read_text().replace('"1"', '"2"'))
+        killed = subprocess.run(
+            [sys.executable, "-c", KILLER, postgres_url, redis_url, str(doubled)],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        assert killed.returncode == -9, killed.stderr
+        assert await g.ledger.charges_total() == 140  # committed before the kill
+        assert await cached(g) == 70  # the refresh never ran: estimates, not lost
+        await g.worker.run_once()  # any later pass heals: exact charges replace estimates
+        assert await cached(g) == 140
+    finally:
+        await g.stop()
+        await store.aclose()

@@ -7,6 +7,7 @@ see plain Python values and :class:`LedgerUnavailable` for any database failure.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from databases import Database
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.schema import CreateIndex, CreateTable
 
+from .. import metrics
 from ..errors import LedgerUnavailable
 from ..keys import BALANCE_FIELD, Scope, policy_field
 from ..periods import Period, from_micros, period_id, to_micros, utcnow
@@ -112,6 +114,15 @@ class Ledger:
     async def disconnect(self) -> None:
         if self._db.is_connected:
             await self._db.disconnect()
+
+    @property
+    def sqlite_path(self) -> str | None:
+        """The database file of a SQLite ledger (None for PostgreSQL or in-memory SQLite)."""
+        if self.is_postgres:
+            return None
+        path = self.url.split("://", 1)[1].split("?", 1)[0]
+        path = path[1:] if path.startswith("/") else path
+        return None if path in ("", ":memory:") else path
 
     @property
     def connected(self) -> bool:
@@ -504,6 +515,7 @@ class Ledger:
                     .on_conflict_do_nothing(index_elements=[charges.c.record_id])
                 )
             for (team, key, period, pid), delta in sorted(deltas.items()):
+                started = time.perf_counter()
                 stmt = self._insert(aggregates).values(
                     team=team,
                     api_key=key,
@@ -526,6 +538,7 @@ class Ledger:
                         },
                     )
                 )
+                metrics.AGGREGATE_UPDATE_SECONDS.observe(time.perf_counter() - started)
             for team, amount in sorted(per_team.items()):
                 # Teams without an account match no row: not balance-limited.
                 await self._db.execute(
