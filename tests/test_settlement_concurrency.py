@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import anyio
 import pytest

@@ -1,0 +1,175 @@
+"""Property tests: random interleavings of traffic, settlement, crashes and policy changes.
+
+After quiescence every aggregate equals the sum of the charges it should contain, no charge
+is counted twice, every cached value equals its aggregate and every balance equals top-ups
+minus charges. Embedded store and a real SQLite ledger; fixed clock inside one period.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import Clock, write_unit_prices
+
+from spendguard import Identity, Settings, SpendGuard, Verdict
+from spendguard.keys import balance_key, plan
+from spendguard.ledger.schema import charges, records
+from spendguard.periods import Period
+from spendguard.store.memory import MemoryStore
+from spendguard.usage import Usage
+
+TEAMS = ["acme", "beta"]
+KEYS = ["k1", "k2"]
+T0 = datetime(2026, 11, 10, 12, tzinfo=UTC)
+
+spend = st.tuples(
+    st.just("spend"), st.sampled_from(TEAMS), st.sampled_from(KEYS), st.integers(0, 50)
+)
+policy = st.tuples(
+    st.just("policy"),
+    st.sampled_from(TEAMS),
+    st.sampled_from([None, *KEYS]),
+    st.sampled_from([Period.DAY, Period.MONTH]),
+    st.integers(0, 400),
+)
+remove = st.tuples(
+    st.just("rm"),
+    st.sampled_from(TEAMS),
+    st.sampled_from([None, *KEYS]),
+    st.sampled_from(list(Period)),
+)
+op = st.one_of(
+    spend,
+    spend,
+    spend,
+    policy,
+    remove,
+    st.just(("flush",)),
+    st.just(("settle",)),
+    st.just(("crash",)),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(accounts=st.lists(st.sampled_from(TEAMS), unique=True), ops=st.lists(op, max_size=40))
+def test_random_interleavings_keep_every_invariant(accounts: list[str], ops: list[Any]) -> None:
+    tmp = Path(tempfile.mkdtemp())
+    try:
+        anyio.run(_scenario, tmp, accounts, ops)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _scenario(tmp: Path, accounts: list[str], ops: list[Any]) -> None:
+    clock = Clock(T0)
+    settings_ = Settings(database_url=f"sqlite:///{tmp / 'p.db'}", prices=write_unit_prices(tmp))
+    store = MemoryStore(clock=clock)
+    g = SpendGuard(settings_, store=store, clock=clock)
+    await g.start(worker=False)
+    led = g.ledger
+    try:
+        for team in accounts:
+            await led.topup(team=team, team_id=team, micros=300)
+        for step in ops:
+            await _apply(g, store, step)
+            clock.now += timedelta(seconds=1)
+        # Quiescence: every record written, settled, and the cache refreshed.
+        await g.recorder.flush()
+        await g.worker.run_once()
+        await g.worker.run_once()
+        await _check(g, store, accounts)
+    finally:
+        await g.stop()
+
+
+async def _apply(g: SpendGuard, store: MemoryStore, step: Any) -> None:
+    kind = step[0]
+    if kind == "spend":
+        _, team, key, tokens = step
+        decision = await g.preflight(Identity(team, key), g.clock())
+        if decision.verdict is Verdict.ALLOW:
+            await g.postflight(
+                decision,
+                model="unit-model",
+                route="/v1/chat/completions",
+                status_code=200,
+                usage=Usage(input_tokens=tokens),
+            )
+    elif kind == "policy":
+        _, team, key, period, limit = step
+        await g.ledger.set_policy(
+            team=team,
+            team_id=team,
+            api_key=key,
+            api_key_id=key,
+            period=period,
+            limit_micros=limit,
+            now=g.clock(),
+        )
+    elif kind == "rm":
+        _, team, key, period = step
+        await g.ledger.remove_policy(team=team, api_key=key, period=period)
+    elif kind == "flush":
+        await g.recorder.flush()
+    elif kind == "settle":
+        await g.worker.run_once()
+    elif kind == "crash":  # the DB commits, the cache refresh is lost
+        real = store.refresh
+
+        async def lost(entries: Any) -> None:
+            raise RuntimeError("crashed between commit and refresh")
+
+        store.refresh = lost  # type: ignore[method-assign]
+        try:
+            await g.worker.run_once()
+        except RuntimeError:
+            pass
+        finally:
+            store.refresh = real  # type: ignore[method-assign]
+
+
+async def _check(g: SpendGuard, store: MemoryStore, accounts: list[str]) -> None:
+    db = g.ledger._db
+    n_records = await db.fetch_val(sa.select(sa.func.count()).select_from(records))
+    n_charges = await db.fetch_val(sa.select(sa.func.count()).select_from(charges))
+    assert n_records == n_charges  # every record charged exactly once
+    usage_sum = await db.fetch_val(
+        sa.select(sa.func.coalesce(sa.func.sum(records.c.input_tokens), 0))
+    )
+    assert await g.ledger.charges_total() == usage_sum  # nothing counted twice or lost
+    day, month = "20261110", "202611"
+    for team in TEAMS:
+        agg = await g.ledger.policy_aggregates(day, month, [team])
+        for field, pid, settled in agg.get(team, []):
+            parts = field.split(":")
+            key = parts[1] if parts[0] == "api_key" else None
+            column = charges.c.day_id if parts[-1] == "day" else charges.c.month_id
+            conds = [charges.c.team == team, column == pid]
+            if key is not None:
+                conds.append(charges.c.api_key == key)
+            expected = await db.fetch_val(
+                sa.select(sa.func.coalesce(sa.func.sum(charges.c.amount_micros), 0)).where(*conds)
+            )
+            assert settled == expected, (team, field)  # the aggregate holds its charges, once
+            p = plan("quota", Identity(team, key or "k1"), g.clock(), timedelta(days=2))
+            cand = next(c for c in p.candidates if c.field == field)
+            cached = (await store.read_usage([cand.usage_key]))[cand.usage_key]
+            assert cached in (None, settled), (team, field)  # cache == aggregate (or unloaded)
+        account = await g.ledger.load_balance(team)
+        if team in accounts:
+            assert account is not None
+            topped, charged = account
+            assert topped == await g.ledger.topups_total(team)
+            assert charged == await g.ledger.charges_total(team)  # top-ups minus charges
+            key = balance_key("quota", team)
+            assert (await store.read_usage([key]))[key] in (None, charged)
+        else:
+            assert account is None
