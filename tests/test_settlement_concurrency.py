@@ -96,7 +96,9 @@ async def test_policy_added_mid_period_while_traffic_and_workers_run(
     for team in teams:
         rows = await producer._db.fetch_all(
             sa.select(aggregates.c.settled_micros).where(
-                aggregates.c.team == team, aggregates.c.api_key == "", aggregates.c.period == "month"
+                aggregates.c.team == team,
+                aggregates.c.api_key == "",
+                aggregates.c.period == "month",
             )
         )
         # Folded in exactly once, whichever side of each settlement the activation fell on.

@@ -211,8 +211,9 @@ anyio.run(main)
 async def test_worker_process_killed_between_commit_and_refresh_heals(
     clean_postgres_url: str, redis_url: str, tmp_path: Path
 ) -> None:
-    import subprocess
     import sys
+
+    import anyio
 
     from spendguard.store.redis import RedisStore
 
@@ -227,14 +228,14 @@ async def test_worker_process_killed_between_commit_and_refresh_heals(
         await spend(g, 20)
         await g.recorder.flush()
         assert await cached(g) == 70
-        doubled = tmp_path / "double.json"
-        doubled.write_text(Path(str(settings.prices)).read_text().replace('"1"', '"2"'))
-        killed = subprocess.run(
-            [sys.executable, "-c", KILLER, postgres_url, redis_url, str(doubled)],
-            capture_output=True,
-            timeout=60,
-            check=False,
-        )
+        doubled = anyio.Path(tmp_path / "double.json")
+        text = await anyio.Path(str(settings.prices)).read_text()
+        await doubled.write_text(text.replace('"1"', '"2"'))
+        with anyio.fail_after(60):
+            killed = await anyio.run_process(
+                [sys.executable, "-c", KILLER, postgres_url, redis_url, str(doubled)],
+                check=False,
+            )
         assert killed.returncode == -9, killed.stderr
         assert await g.ledger.charges_total() == 140  # committed before the kill
         assert await cached(g) == 70  # the refresh never ran: estimates, not lost
