@@ -23,9 +23,15 @@ T0 = datetime(2026, 11, 10, 12, tzinfo=UTC)
 
 def rec(i: int, team: str) -> InferenceRecord:
     return InferenceRecord(
-        id=f"r{i}", inference_id=f"r{i}", identity=Identity(team, f"k{i % 3}"), model="m",
-        route="/v1/chat/completions", t0=T0 + timedelta(seconds=i), status_code=200,
-        usage=Usage(input_tokens=1 + i % 97), estimate_micros=1 + i % 97,
+        id=f"r{i}",
+        inference_id=f"r{i}",
+        identity=Identity(team, f"k{i % 3}"),
+        model="m",
+        route="/v1/chat/completions",
+        t0=T0 + timedelta(seconds=i),
+        status_code=200,
+        usage=Usage(input_tokens=1 + i % 97),
+        estimate_micros=1 + i % 97,
         postflight=PostflightStatus.APPLIED,
     )
 
@@ -80,8 +86,13 @@ async def test_policy_added_mid_period_while_traffic_and_workers_run(
         await anyio.sleep(0.05)  # traffic and settlement are under way
         for team in teams:
             await producer.set_policy(
-                team=team, team_id=team, api_key=None, api_key_id=None,
-                period=Period.MONTH, limit_micros=10**12, now=T0,
+                team=team,
+                team_id=team,
+                api_key=None,
+                api_key_id=None,
+                period=Period.MONTH,
+                limit_micros=10**12,
+                now=T0,
             )
             await anyio.sleep(0.01)
 

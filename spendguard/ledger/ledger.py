@@ -6,6 +6,7 @@ see plain Python values and :class:`LedgerUnavailable` for any database failure.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -135,7 +136,19 @@ class Ledger:
         except LedgerUnavailable:
             raise
         except Exception as exc:  # driver errors differ per backend; callers need one type
+            self._forget_connection()
             raise LedgerUnavailable(f"ledger {what} failed: {exc!r}") from exc
+
+    def _forget_connection(self) -> None:
+        """Drop this task's `databases` connection after a failure.
+
+        When the server goes away, `databases` (0.9) can fail while releasing a connection and
+        keep it bound to the task, already handed back to the pool: every later query of that
+        task then fails ("connection has been released back to the pool") even after the
+        database is back. Forgetting it makes the next query acquire a fresh one.
+        """
+        with contextlib.suppress(Exception):
+            self._db._connection = None
 
     async def _lock_for_write(self) -> None:
         """On SQLite, take the write lock as a transaction's first step.

@@ -1,0 +1,74 @@
+"""A loopback TCP proxy a test can cut: the database "goes down" without touching the server.
+
+``down()`` closes the listener and every open connection (new connections are refused, pooled
+ones break); ``up()`` listens again on the same port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import anyio
+from anyio.abc import SocketStream, TaskGroup
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TcpProxy:
+    def __init__(self, target_port: int, *, target_host: str = "127.0.0.1") -> None:
+        self.target = (target_host, target_port)
+        self.port = free_port()
+        self._scope: anyio.CancelScope | None = None
+        self._tg: TaskGroup | None = None
+
+    async def __aenter__(self) -> TcpProxy:
+        self._tg = await anyio.create_task_group().__aenter__()
+        await self.up()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.down()
+        assert self._tg is not None
+        await self._tg.__aexit__(None, None, None)
+
+    async def up(self) -> None:
+        assert self._tg is not None
+        listener = await anyio.create_tcp_listener(
+            local_host="127.0.0.1", local_port=self.port, reuse_port=False
+        )
+        scope = anyio.CancelScope()
+        self._scope = scope
+
+        async def serve() -> None:
+            with scope:
+                async with listener, anyio.create_task_group() as conns:
+                    await listener.serve(self._pipe, task_group=conns)
+
+        self._tg.start_soon(serve)
+
+    def down(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()  # closes the listener and every piped connection
+            self._scope = None
+
+    async def _pipe(self, client: SocketStream) -> None:
+        async with client:
+            try:
+                upstream = await anyio.connect_tcp(*self.target)
+            except OSError:
+                return
+            async with upstream, anyio.create_task_group() as tg:
+
+                async def copy(src: SocketStream, dst: SocketStream) -> None:
+                    with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                        while True:
+                            await dst.send(await src.receive())
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(copy, client, upstream)
+                tg.start_soon(copy, upstream, client)
