@@ -7,8 +7,11 @@ auth and the app:
 * ``bare``: none, the baseline every ratio is taken against;
 * ``embedded``: ``SpendGuardMiddleware`` on the embedded store (SQLite ledger);
 * ``redis``: ``SpendGuardMiddleware`` on the Redis store (PostgreSQL ledger);
-* ``slowapi``: the peer, slowapi's ``SlowAPIASGIMiddleware`` with its Redis storage and a
-  per-key limit on the inference routes (what users add instead of a spend limiter).
+* ``slowapi``: the peer, slowapi's ``SlowAPIMiddleware`` with its Redis storage and a per-key
+  limit on the inference routes (what users add instead of a spend limiter). Its pure-ASGI
+  ``SlowAPIASGIMiddleware`` is not used: it re-sends ``http.response.start`` before every body
+  chunk, which breaks streamed responses (slowapi issues #249 and #260), and every response of
+  this gateway is streamed from the provider.
 
 Served by uvicorn through ``create_app`` (``--factory``); spendguard variants read their
 settings from ``SPENDGUARD_*`` like the example does.
@@ -90,7 +93,7 @@ def _peer_key(request: Request) -> str:
 
 def _add_peer(app: FastAPI, redis_url: str) -> None:
     from slowapi import Limiter
-    from slowapi.middleware import SlowAPIASGIMiddleware
+    from slowapi.middleware import SlowAPIMiddleware
 
     limiter = Limiter(
         key_func=_peer_key,
@@ -101,7 +104,7 @@ def _add_peer(app: FastAPI, redis_url: str) -> None:
     )
     limiter.exempt(gateway.health)  # like spendguard, limit the inference routes only
     app.state.limiter = limiter
-    app.add_middleware(SlowAPIASGIMiddleware)
+    app.add_middleware(SlowAPIMiddleware)
 
 
 def build_gateway(

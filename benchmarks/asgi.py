@@ -87,9 +87,15 @@ class Call:
             return {"type": "http.disconnect"}
 
         async def send(message: Message) -> None:
+            # As strict as a server: one start, then body messages (a middleware that breaks
+            # the protocol must fail here, not look fast).
             nonlocal status
             if message["type"] == "http.response.start":
+                if status:
+                    raise RuntimeError("http.response.start sent twice")
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not status:
+                raise RuntimeError("http.response.body before http.response.start")
 
         await self._app(scope, receive, send)
         return status

@@ -41,9 +41,12 @@ class Sizes:
     inproc_warmup: int
     http_seconds: float  # one load run
     http_health_seconds: float
+    http_pause: float  # between runs: the previous server finishes its background writes
+    http_warmup: float  # per server and route, before the first measured run
     http_concurrency: tuple[int, ...]
     overshoot_n: tuple[int, ...]
-    settle_records: int
+    settle_records: int  # at least; a batch size above it settles one full batch
+    settle_teams: int  # x 5 keys, every one with a daily key and a monthly team limit
     settle_batches: tuple[int, ...]
     preflight_calls: int  # per concurrency level
     preflight_concurrency: tuple[int, ...]
@@ -52,15 +55,18 @@ class Sizes:
     @classmethod
     def full(cls) -> Sizes:
         return cls(
-            inproc_inference=2000,
+            inproc_inference=1000,
             inproc_health=5000,
             inproc_block=50,
             inproc_warmup=300,
             http_seconds=1.0,
             http_health_seconds=1.0,
+            http_pause=0.25,
+            http_warmup=1.0,
             http_concurrency=(1, 16, 64),
             overshoot_n=(10, 100, 500),
-            settle_records=10_000,
+            settle_records=1000,
+            settle_teams=20,
             settle_batches=(100, 1000, 5000),
             preflight_calls=4000,
             preflight_concurrency=(1, 64),
@@ -74,11 +80,14 @@ class Sizes:
             inproc_health=200,
             inproc_block=20,
             inproc_warmup=30,
-            http_seconds=0.3,
-            http_health_seconds=0.3,
+            http_seconds=0.2,
+            http_health_seconds=0.2,
+            http_pause=0.0,
+            http_warmup=0.0,
             http_concurrency=(1, 16, 64),
-            overshoot_n=(10, 100, 500),
+            overshoot_n=(5, 20, 50),
             settle_records=300,
+            settle_teams=4,
             settle_batches=(100, 1000),
             preflight_calls=200,
             preflight_concurrency=(1, 64),

@@ -96,7 +96,9 @@ async def measure(
 
         for rep in range(repeats):
             progress(f"in-process: repeat {rep + 1}/{repeats}")
-            samples: dict[str, dict[str, list[int]]] = {r: {v: [] for v in VARIANTS} for r in ROUTES}
+            samples: dict[str, dict[str, list[int]]] = {
+                r: {v: [] for v in VARIANTS} for r in ROUTES
+            }
             for route, total in (
                 ("inference", sizes.inproc_inference),
                 ("health", sizes.inproc_health),

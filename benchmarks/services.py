@@ -269,11 +269,13 @@ class GatewayServer:
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 raise ServiceError(f"gateway {self.variant} exited:\n{self.log_tail()}")
-            with contextlib.suppress(OSError):
-                with socket.create_connection((HOST, self.port), timeout=0.5) as sock:
-                    sock.sendall(b"GET /health HTTP/1.1\r\nhost: bench\r\n\r\n")
-                    if sock.recv(64).startswith(b"HTTP/1.1 200"):
-                        return
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection((HOST, self.port), timeout=0.5) as sock,
+            ):
+                sock.sendall(b"GET /health HTTP/1.1\r\nhost: bench\r\n\r\n")
+                if sock.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
             time.sleep(0.05)
         raise ServiceError(f"gateway {self.variant} not ready in {timeout}s:\n{self.log_tail()}")
 

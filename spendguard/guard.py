@@ -243,6 +243,12 @@ class SpendGuard:
         except (LedgerUnavailable, TimeoutError) as exc:
             log.warning("spendguard ledger read failed on a cache miss: %r", exc)
             return decide(Verdict.UNAVAILABLE, reason="ledger")
+        log.warning(
+            "spendguard cache still missing %s after %d fills for team %s",
+            "the policy" if pf.missing_policy else [c.field for c in pf.missing_usage],
+            _MAX_FILL_ROUNDS,
+            identity.team,
+        )
         return decide(Verdict.UNAVAILABLE, reason="cache keys vanished while filling")
 
     def _store_down(

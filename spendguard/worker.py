@@ -68,6 +68,7 @@ class SettlementWorker:
         start = to_micros(clock())
         self._settled_mark = start
         self._policy_mark = start
+        self._evicted: dict[str, int] = {}  # team -> time of the change last evicted
 
     def _price(self, rec: RecordRow) -> int:
         usage = Usage(
@@ -103,14 +104,23 @@ class SettlementWorker:
         return result
 
     async def _evict_changed_policies(self) -> None:
+        """Evict the cached policy of each team whose policies changed, once per change: the
+        rescan window sees a change for many passes, and evicting on each would make every
+        request of that team reload from the ledger (and race its own fill)."""
         assert self._store is not None
-        teams, newest = await self._ledger.policies_changed_since(self._policy_mark - _OVERLAP_US)
-        self._policy_mark = max(self._policy_mark, newest)
-        for team in teams:
+        changed = await self._ledger.policies_changed_since(self._policy_mark - _OVERLAP_US)
+        for team, at in changed.items():
+            if self._evicted.get(team, -1) >= at:
+                continue
             try:
                 await self._store.evict_policy(team, self._prefix)
+                self._evicted[team] = at
             except SpendGuardError as exc:
                 log.warning("spendguard could not evict the policy cache of %s: %s", team, exc)
+        if changed:
+            self._policy_mark = max(self._policy_mark, *changed.values())
+        horizon = self._policy_mark - 2 * _OVERLAP_US
+        self._evicted = {t: at for t, at in self._evicted.items() if at >= horizon}
 
     async def _refresh(
         self, settled: dict[str, dict[str, SettledRecord]], result: PassResult

@@ -30,7 +30,8 @@ from .schema import aggregates, balances, charges, metadata, policies, records, 
 
 log = logging.getLogger("spendguard.ledger")
 
-_ROWS_PER_INSERT = 500  # keeps a multi-row INSERT under SQLite's and asyncpg's parameter caps
+_ROWS_PER_INSERT = 500
+_SCHEMA_LOCK = 0x5E9D6A4D  # an arbitrary, fixed advisory-lock id for schema creation  # keeps a multi-row INSERT under SQLite's and asyncpg's parameter caps
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,18 +185,27 @@ class Ledger:
     async def init_schema(self) -> None:
         """Create the tables and indexes if they are missing (idempotent, safe at every start)."""
         dialect = self._db._backend._dialect
-        async with self._guard("schema init"):
-            if not self.is_postgres:
+        if not self.is_postgres:
+            async with self._guard("schema init"):
                 # WAL lets the settlement worker and the record writer (or a CLI) work side by side.
                 await self._db.execute("PRAGMA journal_mode=WAL")
-            for table in metadata.sorted_tables:
+                await self._create_tables(dialect)
+            return
+        # Replicas starting together on a fresh database would race in CREATE ... IF NOT
+        # EXISTS (PostgreSQL reports a duplicate key): one transaction-scoped lock orders them.
+        async with self._guard("schema init"), self._db.transaction():
+            await self._db.execute(sa.select(sa.func.pg_advisory_xact_lock(_SCHEMA_LOCK)))
+            await self._create_tables(dialect)
+
+    async def _create_tables(self, dialect: Any) -> None:
+        for table in metadata.sorted_tables:
+            await self._db.execute(
+                str(CreateTable(table, if_not_exists=True).compile(dialect=dialect))
+            )
+            for index in table.indexes:
                 await self._db.execute(
-                    str(CreateTable(table, if_not_exists=True).compile(dialect=dialect))
+                    str(CreateIndex(index, if_not_exists=True).compile(dialect=dialect))
                 )
-                for index in table.indexes:
-                    await self._db.execute(
-                        str(CreateIndex(index, if_not_exists=True).compile(dialect=dialect))
-                    )
 
     # -- policies -------------------------------------------------------------------------
     async def set_policy(
@@ -631,8 +641,9 @@ class Ledger:
             newest = max(newest, int(settled_us))
         return dict(out), newest
 
-    async def policies_changed_since(self, since_us: int) -> tuple[list[str], int]:
-        """Teams whose policies changed at or after ``since_us`` (by anyone, e.g. the CLI)."""
+    async def policies_changed_since(self, since_us: int) -> dict[str, int]:
+        """Teams whose policies changed at or after ``since_us`` (by anyone, e.g. the CLI),
+        with the time of their latest change."""
         query = (
             sa.select(policies.c.team, sa.func.max(policies.c.updated_us))
             .where(policies.c.updated_us >= since_us)
@@ -644,8 +655,10 @@ class Ledger:
         async with self._guard("policy read"):
             rows = _tuples(await self._db.fetch_all(query))
             rows += _tuples(await self._db.fetch_all(opened))  # a new account: new marker
-        newest = max([since_us, *(int(r[1]) for r in rows)])
-        return sorted({r[0] for r in rows}), newest
+        changed: dict[str, int] = {}
+        for team, at in rows:
+            changed[team] = max(changed.get(team, 0), int(at))
+        return changed
 
     # -- reports --------------------------------------------------------------------------
     async def spend(self, team: str, day_id: str, month_id: str) -> list[SpendRow]:

@@ -1,0 +1,198 @@
+"""Where the Redis store's time goes: one preflight at each layer of the client path.
+
+The same EVALSHA of spendguard's preflight script, with the same keys and arguments, on a warm
+key, sent three ways:
+
+* ``spendguard``: ``RedisStore.preflight`` as shipped (redis-py asyncio, a timeout scope, the
+  decision on the reply);
+* ``redis-py``: redis-py's ``Script`` call alone, what the store wraps;
+* ``minimal``: a ~60-line asyncio protocol speaking RESP2 on one connection, which writes every
+  call issued in the same event-loop turn in one ``write`` (automatic pipelining).
+
+At concurrency 1 the difference is the per-call cost of each client path; at concurrency 64 it
+is what pipelining concurrent preflights into shared round trips buys. The minimal client is a
+measuring stick for a leaner path, not a proposal to ship as is (no reconnects, no cluster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+from spendguard import Identity
+from spendguard.keys import plan
+from spendguard.store.redis import RedisStore
+
+from .common import Sizes
+from .settlement import _warm
+from .stats import percentile, summary
+
+Reply = Any
+
+
+def _pack(*parts: str | bytes) -> bytes:
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        data = part if isinstance(part, bytes) else part.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def _parse(buf: bytearray, pos: int) -> tuple[Reply, int] | None:
+    """One RESP2 reply at ``pos``: (value, next position), or None if incomplete."""
+    end = buf.find(b"\r\n", pos)
+    if end < 0:
+        return None
+    kind, line = buf[pos : pos + 1], bytes(buf[pos + 1 : end])
+    nxt = end + 2
+    if kind == b"+":
+        return line.decode(), nxt
+    if kind == b"-":
+        return RuntimeError(line.decode()), nxt
+    if kind == b":":
+        return int(line), nxt
+    if kind == b"$":
+        size = int(line)
+        if size < 0:
+            return None, nxt
+        if len(buf) < nxt + size + 2:
+            return None
+        return bytes(buf[nxt : nxt + size]).decode(), nxt + size + 2
+    if kind == b"*":
+        count = int(line)
+        if count < 0:
+            return None, nxt
+        items = []
+        for _ in range(count):
+            parsed = _parse(buf, nxt)
+            if parsed is None:
+                return None
+            item, nxt = parsed
+            items.append(item)
+        return items, nxt
+    raise ValueError(f"bad RESP type {kind!r}")
+
+
+class MinimalRedis(asyncio.Protocol):
+    """Calls made in one loop turn leave in one write; replies come back in order."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._waiters: deque[asyncio.Future[Reply]] = deque()
+        self._out: list[bytes] = []
+        self._transport: asyncio.Transport | None = None
+
+    @classmethod
+    async def connect(cls, url: str) -> MinimalRedis:
+        parts = urlsplit(url)
+        loop = asyncio.get_running_loop()
+        _, proto = await loop.create_connection(
+            cls, parts.hostname or "127.0.0.1", parts.port or 6379
+        )
+        return proto
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        pos = 0
+        while self._waiters:
+            parsed = _parse(self._buf, pos)
+            if parsed is None:
+                break
+            value, pos = parsed
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(value)
+        del self._buf[:pos]
+
+    def _flush(self) -> None:
+        assert self._transport is not None
+        self._transport.write(b"".join(self._out))
+        self._out = []
+
+    def call(self, packed: bytes) -> asyncio.Future[Reply]:
+        loop = asyncio.get_running_loop()
+        if not self._out:
+            loop.call_soon(self._flush)
+        self._out.append(packed)
+        fut: asyncio.Future[Reply] = loop.create_future()
+        self._waiters.append(fut)
+        return fut
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+async def _timed(
+    fn: Callable[[], Awaitable[Any]], calls: int, concurrency: int
+) -> dict[str, float]:
+    samples: list[int] = []
+    clock = time.perf_counter_ns
+
+    async def worker(n: int) -> None:
+        for _ in range(n):
+            start = clock()
+            await fn()
+            samples.append(clock() - start)
+
+    per = max(1, calls // concurrency)
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(per) for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    return {
+        "p50_us": percentile(samples, 50) / 1000,
+        "p99_us": percentile(samples, 99) / 1000,
+        "calls_per_s": len(samples) / elapsed,
+    }
+
+
+async def _measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]:
+    identity = Identity("client-path", "key")
+    store = RedisStore.from_url(redis_url, timeout=5.0)
+    await _warm(store, identity)
+    keys = plan("quota", identity, datetime.now(UTC), timedelta(days=2))
+    script = store._scripts["preflight"]  # the registered script: same SHA, same Lua
+    redis_keys = [keys.policy_key, *(c.usage_key for c in keys.candidates)]
+    args = [c.field for c in keys.candidates]
+    packed = _pack("EVALSHA", script.sha, str(len(redis_keys)), *redis_keys, *args)
+    minimal = await MinimalRedis.connect(redis_url)
+    clients: dict[str, Callable[[], Awaitable[Any]]] = {
+        "spendguard": lambda: store.preflight(keys),
+        "redis-py": lambda: script(keys=redis_keys, args=args),
+        "minimal": lambda: minimal.call(packed),
+    }
+    try:
+        reply = await clients["redis-py"]()
+        check = await clients["minimal"]()
+        if [str(x) if x is not None else None for x in reply] != check:
+            raise RuntimeError(f"minimal client disagrees: {check!r} != {reply!r}")
+        raw: dict[str, dict[str, list[float]]] = {}
+        for fn in clients.values():
+            await _timed(fn, 640, 64)  # warm-up: the pool opens its connections now
+        for _ in range(repeats):
+            for conc in (1, 64):
+                for name, fn in clients.items():
+                    res = await _timed(fn, sizes.client_calls, conc)
+                    entry = raw.setdefault(f"{name}, concurrency {conc}", {})
+                    for stat, value in res.items():
+                        entry.setdefault(stat, []).append(value)
+    finally:
+        minimal.close()
+        await store.aclose()
+    return {
+        label: {stat: summary(values) for stat, values in stats.items()}
+        for label, stats in raw.items()
+    }
+
+
+def measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]:
+    return asyncio.run(_measure(redis_url, sizes, repeats))

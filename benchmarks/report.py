@@ -1,0 +1,412 @@
+"""The outputs of a run: targets judged from the measured medians, a Markdown report, a chart.
+
+Nothing here measures; it only reads the results dict the measurements produced in this run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .apps import LABELS, VARIANTS
+
+# Where targets are judged: the throughput ones at the highest concurrency measured, settlement
+# at spendguard's default batch size (SPENDGUARD_SETTLE_BATCH).
+DEFAULT_SETTLE_BATCH = "1000"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    name: str
+    goal: float
+    higher_is_better: bool
+    unit: str
+    path: tuple[str, ...]  # where the figure lives in the results
+
+
+def _get(results: dict[str, Any], path: tuple[str, ...]) -> dict[str, float] | None:
+    node: Any = results
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node if isinstance(node, dict) and "median" in node else None
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    top = str(max(int(c) for c in results["http"]["routes"]["health"]))
+    batch = DEFAULT_SETTLE_BATCH
+    if batch not in results["settlement"]["backends"]["postgresql"]["settle_records_per_s"]:
+        batch = max(results["settlement"]["backends"]["postgresql"]["settle_records_per_s"])
+    http = ("http", "routes")
+    inf = ("inprocess", "routes", "inference")
+    specs = [
+        Target(
+            f"Non-inference route, embedded store: HTTP throughput, concurrency {top} ≥ 0.99× bare",
+            0.99, True, "×", (*http, "health", top, "embedded", "rps_ratio"),
+        ),
+        Target(
+            f"Non-inference route, Redis store: HTTP throughput, concurrency {top} ≥ 0.99× bare",
+            0.99, True, "×", (*http, "health", top, "redis", "rps_ratio"),
+        ),
+        Target(
+            "Inference route, embedded store: ≤ 50 µs added p50 in-process",
+            50, False, "µs", (*inf, "embedded", "added_p50_us"),
+        ),
+        Target(
+            f"Inference route, embedded store: HTTP throughput, concurrency {top} ≥ 0.95× bare",
+            0.95, True, "×", (*http, "inference", top, "embedded", "rps_ratio"),
+        ),
+        Target(
+            "Inference route, Redis store: ≤ 300 µs added p50 in-process",
+            300, False, "µs", (*inf, "redis", "added_p50_us"),
+        ),
+        Target(
+            "Inference route, Redis store: ≤ 1.5 ms added p99 in-process",
+            1500, False, "µs", (*inf, "redis", "added_p99_us"),
+        ),
+        Target(
+            f"Inference route, Redis store: HTTP throughput, concurrency {top} ≥ 0.85× bare",
+            0.85, True, "×", (*http, "inference", top, "redis", "rps_ratio"),
+        ),
+        Target(
+            f"Settlement on PostgreSQL, one worker (batch {batch}): ≥ 5,000 records/s",
+            5000, True, "records/s",
+            ("settlement", "backends", "postgresql", "settle_records_per_s", batch),
+        ),
+    ]  # fmt: skip
+    out = []
+    for t in specs:
+        figure = _get(results, t.path)
+        median = figure["median"] if figure else math.nan
+        met = (median >= t.goal) if t.higher_is_better else (median <= t.goal)
+        out.append(
+            {
+                "target": t.name,
+                "goal": t.goal,
+                "unit": t.unit,
+                "measured": figure,
+                "met": bool(figure is not None and met),
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _fmt(value: float, digits: int = 0) -> str:
+    if math.isnan(value):
+        return "n/a"
+    if abs(value) >= 10_000 and digits == 0:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def _cell(figure: dict[str, float] | None, digits: int = 0, scale: float = 1.0) -> str:
+    """median, with min–max of the repeats when they differ."""
+    if not figure:
+        return "n/a"
+    lo, mid, hi = (figure[k] * scale for k in ("min", "median", "max"))
+    if _fmt(lo, digits) == _fmt(hi, digits):
+        return _fmt(mid, digits)
+    return f"{_fmt(mid, digits)} ({_fmt(lo, digits)}–{_fmt(hi, digits)})"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def markdown(results: dict[str, Any]) -> str:
+    run, machine = results["run"], results["machine"]
+    lines = [
+        "# spendguard benchmark results",
+        "",
+        f"`{run['command']}`: {run['repeats']} repeats, {run['seconds']:.0f} s, "
+        f"{run['finished']}. Every cell is the median of the repeats, with (min–max) when "
+        "they differ; every ratio is to the bare app measured in the same run.",
+        "",
+        "Machine: " + machine["summary"],
+        "",
+        "## Targets",
+        "",
+    ]
+    rows = []
+    for t in results["targets"]:
+        digits = 2 if t["unit"] == "×" else 0
+        rows.append(
+            [
+                t["target"],
+                _cell(t["measured"], digits) + ("" if t["unit"] == "×" else f" {t['unit']}"),
+                "**met**" if t["met"] else "**missed**",
+            ]
+        )
+    lines += _table(["target", "measured", ""], rows)
+
+    lines += [
+        "## 1. In-process overhead (raw ASGI calls, per request, µs)",
+        "",
+    ]
+    rows = []
+    for route, variants in results["inprocess"]["routes"].items():
+        for v in VARIANTS:
+            f = variants[v]
+            rows.append(
+                [
+                    route,
+                    LABELS[v],
+                    _cell(f["p50_us"]),
+                    _cell(f["p99_us"]),
+                    "—" if v == "bare" else _cell(f["added_p50_us"]),
+                    "—" if v == "bare" else _cell(f["added_p99_us"]),
+                    _cell(f["p50_ratio"], 2),
+                ]
+            )
+    lines += _table(
+        ["route", "variant", "p50", "p99", "added p50", "added p99", "p50 / bare"], rows
+    )
+
+    http = results["http"]
+    lines += [
+        f"## 2. HTTP, uvicorn one worker (load: {http['tool']})",
+        "",
+        "requests/s count 2xx answers only; CPU is the server process's CPU time per request.",
+        "",
+    ]
+    rows = []
+    for route, by_conc in http["routes"].items():
+        for conc, variants in by_conc.items():
+            for v in VARIANTS:
+                f = variants[v]
+                rows.append(
+                    [
+                        route,
+                        conc,
+                        LABELS[v],
+                        _cell(f["rps"]),
+                        _cell(f["rps_ratio"], 2),
+                        _cell(f["p50_us"], 2, 1e-3),
+                        _cell(f["p99_us"], 2, 1e-3),
+                        _cell(f["cpu_us_per_request"]),
+                        str(f["non_2xx"] + f["errors"]),
+                    ]
+                )
+    lines += _table(
+        [
+            "route",
+            "conc.",
+            "variant",
+            "req/s",
+            "× bare",
+            "p50 ms",
+            "p99 ms",
+            "CPU µs/req",
+            "non-2xx",
+        ],
+        rows,
+    )
+
+    over = results["overshoot"]
+    lines += [
+        "## 3. Overshoot (N concurrent requests, remaining budget covers k)",
+        "",
+        f"One request costs {over['request_cost_micros']} micro-USD. Spend is the period's "
+        "total after the burst, as a multiple of the limit (1.00 = held exactly).",
+        "",
+    ]
+    rows = []
+    for v, per_n in over["variants"].items():
+        for f in per_n.values():
+            rows.append(
+                [
+                    LABELS[v],
+                    str(f["n"]),
+                    str(f["k"]),
+                    _cell(f["admitted"]),
+                    _cell(f["refused"]),
+                    _cell(f["unavailable"]),
+                    _cell(f["other"]),
+                    _cell(f["spend_over_limit"], 2),
+                ]
+            )
+    lines += _table(["variant", "N", "k", "admitted", "429", "503", "other", "spend / limit"], rows)
+
+    settle = results["settlement"]
+    lines += ["## 4. Settlement and record writes (records/s)", ""]
+    batches = list(next(iter(settle["backends"].values()))["settle_records_per_s"])
+    rows = []
+    for backend, f in settle["backends"].items():
+        rows.append(
+            [
+                backend,
+                _cell(f["record_writes_per_s"]),
+                _cell(f.get("executemany_writes_per_s")),
+                *(_cell(f["settle_records_per_s"][b]) for b in batches),
+            ]
+        )
+    lines += _table(
+        [
+            "ledger",
+            "record writes (Ledger.insert_records, batches of 500)",
+            "same rows, asyncpg executemany",
+            *(f"settle, batch {b}" for b in batches),
+        ],
+        rows,
+    )
+    lines += ["Redis preflight script (`RedisStore.preflight`), per call:", ""]
+    rows = [
+        [label, _cell(f["p50_us"]), _cell(f["p99_us"])]
+        for label, f in settle["redis_preflight"].items()
+    ]
+    lines += _table(["load", "p50 µs", "p99 µs"], rows)
+
+    peer = results["peer"]
+    lines += [
+        "## 5. The peer: slowapi with its Redis storage vs spendguard's Redis path",
+        "",
+    ]
+    rows = [
+        [
+            row["figure"],
+            _cell(row["spendguard_redis"], row["digits"]),
+            _cell(row["slowapi"], row["digits"]),
+        ]
+        for row in peer["rows"]
+    ]
+    lines += _table(["figure", "spendguard, Redis store", "slowapi (Redis storage)"], rows)
+
+    client = results["redis_client_path"]
+    lines += [
+        "## Redis client path: one preflight EVALSHA at each layer",
+        "",
+    ]
+    rows = [
+        [label, _cell(f["p50_us"]), _cell(f["p99_us"]), _cell(f["calls_per_s"])]
+        for label, f in client.items()
+    ]
+    lines += _table(["client", "p50 µs", "p99 µs", "calls/s"], rows)
+    return "\n".join(lines)
+
+
+def peer_rows(results: dict[str, Any]) -> dict[str, Any]:
+    """Section 5: the peer's figures next to spendguard's Redis path (all measured above)."""
+    top = str(max(int(c) for c in results["http"]["routes"]["inference"]))
+    inf = results["inprocess"]["routes"]["inference"]
+    rows = [
+        ("in-process added p50, µs", inf, "added_p50_us", 0),
+        ("in-process added p99, µs", inf, "added_p99_us", 0),
+    ]
+    out = []
+    for label, src, key, digits in rows:
+        out.append(
+            {
+                "figure": label,
+                "spendguard_redis": src["redis"][key],
+                "slowapi": src["slowapi"][key],
+                "digits": digits,
+            }
+        )
+    for route in ("inference", "stream", "health"):
+        f = results["http"]["routes"][route][top]
+        out.append(
+            {
+                "figure": f"HTTP {route}, concurrency {top}: throughput × bare",
+                "spendguard_redis": f["redis"]["rps_ratio"],
+                "slowapi": f["slowapi"]["rps_ratio"],
+                "digits": 2,
+            }
+        )
+        out.append(
+            {
+                "figure": f"HTTP {route}, concurrency {top}: added CPU µs per request",
+                "spendguard_redis": f["redis"]["added_cpu_us_per_request"],
+                "slowapi": f["slowapi"]["added_cpu_us_per_request"],
+                "digits": 0,
+            }
+        )
+    return {"rows": out}
+
+
+# ---------------------------------------------------------------------------------------------
+# Chart
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    colors = {"bare": "#888888", "embedded": "#1f77b4", "redis": "#d62728", "slowapi": "#2ca02c"}
+
+    ax = axes[0][0]
+    inf = results["inprocess"]["routes"]["inference"]
+    shown = [v for v in VARIANTS if v != "bare"]
+    x = range(len(shown))
+    p50 = [inf[v]["added_p50_us"]["median"] for v in shown]
+    p99 = [inf[v]["added_p99_us"]["median"] for v in shown]
+    ax.bar([i - 0.2 for i in x], p50, 0.4, label="added p50", color=[colors[v] for v in shown])
+    ax.bar([i + 0.2 for i in x], p99, 0.4, label="added p99", color=[colors[v] for v in shown],
+           alpha=0.45)  # fmt: skip
+    ax.axhline(50, ls=":", color=colors["embedded"], label="goal p50, embedded (50 µs)")
+    ax.axhline(300, ls="--", color=colors["redis"], label="goal p50, Redis (300 µs)")
+    ax.set_xticks(list(x), [LABELS[v] for v in shown], fontsize=8)
+    ax.set_ylabel("µs added per request vs bare")
+    ax.set_title("1. In-process overhead, inference route")
+    ax.legend(fontsize=7)
+
+    ax = axes[0][1]
+    routes = results["http"]["routes"]
+    concs = [int(c) for c in routes["inference"]]
+    for v in VARIANTS:
+        if v == "bare":
+            continue
+        for route, style in (("inference", "-o"), ("stream", "--s"), ("health", ":^")):
+            ys = [routes[route][str(c)][v]["rps_ratio"]["median"] for c in concs]
+            ax.plot(concs, ys, style, color=colors[v], label=f"{LABELS[v]}, {route}")
+    ax.axhline(1.0, color="#888888", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concs, [str(c) for c in concs])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("throughput × bare")
+    ax.set_title(f"2. HTTP throughput vs bare ({results['http']['tool']})")
+    ax.legend(fontsize=6, ncol=2)
+
+    ax = axes[1][0]
+    over = results["overshoot"]["variants"]
+    for v, per_n in over.items():
+        ns = [f["n"] for f in per_n.values()]
+        ys = [f["spend_over_limit"]["median"] for f in per_n.values()]
+        ax.plot(ns, ys, "-o", color=colors[v], label=LABELS[v])
+    ax.axhline(1.0, color="#888888", lw=0.8, label="limit")
+    ax.set_xscale("log")
+    ax.set_xlabel("N concurrent requests (budget covers N/10)")
+    ax.set_ylabel("spend / limit")
+    ax.set_title("3. Overshoot")
+    ax.legend(fontsize=8)
+
+    ax = axes[1][1]
+    settle = results["settlement"]["backends"]
+    for backend, f in settle.items():
+        bs = [int(b) for b in f["settle_records_per_s"]]
+        ys = [f["settle_records_per_s"][str(b)]["median"] for b in bs]
+        ax.plot(bs, ys, "-o", label=f"settle, {backend}")
+        ax.axhline(f["record_writes_per_s"]["median"], ls=":", lw=1,
+                   color=ax.lines[-1].get_color(), label=f"record writes, {backend}")  # fmt: skip
+    ax.axhline(5000, ls="--", color="black", label="goal, PostgreSQL (5,000/s)")
+    ax.set_xscale("log")
+    ax.set_xlabel("settlement batch size")
+    ax.set_ylabel("records/s")
+    ax.set_title("4. Settlement, one worker")
+    ax.legend(fontsize=7)
+
+    fig.suptitle("spendguard benchmarks: " + results["machine"]["summary"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

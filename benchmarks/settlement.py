@@ -1,0 +1,263 @@
+"""4. Settlement, and the record writes that feed it, on SQLite and PostgreSQL; the Redis
+preflight script under load.
+
+Settlement: records are written in bulk with ``Ledger.insert_records`` (batches of 500, as the
+gateway's record writer does, and timed as "record writes/s"), then one
+``SettlementWorker.run_once()`` with ``batch_size`` b settles them all (the worker loops batches
+until one comes back short). Records spread over 20 teams x 5 keys (fewer with --quick) that
+all have limits, so every charge also updates its key's daily and its team's monthly
+aggregate. No cache is attached: this is the SQL side alone.
+
+Write path: on PostgreSQL the same records are also written with asyncpg's ``executemany`` on a
+statement prepared once, next to ``Ledger.insert_records``: the gap is what the ledger's SQL
+layer (a multi-row INSERT compiled by SQLAlchemy for every batch) costs per record.
+
+Preflight: ``RedisStore.preflight`` (the preflight Lua script and its client path) on a warm
+key, timed per call at concurrency 1 and 64, then at 64 again while a settlement pass with
+cache refresh runs in the same event loop, as the in-app worker does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from spendguard import Identity
+from spendguard.costing import Coster
+from spendguard.keys import plan
+from spendguard.ledger import Ledger
+from spendguard.periods import Period
+from spendguard.pricing import PriceTable
+from spendguard.record import InferenceRecord, PostflightStatus
+from spendguard.settings import UnknownModel
+from spendguard.store.base import UsageFill
+from spendguard.store.redis import RedisStore
+from spendguard.usage import Usage
+from spendguard.worker import SettlementWorker
+
+from .apps import INFERENCE_PATH, MODEL
+from .common import HIGH_LIMIT_MICROS, Sizes
+from .stats import percentile, summary
+
+KEYS_PER_TEAM = 5
+WRITE_BATCH = 500  # the record writer's batch size
+
+
+def _identities(teams: int) -> list[Identity]:
+    return [Identity(f"team{t}", f"key{k}") for t in range(teams) for k in range(KEYS_PER_TEAM)]
+
+
+def _records(n: int, identities: list[Identity], now: datetime) -> list[InferenceRecord]:
+    out = []
+    for i in range(n):
+        rid = uuid.uuid4().hex
+        out.append(
+            InferenceRecord(
+                id=rid,
+                inference_id=rid,
+                identity=identities[i % len(identities)],
+                model=MODEL,
+                route=INFERENCE_PATH,
+                t0=now - timedelta(milliseconds=n - i),
+                status_code=200,
+                usage=Usage(input_tokens=40 + i % 50, output_tokens=5 + i % 20),
+                estimate_micros=30,
+                postflight=PostflightStatus.APPLIED,
+            )
+        )
+    return out
+
+
+async def _prepare(url: str, identities: list[Identity]) -> Ledger:
+    ledger = Ledger(url)
+    await ledger.connect()
+    await ledger.init_schema()
+    now = datetime.now(UTC)
+    for ident in identities:
+        await ledger.set_policy(
+            team=ident.team,
+            team_id=ident.team_id,
+            api_key=ident.api_key,
+            api_key_id=ident.api_key_id,
+            period=Period.DAY,
+            limit_micros=HIGH_LIMIT_MICROS,
+            now=now,
+        )
+    for team in sorted({i.team for i in identities}):
+        await ledger.set_policy(
+            team=team,
+            team_id=team,
+            api_key=None,
+            api_key_id=None,
+            period=Period.MONTH,
+            limit_micros=HIGH_LIMIT_MICROS,
+            now=now,
+        )
+    return ledger
+
+
+async def _write(ledger: Ledger, records: list[InferenceRecord]) -> float:
+    start = time.perf_counter()
+    for i in range(0, len(records), WRITE_BATCH):
+        await ledger.insert_records(records[i : i + WRITE_BATCH])
+    return time.perf_counter() - start
+
+
+async def _executemany(url: str, records: list[InferenceRecord]) -> float:
+    """Records/s writing ``records`` with asyncpg executemany, one transaction per 500."""
+    import asyncpg
+
+    from spendguard.ledger.ledger import _record_values  # the ledger's own row mapping
+    from spendguard.periods import to_micros
+
+    now_us = to_micros(datetime.now(UTC))
+    rows = [_record_values(r, now_us) for r in records]
+    columns = list(rows[0])
+    sql = (
+        f"INSERT INTO spendguard_records ({', '.join(columns)}) "
+        f"VALUES ({', '.join(f'${i + 1}' for i in range(len(columns)))}) "
+        "ON CONFLICT (id) DO NOTHING"
+    )
+    conn = await asyncpg.connect(url)
+    try:
+        start = time.perf_counter()
+        statement = await conn.prepare(sql)
+        for i in range(0, len(rows), WRITE_BATCH):
+            async with conn.transaction():
+                await statement.executemany(
+                    [tuple(r[c] for c in columns) for r in rows[i : i + WRITE_BATCH]]
+                )
+        return len(rows) / (time.perf_counter() - start)
+    finally:
+        await conn.close()
+
+
+async def _settlement(
+    urls: dict[str, str], sizes: Sizes, repeats: int, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    identities = _identities(sizes.settle_teams)
+    coster = Coster(PriceTable.load(None), UnknownModel.DEFAULT_PRICE)
+    out: dict[str, Any] = {}
+    for backend, url in urls.items():
+        progress(f"settlement: {backend}")
+        ledger = await _prepare(url, identities)
+        writes: list[float] = []
+        raw_writes: list[float] = []
+        settles: dict[int, list[float]] = {b: [] for b in sizes.settle_batches}
+        try:
+            for _ in range(repeats):
+                if backend == "postgresql":
+                    records = _records(sizes.settle_records, identities, datetime.now(UTC))
+                    raw_writes.append(await _executemany(url, records))
+                    await SettlementWorker(ledger, None, coster, key_prefix="quota").run_once()
+                for batch in sizes.settle_batches:
+                    n = max(sizes.settle_records, batch)
+                    records = _records(n, identities, datetime.now(UTC))
+                    writes.append(n / await _write(ledger, records))
+                    worker = SettlementWorker(
+                        ledger, None, coster, key_prefix="quota", batch_size=batch
+                    )
+                    start = time.perf_counter()
+                    result = await worker.run_once()
+                    elapsed = time.perf_counter() - start
+                    if result.settled != n:
+                        raise RuntimeError(f"settled {result.settled} of {n} records")
+                    settles[batch].append(n / elapsed)
+        finally:
+            await ledger.disconnect()
+        out[backend] = {
+            "record_writes_per_s": summary(writes),
+            "settle_records_per_s": {str(b): summary(v) for b, v in settles.items()},
+        }
+        if raw_writes:
+            out[backend]["executemany_writes_per_s"] = summary(raw_writes)
+    return out
+
+
+async def _preflight_load(
+    store: RedisStore, identity: Identity, calls: int, concurrency: int
+) -> list[int]:
+    keys = plan("quota", identity, datetime.now(UTC), timedelta(days=2))
+    samples: list[int] = []
+    clock = time.perf_counter_ns
+
+    async def worker(n: int) -> None:
+        for _ in range(n):
+            start = clock()
+            await store.preflight(keys)
+            samples.append(clock() - start)
+
+    per = max(1, calls // concurrency)
+    await asyncio.gather(*(worker(per) for _ in range(concurrency)))
+    return samples
+
+
+async def _warm(store: RedisStore, identity: Identity) -> None:
+    keys = plan("quota", identity, datetime.now(UTC), timedelta(days=2))
+    limits = {c.field: HIGH_LIMIT_MICROS for c in keys.candidates}
+    await store.fill(keys, limits, [], policy_ttl=3600)
+    fills = [UsageFill(c.usage_key, 0, c.expires_at) for c in keys.candidates]
+    await store.fill(keys, None, fills, policy_ttl=3600)
+
+
+async def _preflight(
+    redis_url: str, pg_url: str, sizes: Sizes, repeats: int, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    progress("settlement: Redis preflight under load")
+    store = RedisStore.from_url(redis_url, timeout=5.0)
+    identities = _identities(sizes.settle_teams)
+    coster = Coster(PriceTable.load(None), UnknownModel.DEFAULT_PRICE)
+    ledger = await _prepare(pg_url, identities)
+    results: dict[str, dict[str, list[float]]] = {}
+    try:
+        # Not one of the settling teams: the pass evicts their (just written) policies.
+        probe = Identity("probe", "key")
+        await _warm(store, probe)
+        # Warm-up: the pool opens its connections and registers the script now.
+        await _preflight_load(store, probe, 640, 64)
+        for _ in range(repeats):
+            for conc in sizes.preflight_concurrency:
+                samples = await _preflight_load(store, probe, sizes.preflight_calls, conc)
+                _add(results, f"concurrency {conc}", samples)
+            # The in-app worker settling and refreshing the cache in the same event loop.
+            await _write(ledger, _records(sizes.settle_records, identities, datetime.now(UTC)))
+            worker = SettlementWorker(ledger, store, coster, key_prefix="quota")
+            settle = asyncio.create_task(worker.run_once())
+            samples = []
+            while not settle.done():
+                samples += await _preflight_load(store, probe, 64 * 4, 64)
+            await settle
+            _add(results, "concurrency 64, settlement running", samples)
+    finally:
+        await ledger.disconnect()
+        await store.aclose()
+    return {
+        label: {stat: summary(values) for stat, values in stats.items()}
+        for label, stats in results.items()
+    }
+
+
+def _add(results: dict[str, dict[str, list[float]]], label: str, samples: list[int]) -> None:
+    entry = results.setdefault(label, {"p50_us": [], "p99_us": [], "calls": []})
+    entry["p50_us"].append(percentile(samples, 50) / 1000)
+    entry["p99_us"].append(percentile(samples, 99) / 1000)
+    entry["calls"].append(float(len(samples)))
+
+
+def measure(
+    sqlite_url: str,
+    pg_url: str,
+    redis_url: str,
+    sizes: Sizes,
+    repeats: int,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    settle = asyncio.run(
+        _settlement({"sqlite": sqlite_url, "postgresql": pg_url}, sizes, repeats, progress)
+    )
+    preflight = asyncio.run(_preflight(redis_url, pg_url, sizes, repeats, progress))
+    return {"backends": settle, "redis_preflight": preflight}

@@ -1,0 +1,172 @@
+"""The benchmark suite at tiny sizes, so its code cannot rot: every section runs and reports.
+
+No timing is asserted here (a shared CI box says nothing about speed); only that the run
+completes and writes a JSON with every section filled with numbers, the Markdown table and the
+chart. It needs redis-server and PostgreSQL like the rest of the suite: without them it skips
+locally and FAILS under CI=true.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+PG_ADMIN_URL = os.environ.get(
+    "SPENDGUARD_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+SECTIONS = (
+    "machine",
+    "inprocess",
+    "http",
+    "overshoot",
+    "settlement",
+    "peer",
+    "redis_client_path",
+    "targets",
+    "run",
+)
+
+if str(ROOT) not in sys.path:  # the benchmarks package lives next to tests/, uninstalled
+    sys.path.insert(0, str(ROOT))
+
+
+def _missing(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"required under CI=true: {reason}")
+    pytest.skip(reason)
+
+
+def _require_services() -> None:
+    for module in ("slowapi", "matplotlib"):
+        if importlib.util.find_spec(module) is None:
+            _missing(f"{module} is not installed (the benchmarks' peer and chart need it)")
+    if shutil.which("redis-server") is None:
+        _missing("redis-server is not on PATH")
+
+    async def ping() -> None:
+        import asyncpg
+
+        conn = await asyncpg.connect(PG_ADMIN_URL, timeout=5)
+        await conn.close()
+
+    try:
+        asyncio.run(ping())
+    except Exception as exc:
+        _missing(f"no PostgreSQL server at {PG_ADMIN_URL}: {exc!r}")
+
+
+def _figures(node: Any, path: str = "") -> list[tuple[str, Any]]:
+    """Every min/median/max summary in a results tree, with where it is."""
+    if isinstance(node, dict):
+        if set(node) == {"min", "median", "max"}:
+            return [(path, node)]
+        out = []
+        for key, value in node.items():
+            out += _figures(value, f"{path}/{key}")
+        return out
+    if isinstance(node, list):
+        return [f for i, item in enumerate(node) for f in _figures(item, f"{path}[{i}]")]
+    return []
+
+
+def _numbers(node: Any) -> list[float]:
+    if isinstance(node, bool):
+        return []
+    if isinstance(node, int | float):
+        return [float(node)]
+    if isinstance(node, dict):
+        return [n for v in node.values() for n in _numbers(v)]
+    if isinstance(node, list):
+        return [n for v in node for n in _numbers(v)]
+    return []
+
+
+def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
+    _require_services()
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--quick",
+            "--repeat",
+            "1",
+            "--out",
+            str(out),
+            # The fallback load generator: wrk may be installed here but not everywhere.
+            "--loadgen",
+            "asyncio",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    results = json.loads((out / "results.json").read_text())
+    for section in SECTIONS:
+        assert section in results, section
+        assert _numbers(results[section]), f"section {section} has no numbers"
+    figures = _figures(results)
+    assert len(figures) > 100
+    for where, fig in figures:
+        for stat, value in fig.items():
+            assert isinstance(value, int | float) and math.isfinite(value), (where, stat, value)
+    variants = {"bare", "embedded", "redis", "slowapi"}
+    for route in ("inference", "health"):
+        assert set(results["inprocess"]["routes"][route]) == variants
+    for route in ("health", "inference", "stream"):
+        assert set(results["http"]["routes"][route]) == {"1", "16", "64"}
+    assert set(results["overshoot"]["variants"]) == {"embedded", "redis"}
+    assert set(results["settlement"]["backends"]) == {"sqlite", "postgresql"}
+    assert all(isinstance(t["met"], bool) and t["measured"] for t in results["targets"])
+
+    table = (out / "results.md").read_text()
+    assert "| target |" in table and "## 4. Settlement" in table
+    png = (out / "chart.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+WRK_OUTPUT = """\
+Running 1s test @ http://127.0.0.1:8000/health
+  1 threads and 64 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency    13.13ms    2.03ms  30.12ms   90.00%
+    Req/Sec     4.60k   300.00     5.00k    80.00%
+  Latency Distribution
+     50%   13.13ms
+     75%   14.00ms
+     90%   15.20ms
+     99%  850.00us
+  4627 requests in 1.00s, 600.00KB read
+  Socket errors: connect 0, read 1, write 0, timeout 2
+  Non-2xx or 3xx responses: 27
+Requests/sec:   4627.00
+Transfer/sec:    600.00KB
+"""
+
+
+def test_wrk_output_is_parsed() -> None:
+    from benchmarks.loadgen import parse_wrk
+
+    result = parse_wrk(WRK_OUTPUT)
+    assert result.requests == 4627 and result.seconds == 1.0
+    assert result.p50_us == pytest.approx(13_130) and result.p99_us == pytest.approx(850)
+    assert result.statuses == {"2xx": 4600, "non-2xx": 27} and result.ok == 4600
+    assert result.errors == 3

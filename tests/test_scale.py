@@ -1,0 +1,239 @@
+"""Issue acceptance at scale: 3 worker processes and 2 gateway processes on PostgreSQL and
+Redis, 20,000 records across 50 teams crossing a UTC midnight that is also a month end.
+
+After quiescence: every aggregate equals an independent SQL recomputation from the charges,
+every cached value of the current periods equals its aggregate (closed periods are updated in
+the ledger only, R7.5), and every balance equals top-ups minus charges.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import sqlalchemy as sa
+from test_demo_gateway import free_port
+
+from spendguard.keys import balance_key, usage_key
+from spendguard.ledger import Ledger
+from spendguard.ledger.schema import aggregates, charges, policies, records
+from spendguard.periods import Period
+from spendguard.store.redis import RedisStore
+
+HERE = Path(__file__).resolve().parent
+RECORDS = int(os.environ.get("SPENDGUARD_TEST_SCALE_RECORDS", "20000"))
+TEAMS = [f"team{n:02d}" for n in range(50)]
+# 12 s before the end of November 30th, UTC: the run crosses midnight and the month end.
+T0 = datetime(2026, 11, 30, 23, 59, 48, tzinfo=UTC)
+
+
+@pytest.fixture
+def env(clean_postgres_url: str, redis_url: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("SPENDGUARD_")}
+    out.update(
+        SPENDGUARD_DATABASE_URL=clean_postgres_url,
+        SPENDGUARD_REDIS_URL=redis_url,
+        SPENDGUARD_RUN_WORKER="false",  # the gateways only sync; three workers settle
+        SPENDGUARD_SETTLE_INTERVAL="0.5",
+        SPENDGUARD_REDIS_TIMEOUT="2",
+        SPENDGUARD_POLICY_TTL="5",
+        SCALE_T0=T0.isoformat(),
+        SCALE_REF=str(time.time()),
+        PYTHONPATH=f"{HERE.parent}:{HERE}",
+    )
+    return out
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, cwd=HERE, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+@pytest.fixture
+def fleet(env: dict[str, str], tmp_path: Path) -> Iterator[tuple[list[str], list[Any]]]:
+    gateways, bases, workers = [], [], []
+    try:
+        for n in range(2):
+            port = free_port()
+            cmd = [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "scale_app:make_app",
+                "--factory",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+                "--timeout-keep-alive",
+                "300",
+            ]
+            gateways.append(_spawn(cmd, env, tmp_path / f"gw{n}.log"))
+            bases.append(f"http://127.0.0.1:{port}")
+        for n in range(3):
+            workers.append(_spawn([sys.executable, "scale_app.py"], env, tmp_path / f"w{n}.log"))
+        deadline = time.monotonic() + 30
+        for base, n in zip(bases, range(2), strict=True):
+            while True:
+                try:
+                    if httpx.post(f"{base}/v1/models", timeout=1).status_code < 500:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, (tmp_path / f"gw{n}.log").read_text()
+                time.sleep(0.1)
+        yield bases, [gateways, workers]
+    finally:
+        for proc in gateways + workers:
+            proc.terminate()
+        for proc in gateways + workers:
+            proc.wait(timeout=30)
+
+
+async def _setup(ledger: Ledger) -> None:
+    for n, team in enumerate(TEAMS):
+        await ledger.set_policy(
+            team=team,
+            team_id=team,
+            api_key=None,
+            api_key_id=None,
+            period=Period.MONTH,
+            limit_micros=10**12,
+            now=T0,
+        )
+        await ledger.set_policy(
+            team=team,
+            team_id=team,
+            api_key="k0",
+            api_key_id="k0",
+            period=Period.DAY,
+            limit_micros=10**12,
+            now=T0,
+        )
+        if n % 2 == 0:
+            await ledger.topup(team=team, team_id=team, micros=10**12)
+
+
+async def _traffic(bases: list[str]) -> int:
+    rng = random.Random(11)
+    jobs = [(rng.choice(TEAMS), f"k{rng.randrange(3)}", i) for i in range(RECORDS)]
+    ok = 0
+    failures: list[tuple[int, str]] = []
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
+
+        async def worker(share: list[tuple[str, str, int]]) -> None:
+            nonlocal ok
+            for team, key, i in share:
+                body: dict[str, Any] = {
+                    "model": "gpt-4o-mini",
+                    "messages": [{"role": "user", "content": "x" * (i % 50)}],
+                }
+                if i % 4 == 1:
+                    body.update(stream=True, stream_options={"include_usage": True})
+                r = await client.post(
+                    f"{bases[i % 2]}/v1/chat/completions",
+                    json=body,
+                    headers={"x-test-team": team, "x-test-key": key},
+                )
+                ok += r.status_code == 200
+                if r.status_code != 200:
+                    failures.append((r.status_code, r.text[:200]))
+
+        async with anyio.create_task_group() as tg:
+            for n in range(32):
+                tg.start_soon(worker, jobs[n::32])
+    assert not failures, failures[:5]
+    return ok
+
+
+def test_three_workers_two_gateways_across_midnight_and_month_end(
+    fleet: tuple[list[str], list[Any]], env: dict[str, str]
+) -> None:
+    bases, (gateways, workers) = fleet
+    url = env["SPENDGUARD_DATABASE_URL"]
+
+    async def run() -> None:
+        ledger = Ledger(url)
+        await ledger.connect()
+        await _setup(ledger)
+        assert await _traffic(bases) == RECORDS
+        for proc in gateways:  # graceful: each flushes its record buffer
+            proc.terminate()
+        for proc in gateways:
+            proc.wait(timeout=30)
+        db = ledger._db
+        with anyio.fail_after(120):  # the three workers drain the ledger
+            while (await ledger.unsettled())[0]:
+                await anyio.sleep(0.2)
+        n_records = await db.fetch_val(sa.select(sa.func.count()).select_from(records))
+        n_charges = await db.fetch_val(sa.select(sa.func.count()).select_from(charges))
+        assert n_records == n_charges == RECORDS  # none lost, none charged twice
+        days = {r[0] for r in await db.fetch_all(sa.select(charges.c.day_id).distinct())}
+        months = {r[0] for r in await db.fetch_all(sa.select(charges.c.month_id).distinct())}
+        assert {"20261130", "20261201"} <= days and months == {"202611", "202612"}
+
+        # Every aggregate == an independent recomputation from the charges.
+        stored = {
+            (r[0], r[1], r[2], r[3]): int(r[4])
+            for r in await db.fetch_all(
+                sa.select(
+                    aggregates.c.team,
+                    aggregates.c.api_key,
+                    aggregates.c.period,
+                    aggregates.c.period_id,
+                    aggregates.c.settled_micros,
+                )
+            )
+        }
+        pol = await db.fetch_all(sa.select(policies.c.team, policies.c.api_key, policies.c.period))
+        recomputed: dict[tuple[str, str, str, str], int] = {}
+        for team, key, period in (tuple(r._mapping.values()) for r in pol):
+            column = charges.c.day_id if period == "day" else charges.c.month_id
+            conds = [charges.c.team == team] + ([charges.c.api_key == key] if key else [])
+            for row in await db.fetch_all(
+                sa.select(column, sa.func.sum(charges.c.amount_micros))
+                .where(*conds)
+                .group_by(column)
+            ):
+                recomputed[(team, key, period, row[0])] = int(row[1])
+        assert {k: v for k, v in stored.items() if v} == recomputed
+
+        # Every cached value of the current periods == its aggregate; balances add up.
+        store = RedisStore.from_url(env["SPENDGUARD_REDIS_URL"], timeout=2)
+        await anyio.sleep(1.5)  # the workers' sync passes after the last settlement
+        checked = 0
+        for (team, key, period, pid), value in recomputed.items():
+            if pid not in ("20261201", "202612"):
+                continue
+            field = f"api_key:{key}:day" if key else "team:month"
+            k = usage_key("quota", team, field, pid)
+            cached = (await store.read_usage([k]))[k]
+            if cached is not None:
+                assert cached == value, (team, field, pid)
+                checked += 1
+        assert checked > 0
+        for n, team in enumerate(TEAMS):
+            account = await ledger.load_balance(team)
+            if n % 2:
+                assert account is None
+                continue
+            assert account is not None
+            assert account[0] - account[1] == (
+                await ledger.topups_total(team) - await ledger.charges_total(team)
+            )
+            k = balance_key("quota", team)
+            cached = (await store.read_usage([k]))[k]
+            assert cached in (None, account[1])
+        await store.aclose()
+        await ledger.disconnect()
+
+    anyio.run(run)
