@@ -158,7 +158,7 @@ async def _traffic(bases: list[str]) -> int:
 def test_three_workers_two_gateways_across_midnight_and_month_end(
     fleet: tuple[list[str], list[Any]], env: dict[str, str]
 ) -> None:
-    bases, (gateways, workers) = fleet
+    bases, (gateways, _workers) = fleet
     url = env["SPENDGUARD_DATABASE_URL"]
 
     async def run() -> None:
@@ -211,7 +211,7 @@ def test_three_workers_two_gateways_across_midnight_and_month_end(
         store = RedisStore.from_url(env["SPENDGUARD_REDIS_URL"], timeout=2)
         await anyio.sleep(1.5)  # the workers' sync passes after the last settlement
         checked = 0
-        for (team, key, period, pid), value in recomputed.items():
+        for (team, key, _period, pid), value in recomputed.items():
             if pid not in ("20261201", "202612"):
                 continue
             field = f"api_key:{key}:day" if key else "team:month"

@@ -30,8 +30,8 @@ from .schema import aggregates, balances, charges, metadata, policies, records, 
 
 log = logging.getLogger("spendguard.ledger")
 
-_ROWS_PER_INSERT = 500
-_SCHEMA_LOCK = 0x5E9D6A4D  # an arbitrary, fixed advisory-lock id for schema creation  # keeps a multi-row INSERT under SQLite's and asyncpg's parameter caps
+_ROWS_PER_INSERT = 500  # keeps a multi-row INSERT under SQLite's and asyncpg's parameter caps
+_SCHEMA_LOCK = 0x5E9D6A4D  # an arbitrary, fixed advisory-lock id for schema creation
 
 
 @dataclass(frozen=True, slots=True)
