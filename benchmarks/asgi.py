@@ -17,7 +17,11 @@ async def lifespan(app: ASGIApp) -> AsyncIterator[None]:
     to_app: asyncio.Queue[Message] = asyncio.Queue()
     from_app: asyncio.Queue[Message] = asyncio.Queue()
     scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
-    task = asyncio.create_task(app(scope, to_app.get, from_app.put))
+
+    async def run() -> None:
+        await app(scope, to_app.get, from_app.put)
+
+    task = asyncio.create_task(run())
     await to_app.put({"type": "lifespan.startup"})
     started = await from_app.get()
     if started["type"] != "lifespan.startup.complete":

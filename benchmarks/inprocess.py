@@ -20,6 +20,7 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 from spendguard import Settings
+from spendguard.settings import load_settings
 
 from .apps import HEALTH_PATH, INFERENCE_PATH, TOKEN, VARIANTS, build_gateway, chat_body
 from .asgi import Call, http_scope, lifespan
@@ -33,9 +34,9 @@ def _settings(variant: str, services: Services) -> Settings | None:
     # The settlement worker is left to section 4 (and to its own process in production at
     # scale): here its passes would land in whichever variant is being timed.
     if variant == "embedded":
-        return Settings(database_url=services.sqlite_url, run_worker=False)
+        return load_settings(database_url=services.sqlite_url, run_worker=False)
     if variant == "redis":
-        return Settings(
+        return load_settings(
             database_url=services.postgres_url, redis_url=services.redis_url, run_worker=False
         )
     return None

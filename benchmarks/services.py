@@ -181,7 +181,7 @@ class PrivatePostgres:
         return f"{self.admin_url.rsplit('/', 1)[0]}/{self.name}"
 
     async def _admin(self, sql: str) -> str:
-        import asyncpg
+        import asyncpg  # type: ignore[import-untyped]
 
         conn = await asyncpg.connect(self.admin_url, timeout=5)
         try:

@@ -109,7 +109,7 @@ async def _write(ledger: Ledger, records: list[InferenceRecord]) -> float:
 
 async def _executemany(url: str, records: list[InferenceRecord]) -> float:
     """Records/s writing ``records`` with asyncpg executemany, one transaction per 500."""
-    import asyncpg
+    import asyncpg  # type: ignore[import-untyped]
 
     from spendguard.ledger.ledger import _record_values  # the ledger's own row mapping
     from spendguard.periods import to_micros

@@ -33,7 +33,3 @@ def micros_to_usd(micros: int) -> Decimal:
 def ceil_micros(amount: Decimal) -> MicroUSD:
     """Round a fractional micro-USD cost up: a budget errs towards the operator, not the caller."""
     return MicroUSD(int(amount.to_integral_value(rounding=ROUND_CEILING)))
-
-
-def format_usd(micros: int) -> str:
-    return f"${micros_to_usd(micros)}"
