@@ -62,12 +62,9 @@ class SettlementWorker:
         # settle=False keeps only the cache in sync (policy changes, records settled by a
         # standalone worker): an in-process cache can only be refreshed from inside.
         self._settle = settle
-        # Watermarks for changes made by other processes (a CLI, other replicas): records
-        # they settled and policies they changed. Rescanning a window behind the watermark
-        # catches transactions that committed late; both uses are idempotent.
-        start = to_micros(clock())
-        self._settled_mark = start
-        self._policy_mark = start
+        # Watermark for policy changes made by other processes (a CLI, other replicas).
+        # Rescanning a window behind it catches transactions that committed late.
+        self._policy_mark = to_micros(clock())
         self._evicted: dict[str, int] = {}  # team -> time of the change last evicted
 
     def _price(self, rec: RecordRow) -> int:
@@ -96,10 +93,6 @@ class SettlementWorker:
                 break
         if self._store is not None:
             await self._evict_changed_policies()
-            others, newest = await self._ledger.settled_since(self._settled_mark - _OVERLAP_US)
-            self._settled_mark = max(self._settled_mark, newest)
-            for team, recs in others.items():
-                settled.setdefault(team, {}).update((r.id, r) for r in recs)
             await self._refresh(settled, result)
         return result
 
@@ -125,46 +118,67 @@ class SettlementWorker:
     async def _refresh(
         self, settled: dict[str, dict[str, SettledRecord]], result: PassResult
     ) -> None:
-        """Refresh the current periods of every team with policies, new charges or not (R7.4):
-        a refresh lost to a crash or a store error heals on the next pass. Closed periods are
-        left to the ledger (R7.5). Each key only hears of the records that could be in it."""
+        """Refresh the current periods of every team with policies or a balance, new charges
+        or not (R7.4): a refresh lost to a crash or a store error heals on the next pass.
+        Closed periods are left to the ledger (R7.5).
+
+        Estimates to drop are the markers of records this pass settled, plus any marker the
+        cache still holds whose record the ledger shows settled: settled by another worker or
+        process, or before a crash, however long ago. So no estimate outlives its record.
+        """
         assert self._store is not None
         now = self._clock()
         day, month = period_id(Period.DAY, now), period_id(Period.MONTH, now)
         rows = await self._ledger.policy_aggregates(day, month)
         accounts = await self._ledger.balance_accounts()
+        # Per team: (entry, api key of the scope, period, period id); None period = balance.
+        plans: dict[str, list[tuple[RefreshEntry, str | None, Period | None, str]]] = {}
         for team in sorted(rows.keys() | accounts.keys()):
-            entries = rows.get(team, [])
-            recs = settled.get(team, {}).values()
-            refresh = []
+            entries: list[tuple[RefreshEntry, str | None, Period | None, str]] = []
             if team in accounts:
                 topped_up, charged = accounts[team]
-                refresh.append(
-                    RefreshEntry(
-                        balance_key(self._prefix, team),
-                        charged,
-                        applied=tuple(r.id for r in recs if not r.unknown),
-                        unknown=tuple(r.id for r in recs if r.unknown),
-                        limit=topped_up,
-                    )
-                )
-            for field, pid, value in entries:
+                bkey = balance_key(self._prefix, team)
+                entries.append((RefreshEntry(bkey, charged, limit=topped_up), None, None, ""))
+            for field, pid, value in rows.get(team, []):
                 parsed = parse_field(field)
-                if parsed is None:
-                    continue
-                _, key, period = parsed
+                if parsed is not None:
+                    ukey = usage_key(self._prefix, team, field, pid)
+                    entries.append((RefreshEntry(ukey, value), parsed[1], parsed[2], pid))
+            plans[team] = entries
+
+        # Markers of records settled elsewhere: ask the cache what it holds, then the ledger.
+        known = {rid for recs in settled.values() for rid in recs}
+        for team, entries in plans.items():
+            try:
+                markers = await self._store.pending_records([e[0].usage_key for e in entries])
+            except SpendGuardError as exc:
+                log.warning("spendguard could not read pending estimates of %s: %s", team, exc)
+                continue
+            ask = {rid for ids in markers.values() for rid in ids} - known
+            if ask:
+                found = await self._ledger.settled_records(sorted(ask))
+                settled.setdefault(team, {}).update(found)
+
+        for team, entries in plans.items():
+            recs = settled.get(team, {}).values()
+            refresh = []
+            for entry, key, period, pid in entries:
                 mine = [
                     r
                     for r in recs
-                    if (key is None or r.api_key == key)
-                    and (r.day_id if period is Period.DAY else r.month_id) == pid
+                    if period is None  # the balance: every record of the team
+                    or (
+                        (key is None or r.api_key == key)
+                        and (r.day_id if period is Period.DAY else r.month_id) == pid
+                    )
                 ]
                 refresh.append(
                     RefreshEntry(
-                        usage_key(self._prefix, team, field, pid),
-                        value,
+                        entry.usage_key,
+                        entry.settled,
                         applied=tuple(r.id for r in mine if not r.unknown),
                         unknown=tuple(r.id for r in mine if r.unknown),
+                        limit=entry.limit,
                     )
                 )
             try:

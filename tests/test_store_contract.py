@@ -322,3 +322,16 @@ async def test_balance_denies_once_nothing_is_left(harness: Harness) -> None:
     await harness.store.refresh([RefreshEntry(bal.usage_key, 100, ("r1",), limit=150)])
     pf = await harness.store.preflight(p)
     assert pf.outcome is Outcome.ALLOW and (pf.limits[-1].limit, pf.limits[-1].used) == (150, 100)
+
+
+async def test_pending_records_lists_the_markers_of_existing_keys(harness: Harness) -> None:
+    p = keys_for(harness)
+    await warm(harness, p, {"api_key:alpha:day": 1000, "team:month": 1000})
+    day, month = usage_key(p, "api_key:alpha:day"), usage_key(p, "team:month")
+    absent = usage_key(p, "api_key:alpha:month")
+    await harness.store.postflight("r1", 5, [day, month])
+    await harness.store.postflight("r2", 6, [day])
+    got = await harness.store.pending_records([day, month, absent])
+    assert sorted(got[day]) == ["r1", "r2"] and got[month] == ["r1"] and absent not in got
+    await harness.store.refresh([RefreshEntry(day, 5, ("r1",))])
+    assert (await harness.store.pending_records([day]))[day] == ["r2"]

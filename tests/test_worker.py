@@ -244,3 +244,23 @@ async def test_worker_process_killed_between_commit_and_refresh_heals(
     finally:
         await g.stop()
         await store.aclose()
+
+
+async def test_a_fresh_worker_drops_estimates_of_records_settled_long_before(
+    guard: SpendGuard, database_url: str, tmp_path: Path
+) -> None:
+    from spendguard.worker import SettlementWorker
+
+    await set_limit(guard, 10_000)
+    await spend(guard, 40)
+    await guard.recorder.flush()
+    # Settled by someone else; this process's worker is replaced much later (say a restart
+    # after an hour): nothing remembers the settlement, yet the estimate must go.
+    assert (await guard.ledger.settle(100, lambda r: 2 * r.input_tokens)).charged == 1
+    assert await cached(guard) == 40
+    guard.clock.now += timedelta(hours=1)  # type: ignore[attr-defined]
+    fresh = SettlementWorker(
+        guard.ledger, guard.store, guard.coster, key_prefix="quota", clock=guard.clock
+    )
+    await fresh.run_once()
+    assert await cached(guard) == 80  # exact charge, estimate gone, not doubled

@@ -616,30 +616,26 @@ class Ledger:
             out[team].append((policy_field(scope, period, key or None), pid, int(settled or 0)))
         return dict(out)
 
-    async def settled_since(self, since_us: int) -> tuple[dict[str, list[SettledRecord]], int]:
-        """Records settled (by any worker) at or after ``since_us``, by team, and the newest
-        settlement time seen: every process's cache drops those records' markers."""
-        query = (
-            sa.select(
-                charges.c.team,
-                charges.c.record_id,
-                charges.c.api_key,
-                charges.c.day_id,
-                charges.c.month_id,
-                charges.c.settled_us,
-                records.c.postflight,
-            )
-            .select_from(charges.join(records, records.c.id == charges.c.record_id))
-            .where(charges.c.settled_us >= since_us)
-        )
-        out: dict[str, list[SettledRecord]] = defaultdict(list)
-        newest = since_us
+    async def settled_records(self, record_ids: Sequence[str]) -> dict[str, SettledRecord]:
+        """Which of these records are settled (by any worker, at any time), and where."""
+        out: dict[str, SettledRecord] = {}
+        ids = list(dict.fromkeys(record_ids))
         async with self._guard("charge read"):
-            rows = _tuples(await self._db.fetch_all(query))
-        for team, rid, key, day, month, settled_us, status in rows:
-            out[team].append(SettledRecord(rid, key or None, day, month, status == "unknown"))
-            newest = max(newest, int(settled_us))
-        return dict(out), newest
+            for start in range(0, len(ids), _ROWS_PER_INSERT):
+                query = (
+                    sa.select(
+                        charges.c.record_id,
+                        charges.c.api_key,
+                        charges.c.day_id,
+                        charges.c.month_id,
+                        records.c.postflight,
+                    )
+                    .select_from(charges.join(records, records.c.id == charges.c.record_id))
+                    .where(charges.c.record_id.in_(ids[start : start + _ROWS_PER_INSERT]))
+                )
+                for rid, key, day, month, status in _tuples(await self._db.fetch_all(query)):
+                    out[rid] = SettledRecord(rid, key or None, day, month, status == "unknown")
+        return out
 
     async def policies_changed_since(self, since_us: int) -> dict[str, int]:
         """Teams whose policies changed at or after ``since_us`` (by anyone, e.g. the CLI),

@@ -65,8 +65,6 @@ charges = sa.Table(
     sa.Column("settled_us", sa.BigInteger, nullable=False),
     sa.Index("spendguard_charges_team_month", "team", "month_id", "api_key"),
     sa.Index("spendguard_charges_team_day", "team", "day_id", "api_key"),
-    # Every process's cache sync reads "settled since"; without it that is a full scan.
-    sa.Index("spendguard_charges_settled", "settled_us"),
 )
 
 aggregates = sa.Table(

@@ -134,6 +134,11 @@ class Store(Protocol):
         """
         ...
 
+    async def pending_records(self, usage_keys: Sequence[str]) -> dict[str, list[str]]:
+        """Record ids with a pending estimate (a marker) in each existing key; one round trip
+        (the keys of one team share a slot). Settlement drops those the ledger has settled."""
+        ...
+
     async def evict_policy(self, team: str, prefix: str) -> None:
         """Drop the cached policy hash now (spendguard's own policy changes, R9.2)."""
         ...

@@ -151,6 +151,15 @@ class MemoryStore:
             if entry.limit is not None:
                 usage.limit = max(usage.limit or 0, entry.limit)
 
+    async def pending_records(self, usage_keys: Sequence[str]) -> dict[str, list[str]]:
+        now = self._clock()
+        out: dict[str, list[str]] = {}
+        for key in usage_keys:
+            usage = self._live_usage(key, now)
+            if usage is not None:
+                out[key] = list(usage.markers)
+        return out
+
     async def evict_policy(self, team: str, prefix: str) -> None:
         self._policies.pop(policy_key(prefix, team), None)
 

@@ -31,7 +31,7 @@ from .base import Outcome, Preflight, RefreshEntry, UsageFill, decide
 log = logging.getLogger("spendguard.store")
 
 T = TypeVar("T")
-_SCRIPTS = ("preflight", "fill", "postflight", "refresh")
+_SCRIPTS = ("preflight", "fill", "postflight", "refresh", "markers")
 # Eviction policies that never drop a key carrying a TTL behind our back.
 _SAFE_EVICTION = {"noeviction"}
 
@@ -149,6 +149,19 @@ class RedisStore:
             args += [_uint(e.settled), limit, str(len(e.applied)), str(len(e.unknown))]
             args += [*e.applied, *e.unknown]
         await self._script("refresh", [e.usage_key for e in entries], args)
+
+    async def pending_records(self, usage_keys: Sequence[str]) -> dict[str, list[str]]:
+        if not usage_keys:
+            return {}
+        flat = await self._script("markers", usage_keys, [])
+        out: dict[str, list[str]] = {}
+        pos = 0
+        for key in usage_keys:
+            n = int(flat[pos])
+            if n:
+                out[key] = [str(x) for x in flat[pos + 1 : pos + 1 + n]]
+            pos += 1 + n
+        return out
 
     async def evict_policy(self, team: str, prefix: str) -> None:
         await self._call(lambda: self._client.delete(policy_key(prefix, team)))
