@@ -4,6 +4,7 @@ request with a prebuilt scope so that the measured time is the app's own."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -61,7 +62,9 @@ def http_scope(
 
 
 class Call:
-    """One request against an app: ``await call()`` returns the response status.
+    """One request against an app: ``await call()`` returns the response status and the
+    ``perf_counter_ns`` time its last body byte was sent (what a client waits for; the app may
+    still work after it, as spendguard's postflight does).
 
     The scope is copied per call (apps write into ``scope["state"]``). After the body, ``receive``
     blocks like a connection that stays open; Starlette's streaming response listens for a
@@ -73,33 +76,35 @@ class Call:
     def __init__(self, app: ASGIApp, scope: dict[str, Any], body: bytes = b"") -> None:
         self._app, self._scope, self._body = app, scope, body
 
-    async def __call__(self) -> int:
+    async def __call__(self) -> tuple[int, int]:
         scope = dict(self._scope)
         scope["state"] = {}
         body = self._body
         sent = False
         status = 0
-        never: asyncio.Future[None] | None = None
+        done = 0
 
         async def receive() -> Message:
-            nonlocal sent, never
+            nonlocal sent
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            never = asyncio.get_running_loop().create_future()
-            await never
+            await asyncio.get_running_loop().create_future()  # until cancelled
             return {"type": "http.disconnect"}
 
         async def send(message: Message) -> None:
             # As strict as a server: one start, then body messages (a middleware that breaks
             # the protocol must fail here, not look fast).
-            nonlocal status
+            nonlocal status, done
             if message["type"] == "http.response.start":
                 if status:
                     raise RuntimeError("http.response.start sent twice")
                 status = message["status"]
-            elif message["type"] == "http.response.body" and not status:
-                raise RuntimeError("http.response.body before http.response.start")
+            elif message["type"] == "http.response.body":
+                if not status or done:
+                    raise RuntimeError("http.response.body out of order")
+                if not message.get("more_body", False):
+                    done = time.perf_counter_ns()
 
         await self._app(scope, receive, send)
-        return status
+        return status, done

@@ -56,13 +56,13 @@ class Sizes:
     def full(cls) -> Sizes:
         return cls(
             inproc_inference=1000,
-            inproc_health=5000,
+            inproc_health=3000,
             inproc_block=50,
             inproc_warmup=300,
             http_seconds=1.0,
             http_health_seconds=1.0,
-            http_pause=0.25,
-            http_warmup=1.0,
+            http_pause=0.2,
+            http_warmup=0.4,
             http_concurrency=(1, 16, 64),
             overshoot_n=(10, 100, 500),
             settle_records=1000,

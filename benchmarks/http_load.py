@@ -112,6 +112,15 @@ def _report(
                     "added_cpu_us_per_request": summary(
                         [a - b for a, b in zip(cpu_us, bare_cpu, strict=True)]
                     ),
+                    "runs": [
+                        {
+                            "rps": round(r.ok / r.seconds, 1),
+                            "p50_us": round(r.p50_us, 1),
+                            "p99_us": round(r.p99_us, 1),
+                            "cpu_us_per_request": round(cpu / max(1, r.requests) * 1e6, 1),
+                        }
+                        for r, cpu in mine
+                    ],
                     "requests": sum(r.requests for r, _ in mine),
                     "non_2xx": sum(r.requests - r.ok for r, _ in mine),
                     "errors": sum(r.errors for r, _ in mine),

@@ -6,28 +6,62 @@ turns in blocks, in an order that rotates every round, so drift (CPU frequency, 
 neighbour) hits all of them alike. Each request is timed with ``perf_counter_ns`` around the
 ASGI call: preflight, the proxied call to the fake provider, and postflight are all inside.
 
-Between blocks, spendguard's background record writer is drained (untimed): it works off the
-request path by design, and left alone it would bill its SQL writes to whichever variant
-happens to be timed next. Its cost shows up where it belongs, in the HTTP throughput runs.
+spendguard's record writer is a background task on the same event loop: within a block it runs
+as in production, between the awaits of the variant's own requests, so its CPU shows in that
+variant's latency. What it still holds at the end of a block is written before the next
+variant's turn, untimed, so it never lands in another variant's figures.
+
+Two breakdowns say where spendguard's time goes. The inference route is also timed with the
+record writer out of the way (records kept aside and written between blocks, untimed): the
+difference is what the writer's work costs the requests it shares the loop with. And the
+engine alone, ``SpendGuard.preflight`` and ``SpendGuard.postflight`` called directly on the same
+warm guards (records aside too): what the store path costs, apart from the middleware.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 from spendguard import Settings
+from spendguard.guard import SpendGuard
+from spendguard.record import InferenceRecord
 from spendguard.settings import load_settings
+from spendguard.usage import Usage
 
-from .apps import HEALTH_PATH, INFERENCE_PATH, TOKEN, VARIANTS, build_gateway, chat_body
+from .apps import HEALTH_PATH, INFERENCE_PATH, MODEL, TOKEN, VARIANTS, build_gateway, chat_body
 from .asgi import Call, http_scope, lifespan
 from .common import Services, Sizes, bench_identity, find_guard, set_policies
 from .stats import percentile, summary
 
 ROUTES = ("inference", "health")
+ASIDE = ("embedded", "redis")  # also timed with their records kept aside (inference only)
+
+
+@asynccontextmanager
+async def records_aside(guard: SpendGuard) -> AsyncIterator[list[InferenceRecord]]:
+    """Keep the guard's records in a list instead of waking its writer; write them on exit.
+
+    The writer would otherwise run inside the awaits of the requests being timed. Only an
+    instance attribute is swapped, for the duration of the block.
+    """
+    kept: list[InferenceRecord] = []
+
+    def keep(record: InferenceRecord) -> bool:
+        kept.append(record)
+        return True
+
+    setattr(guard.recorder, "submit", keep)  # noqa: B010 (an instance attribute, on purpose)
+    try:
+        yield kept
+    finally:
+        delattr(guard.recorder, "submit")
+        if kept:
+            await guard.ledger.insert_records(kept)
 
 
 def _settings(variant: str, services: Services) -> Settings | None:
@@ -57,13 +91,14 @@ def _calls(app: Any) -> dict[str, Call]:
     }
 
 
-async def _timed_block(call: Call, n: int, out: list[int]) -> None:
+async def _timed_block(call: Call, n: int, out: list[int], last_byte: list[int]) -> None:
     clock = time.perf_counter_ns
     for _ in range(n):
         start = clock()
-        status = await call()
+        status, done = await call()
         out.append(clock() - start)
-        if status != 200:
+        last_byte.append(done - start)
+        if status != 200 or not done:
             raise RuntimeError(f"benchmark request answered {status}")
 
 
@@ -74,6 +109,7 @@ async def measure(
     await set_policies(services.sqlite_url, identity)
     await set_policies(services.postgres_url, identity)
     per_repeat: list[dict[str, dict[str, list[int]]]] = []
+    per_repeat_last_byte: list[dict[str, list[int]]] = []
     async with AsyncExitStack() as stack:
         apps = {
             v: build_gateway(v, settings=_settings(v, services), redis_url=services.redis_url)
@@ -92,28 +128,94 @@ async def measure(
         # Warm-up: connections, script registration, policy and usage caches, code paths.
         for v in VARIANTS:
             for route in ROUTES:
-                await _timed_block(calls[v][route], sizes.inproc_warmup, [])
+                await _timed_block(calls[v][route], sizes.inproc_warmup, [], [])
         await drain()
 
         for rep in range(repeats):
             progress(f"in-process: repeat {rep + 1}/{repeats}")
             samples: dict[str, dict[str, list[int]]] = {
-                r: {v: [] for v in VARIANTS} for r in ROUTES
+                r: {v: [] for v in (*VARIANTS, *(f"{a}/aside" for a in ASIDE))} for r in ROUTES
             }
+            last_byte: dict[str, list[int]] = {v: [] for v in VARIANTS}  # inference route
             for route, total in (
                 ("inference", sizes.inproc_inference),
                 ("health", sizes.inproc_health),
             ):
                 block = sizes.inproc_block if route == "inference" else sizes.inproc_block * 4
+                labels = [*VARIANTS, *(f"{a}/aside" for a in ASIDE if route == "inference")]
                 rounds = max(1, total // block)
                 gc.collect()
                 for i in range(rounds):
-                    order = VARIANTS[i % len(VARIANTS) :] + VARIANTS[: i % len(VARIANTS)]
-                    for v in order:
-                        await _timed_block(calls[v][route], block, samples[route][v])
+                    for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
+                        v, aside, _ = label.partition("/")
+                        out = samples[route][label]
+                        lb = last_byte[v] if route == "inference" and not aside else []
+                        guard = guards[v]
+                        if aside and guard is not None:
+                            async with records_aside(guard):
+                                await _timed_block(calls[v][route], block, out, lb)
+                        else:
+                            await _timed_block(calls[v][route], block, out, lb)
                         await drain()
             per_repeat.append(samples)
-    return _report(per_repeat)
+            per_repeat_last_byte.append(last_byte)
+        engine = {
+            v: await _engine(guard, sizes, repeats)
+            for v, guard in guards.items()
+            if guard is not None
+        }
+    return {
+        **_report(per_repeat),
+        "last_byte": _last_byte_report(per_repeat_last_byte),
+        "engine": engine,
+    }
+
+
+def _last_byte_report(per_repeat: list[dict[str, list[int]]]) -> dict[str, Any]:
+    """Inference route, request start to the last response byte sent."""
+    out: dict[str, Any] = {}
+    for v in VARIANTS:
+        p50s, added50, added99 = [], [], []
+        for samples in per_repeat:
+            mine, bare = samples[v], samples["bare"]
+            p50s.append(percentile(mine, 50) / 1000)
+            added50.append((percentile(mine, 50) - percentile(bare, 50)) / 1000)
+            added99.append((percentile(mine, 99) - percentile(bare, 99)) / 1000)
+        out[v] = {
+            "p50_us": summary(p50s),
+            "added_p50_us": summary(added50),
+            "added_p99_us": summary(added99),
+        }
+    return out
+
+
+async def _engine(guard: SpendGuard, sizes: Sizes, repeats: int) -> dict[str, Any]:
+    """p50/p99 of one preflight and one postflight, called directly (no ASGI, no app)."""
+    identity = bench_identity()
+    usage = Usage(input_tokens=7, output_tokens=5)
+    stats: dict[str, list[float]] = {}
+    clock = time.perf_counter_ns
+    async with records_aside(guard) as kept:
+        for _ in range(repeats):
+            pre: list[int] = []
+            post: list[int] = []
+            for i in range(sizes.inproc_inference):
+                t0 = datetime.now(UTC)
+                start = clock()
+                decision = await guard.preflight(identity, t0)
+                mid = clock()
+                await guard.postflight(
+                    decision, model=MODEL, route=INFERENCE_PATH, status_code=200, usage=usage
+                )
+                pre.append(mid - start)
+                post.append(clock() - mid)
+                if i % sizes.inproc_block == 0:
+                    await guard.ledger.insert_records(kept)
+                    kept.clear()
+            for name, samples in (("preflight", pre), ("postflight", post)):
+                stats.setdefault(f"{name}_p50_us", []).append(percentile(samples, 50) / 1000)
+                stats.setdefault(f"{name}_p99_us", []).append(percentile(samples, 99) / 1000)
+    return {name: summary(values) for name, values in stats.items()}
 
 
 def _report(per_repeat: list[dict[str, dict[str, list[int]]]]) -> dict[str, Any]:
@@ -142,4 +244,13 @@ def _report(per_repeat: list[dict[str, dict[str, list[int]]]]) -> dict[str, Any]
                 "p99_ratio": summary(ratio99),
             }
         out["routes"][route] = variants
+    aside: dict[str, Any] = {}
+    for a in ASIDE:
+        added50, added99 = [], []
+        for samples in per_repeat:
+            mine, bare = samples["inference"][f"{a}/aside"], samples["inference"]["bare"]
+            added50.append((percentile(mine, 50) - percentile(bare, 50)) / 1000)
+            added99.append((percentile(mine, 99) - percentile(bare, 99)) / 1000)
+        aside[a] = {"added_p50_us": summary(added50), "added_p99_us": summary(added99)}
+    out["records_aside"] = aside
     return out

@@ -81,6 +81,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for t in specs:
         figure = _get(results, t.path)
         median = figure["median"] if figure else math.nan
+        # The goal lies inside the spread of the repeats: this run cannot really tell.
+        spread = figure is not None and figure["min"] <= t.goal <= figure["max"]
         met = (median >= t.goal) if t.higher_is_better else (median <= t.goal)
         out.append(
             {
@@ -89,6 +91,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "unit": t.unit,
                 "measured": figure,
                 "met": bool(figure is not None and met),
+                "within_spread": bool(spread),
             }
         )
     return out
@@ -131,7 +134,13 @@ def markdown(results: dict[str, Any]) -> str:
         f"{run['finished']}. Every cell is the median of the repeats, with (min–max) when "
         "they differ; every ratio is to the bare app measured in the same run.",
         "",
-        "Machine: " + machine["summary"],
+        "Machine: "
+        + machine["summary"]
+        + ". Load average (1, 5, 15 min) at the start "
+        + ", ".join(f"{x:.2f}" for x in machine["load_average_at_start"])
+        + "; at the end "
+        + ", ".join(f"{x:.2f}" for x in machine.get("load_average_at_end", []))
+        + ".",
         "",
         "## Targets",
         "",
@@ -143,10 +152,11 @@ def markdown(results: dict[str, Any]) -> str:
             [
                 t["target"],
                 _cell(t["measured"], digits) + ("" if t["unit"] == "×" else f" {t['unit']}"),
-                "**met**" if t["met"] else "**missed**",
+                ("**met**" if t["met"] else "**missed**")
+                + (" (the goal is within the repeats' spread)" if t["within_spread"] else ""),
             ]
         )
-    lines += _table(["target", "measured", ""], rows)
+    lines += _table(["target", "measured (median, min–max)", ""], rows)
 
     lines += [
         "## 1. In-process overhead (raw ASGI calls, per request, µs)",
@@ -169,6 +179,61 @@ def markdown(results: dict[str, Any]) -> str:
             )
     lines += _table(
         ["route", "variant", "p50", "p99", "added p50", "added p99", "p50 / bare"], rows
+    )
+    inf = results["inprocess"]["routes"]["inference"]
+    lines += [
+        "Where it goes. The inference route again with spendguard's record writer out of the "
+        "way (records kept aside, written between blocks), next to the normal run (µs):",
+        "",
+    ]
+    rows = [
+        [
+            LABELS[v],
+            _cell(inf[v]["added_p50_us"]),
+            _cell(f["added_p50_us"]),
+            _cell(inf[v]["added_p99_us"]),
+            _cell(f["added_p99_us"]),
+        ]
+        for v, f in results["inprocess"]["records_aside"].items()
+    ]
+    lines += _table(
+        [
+            "variant",
+            "added p50",
+            "added p50, records aside",
+            "added p99",
+            "added p99, records aside",
+        ],
+        rows,
+    )
+    lines += [
+        "What a client waits for: request start to the last response byte. spendguard's "
+        "postflight runs after it (still inside the ASGI call timed above) (µs):",
+        "",
+    ]
+    rows = [
+        [LABELS[v], _cell(f["p50_us"]), _cell(f["added_p50_us"]), _cell(f["added_p99_us"])]
+        for v, f in results["inprocess"]["last_byte"].items()
+        if v != "bare"
+    ]
+    lines += _table(["variant", "p50", "added p50", "added p99"], rows)
+    lines += [
+        "The engine alone: `SpendGuard.preflight` and `SpendGuard.postflight` called directly "
+        "on the same warm guards, records written aside (µs):",
+        "",
+    ]
+    rows = [
+        [
+            LABELS[v],
+            _cell(f["preflight_p50_us"]),
+            _cell(f["preflight_p99_us"]),
+            _cell(f["postflight_p50_us"]),
+            _cell(f["postflight_p99_us"]),
+        ]
+        for v, f in results["inprocess"]["engine"].items()
+    ]
+    lines += _table(
+        ["variant", "preflight p50", "preflight p99", "postflight p50", "postflight p99"], rows
     )
 
     http = results["http"]
@@ -258,6 +323,17 @@ def markdown(results: dict[str, Any]) -> str:
         ],
         rows,
     )
+    lines += [
+        "CPU of the writing process per record written with `Ledger.insert_records` (µs): "
+        "the gateway's record writer takes this from the event loop that serves requests.",
+        "",
+    ]
+    sizes = list(next(iter(settle["backends"].values()))["record_write_cpu_us"])
+    rows = [
+        [backend, *(_cell(f["record_write_cpu_us"][s]) for s in sizes)]
+        for backend, f in settle["backends"].items()
+    ]
+    lines += _table(["ledger", *sizes], rows)
     lines += ["Redis preflight script (`RedisStore.preflight`), per call:", ""]
     rows = [
         [label, _cell(f["p50_us"]), _cell(f["p99_us"])]
@@ -384,6 +460,10 @@ def chart(results: dict[str, Any], path: Path) -> None:
         ns = [f["n"] for f in per_n.values()]
         ys = [f["spend_over_limit"]["median"] for f in per_n.values()]
         ax.plot(ns, ys, "-o", color=colors[v], label=LABELS[v])
+        for n, y, f in zip(ns, ys, per_n.values(), strict=True):
+            if f["unavailable"]["median"]:  # refused with a 503, not by the limit
+                text = f"{f['unavailable']['median']:.0f} × 503"
+                ax.annotate(text, (n, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
     ax.axhline(1.0, color="#888888", lw=0.8, label="limit")
     ax.set_xscale("log")
     ax.set_xlabel("N concurrent requests (budget covers N/10)")

@@ -100,11 +100,19 @@ async def _prepare(url: str, identities: list[Identity]) -> Ledger:
     return ledger
 
 
-async def _write(ledger: Ledger, records: list[InferenceRecord]) -> float:
+async def _write(ledger: Ledger, records: list[InferenceRecord], batch: int = WRITE_BATCH) -> float:
     start = time.perf_counter()
-    for i in range(0, len(records), WRITE_BATCH):
-        await ledger.insert_records(records[i : i + WRITE_BATCH])
+    for i in range(0, len(records), batch):
+        await ledger.insert_records(records[i : i + batch])
     return time.perf_counter() - start
+
+
+async def _write_cpu(ledger: Ledger, records: list[InferenceRecord], batch: int) -> float:
+    """This process's CPU µs per record written: what the gateway's record writer takes from
+    the event loop that also serves requests (a lightly loaded gateway writes batches of 1)."""
+    start = time.process_time()
+    await _write(ledger, records, batch)
+    return (time.process_time() - start) / len(records) * 1e6
 
 
 async def _executemany(url: str, records: list[InferenceRecord]) -> float:
@@ -146,10 +154,16 @@ async def _settlement(
         progress(f"settlement: {backend}")
         ledger = await _prepare(url, identities)
         writes: list[float] = []
+        cpu: dict[str, list[float]] = {"1": [], str(WRITE_BATCH): []}
         raw_writes: list[float] = []
         settles: dict[int, list[float]] = {b: [] for b in sizes.settle_batches}
         try:
             for _ in range(repeats):
+                for size in cpu:
+                    n = sizes.settle_records // 10 if size == "1" else sizes.settle_records
+                    records = _records(n, identities, datetime.now(UTC))
+                    cpu[size].append(await _write_cpu(ledger, records, int(size)))
+                await SettlementWorker(ledger, None, coster, key_prefix="quota").run_once()
                 if backend == "postgresql":
                     records = _records(sizes.settle_records, identities, datetime.now(UTC))
                     raw_writes.append(await _executemany(url, records))
@@ -171,6 +185,7 @@ async def _settlement(
             await ledger.disconnect()
         out[backend] = {
             "record_writes_per_s": summary(writes),
+            "record_write_cpu_us": {f"batch {b}": summary(v) for b, v in cpu.items()},
             "settle_records_per_s": {str(b): summary(v) for b, v in settles.items()},
         }
         if raw_writes:

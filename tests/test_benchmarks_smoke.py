@@ -131,11 +131,15 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
     variants = {"bare", "embedded", "redis", "slowapi"}
     for route in ("inference", "health"):
         assert set(results["inprocess"]["routes"][route]) == variants
+    assert set(results["inprocess"]["last_byte"]) == variants
+    assert set(results["inprocess"]["records_aside"]) == {"embedded", "redis"}
+    assert set(results["inprocess"]["engine"]) == {"embedded", "redis"}
     for route in ("health", "inference", "stream"):
         assert set(results["http"]["routes"][route]) == {"1", "16", "64"}
     assert set(results["overshoot"]["variants"]) == {"embedded", "redis"}
     assert set(results["settlement"]["backends"]) == {"sqlite", "postgresql"}
-    assert all(isinstance(t["met"], bool) and t["measured"] for t in results["targets"])
+    for target in results["targets"]:
+        assert target["measured"] and isinstance(target["met"], bool), target
 
     table = (out / "results.md").read_text()
     assert "| target |" in table and "## 4. Settlement" in table

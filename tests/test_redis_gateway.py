@@ -311,3 +311,23 @@ async def test_readded_policy_does_not_trust_a_stale_usage_key(
         assert await main(["policy", "set", *day, "--limit-usd", "0.00006"]) == 0
         r = await c.post("/v1/chat/completions", json=chat_body())
     assert r.status_code == 429
+
+
+async def test_more_requests_in_flight_than_the_pool_wait_instead_of_failing(
+    tmp_path: Path, redis_url: str
+) -> None:
+    store = RedisStore.from_url(redis_url, timeout=2.0, max_connections=8)
+    async with Gateway(tmp_path, utc_now, store=store) as gw:
+        await gw.policy(Period.DAY, 10**9)
+        statuses: list[int] = []  # 64 concurrent requests over 8 connections
+        async with gw.client() as c:
+
+            async def one() -> None:
+                r = await c.post("/v1/chat/completions", json=chat_body())
+                statuses.append(r.status_code)
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(64):
+                    tg.start_soon(one)
+        assert statuses == [200] * 64
+    await store.aclose()

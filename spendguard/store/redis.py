@@ -51,7 +51,9 @@ class RedisStore:
         self._scripts = {name: client.register_script(_lua(name)) for name in _SCRIPTS}
 
     @classmethod
-    def from_url(cls, url: str, *, timeout: float = 0.5) -> RedisStore:
+    def from_url(
+        cls, url: str, *, timeout: float = 0.5, max_connections: int = 512
+    ) -> RedisStore:
         """A store for ``url``; the timeout bounds every call, connecting included (R5.4)."""
         opts: dict[str, Any] = {
             "socket_timeout": timeout,
@@ -68,15 +70,21 @@ class RedisStore:
                 f"{base}://{rest}", **opts
             )
         elif scheme in {"redis", "rediss", "unix"}:
-            # One quick retry on a fresh connection: after a server restart the pool's sockets
-            # are dead, and the first command on each would otherwise fail.
-            client = aioredis.Redis.from_url(
+            # A blocking pool: when every connection is busy a request waits (bounded by the
+            # timeout) instead of failing at once. redis-py's default pool raises beyond 100
+            # connections in flight, which fail-closed would turn into 503s under load.
+            pool = aioredis.BlockingConnectionPool.from_url(
                 url,
+                max_connections=max_connections,
+                timeout=timeout,
+                # One quick retry on a fresh connection: after a server restart the pool's
+                # sockets are dead, and the first command on each would otherwise fail. Only
+                # a broken connection is retried; a timeout is not (R5.4: bounded time).
                 retry=Retry(NoBackoff(), 1),
-                # Only a broken connection is retried; a timeout is not (R5.4: bounded time).
                 retry_on_error=[RedisConnectionError],
                 **opts,
             )
+            client = aioredis.Redis(connection_pool=pool)
         else:
             raise ConfigurationError(
                 f"unsupported Redis URL scheme {scheme!r}: use redis://, rediss://, unix:// "
