@@ -51,9 +51,7 @@ class RedisStore:
         self._scripts = {name: client.register_script(_lua(name)) for name in _SCRIPTS}
 
     @classmethod
-    def from_url(
-        cls, url: str, *, timeout: float = 0.5, max_connections: int = 512
-    ) -> RedisStore:
+    def from_url(cls, url: str, *, timeout: float = 0.5, max_connections: int = 512) -> RedisStore:
         """A store for ``url``; the timeout bounds every call, connecting included (R5.4)."""
         opts: dict[str, Any] = {
             "socket_timeout": timeout,
