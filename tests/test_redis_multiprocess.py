@@ -6,7 +6,6 @@ exact charges after it, to the micro-USD.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import anyio
 import httpx
 import pytest
 from conftest import _truncate_pg
-from test_demo_gateway import ROOT, free_port, wait_healthy
+from test_demo_gateway import ROOT, cli, free_port, wait_healthy
 
 from spendguard import Identity
 from spendguard.keys import plan
@@ -67,20 +66,6 @@ def gateways(env: dict[str, str], tmp_path: Path) -> Iterator[list[str]]:
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=20)  # graceful: each flushes its record buffer
-
-
-def cli(env: dict[str, str], *args: str) -> Any:
-    done = subprocess.run(
-        [sys.executable, "-m", "spendguard.cli", *args, "--json"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
 
 
 def test_two_gateways_200_concurrent_requests_one_key(
