@@ -146,18 +146,21 @@ class SettlementWorker:
                     entries.append((RefreshEntry(ukey, value), parsed[1], parsed[2], pid))
             plans[team] = entries
 
-        # Markers of records settled elsewhere: ask the cache what it holds, then the ledger.
+        # Markers of records settled elsewhere: ask the cache what each team holds, then the
+        # ledger once for all teams (one query per pass, not one per team).
         known = {rid for recs in settled.values() for rid in recs}
+        asked: dict[str, str] = {}  # record id -> team
         for team, entries in plans.items():
             try:
                 markers = await self._store.pending_records([e[0].usage_key for e in entries])
             except SpendGuardError as exc:
                 log.warning("spendguard could not read pending estimates of %s: %s", team, exc)
                 continue
-            ask = {rid for ids in markers.values() for rid in ids} - known
-            if ask:
-                found = await self._ledger.settled_records(sorted(ask))
-                settled.setdefault(team, {}).update(found)
+            for ids in markers.values():
+                asked.update((rid, team) for rid in ids if rid not in known)
+        if asked:
+            for rid, rec in (await self._ledger.settled_records(sorted(asked))).items():
+                settled.setdefault(asked[rid], {})[rid] = rec
 
         for team, entries in plans.items():
             recs = settled.get(team, {}).values()
