@@ -112,4 +112,4 @@ async def ledger(database_url: str) -> AsyncIterator[Ledger]:
 
 # Private redis-server processes (never the shared 6379 one): redis_url, redis_server,
 # shared_redis, redis_cluster.
-from redis_servers import *  # noqa: E402, F403
+from tests.redis_servers import *  # noqa: E402, F403

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_middleware import Gateway, chat_body
 
 from spendguard.cli import main as cli_main
 from spendguard.identity import Identity
 from spendguard.keys import balance_key
 from spendguard.store.redis import RedisStore
+from tests.test_middleware import Gateway, chat_body
 
 pytestmark = pytest.mark.anyio
 

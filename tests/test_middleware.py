@@ -18,13 +18,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message
-from support import Clock, Exploding, StateAuth, lifespan, write_unit_prices
 
 from spendguard import Settings, SpendGuard, SpendGuardMiddleware
 from spendguard.identity import Identity
 from spendguard.periods import Period
 from spendguard.store.base import Store
 from spendguard.store.memory import MemoryStore
+from tests.support import Clock, Exploding, StateAuth, lifespan, write_unit_prices
 
 pytestmark = pytest.mark.anyio
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import anyio
 import pytest
-from tcp_proxy import TcpProxy
-from test_middleware import Gateway, chat_body
 
 from spendguard.periods import Period
+from tests.tcp_proxy import TcpProxy
+from tests.test_middleware import Gateway, chat_body
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,6 @@ import anyio
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import Clock, write_unit_prices
 
 from spendguard import Identity, Settings, SpendGuard, Verdict
 from spendguard.keys import balance_key, plan
@@ -25,6 +24,7 @@ from spendguard.ledger.schema import charges, records
 from spendguard.periods import Period
 from spendguard.store.memory import MemoryStore
 from spendguard.usage import Usage
+from tests.support import Clock, write_unit_prices
 
 TEAMS = ["acme", "beta"]
 KEYS = ["k1", "k2"]

@@ -16,13 +16,13 @@ from typing import Any
 
 import anyio
 import pytest
-from redis_servers import RedisCluster, RedisServer
-from test_middleware import Gateway, chat_body
 
 from spendguard import Identity
 from spendguard.keys import plan
 from spendguard.periods import Period
 from spendguard.store.redis import RedisStore
+from tests.redis_servers import RedisCluster, RedisServer
+from tests.test_middleware import Gateway, chat_body
 
 pytestmark = pytest.mark.anyio
 

@@ -17,13 +17,13 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from conftest import _truncate_pg
-from test_demo_gateway import ROOT, cli, free_port, wait_healthy
+from tests.conftest import _truncate_pg
 
 from spendguard import Identity
 from spendguard.keys import plan
 from spendguard.ledger import Ledger
 from spendguard.store.redis import RedisStore
+from tests.test_demo_gateway import ROOT, cli, free_port, wait_healthy
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis_servers import RedisCluster, RedisServer, RedisServerError, require_redis_server
+
+from tests.redis_servers import RedisCluster, RedisServer, RedisServerError, require_redis_server
 
 pytestmark = pytest.mark.anyio
 

@@ -22,13 +22,13 @@ import anyio
 import httpx
 import pytest
 import sqlalchemy as sa
-from test_demo_gateway import free_port
 
 from spendguard.keys import balance_key, usage_key
 from spendguard.ledger import Ledger
 from spendguard.ledger.schema import aggregates, charges, policies, records
 from spendguard.periods import Period
 from spendguard.store.redis import RedisStore
+from tests.test_demo_gateway import free_port
 
 HERE = Path(__file__).resolve().parent
 RECORDS = int(os.environ.get("SPENDGUARD_TEST_SCALE_RECORDS", "20000"))

@@ -7,13 +7,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from support import Clock, write_unit_prices
 
 from spendguard import Identity, Settings, SpendGuard
 from spendguard.keys import plan
 from spendguard.periods import Period
 from spendguard.store.memory import MemoryStore
 from spendguard.usage import Usage
+from tests.support import Clock, write_unit_prices
 
 pytestmark = pytest.mark.anyio
 
