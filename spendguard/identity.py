@@ -1,23 +1,15 @@
-"""Who is spending: the team and API key of a request, from the host app's authenticated state.
+"""Who is spending: a team and optionally one of its API keys.
 
 Ids are arbitrary strings from the host app. They reach cache keys and SQL only through
 :func:`encode_id`, which is injective and yields a short string of safe characters, so no id
 can break the ``{team}`` hash tag, inject a ``:`` or newline into a key name, or collide with
-another id (R2.3).
+another id. (Where the ids come from, the host app's auth, is ``spendguard.asgi.identity``.)
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
-import logging
-from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-from starlette.requests import HTTPConnection
-
-log = logging.getLogger("spendguard")
 
 # Characters an encoded id may contain as themselves. Everything else (including `%`, `~`,
 # `{`, `}`, `:` and whitespace) is percent-encoded from its UTF-8 bytes, which keeps the
@@ -59,59 +51,3 @@ class Identity:
         object.__setattr__(
             self, "api_key", None if self.api_key_id is None else encode_id(self.api_key_id)
         )
-
-
-IdentityLike = Identity | tuple[str, str | None] | None
-IdentityResolver = Callable[[HTTPConnection], IdentityLike | Awaitable[IdentityLike]]
-
-STATE_TEAM = "team_id"
-STATE_API_KEY = "api_key_id"
-STATE_IDENTITY = "spendguard_identity"
-
-
-def _coerce(value: object) -> Identity | None:
-    if value is None:
-        return None
-    if isinstance(value, Identity):
-        return value
-    if isinstance(value, tuple) and len(value) == 2:
-        team, key = value
-        if isinstance(team, str) and team and (key is None or (isinstance(key, str) and key)):
-            return Identity(team, key)
-    return None
-
-
-def from_auth_state(conn: HTTPConnection) -> Identity | None:
-    """Default resolver: read what the host's auth middleware left in the scope.
-
-    Looks at ``scope["state"]`` (``request.state.spendguard_identity`` or
-    ``request.state.team_id`` / ``api_key_id``), then at ``scope["user"]`` attributes of the
-    same names (Starlette's AuthenticationMiddleware). Headers are never consulted.
-    """
-    state: Mapping[str, Any] = conn.scope.get("state") or {}
-    found = _coerce(state.get(STATE_IDENTITY))
-    if found is not None:
-        return found
-    found = _coerce((state.get(STATE_TEAM), state.get(STATE_API_KEY)))
-    if found is not None:
-        return found
-    user = conn.scope.get("user")
-    if user is not None:
-        return _coerce((getattr(user, STATE_TEAM, None), getattr(user, STATE_API_KEY, None)))
-    return None
-
-
-async def resolve(resolver: IdentityResolver | None, conn: HTTPConnection) -> Identity | None:
-    """Run a sync or async resolver; anything that is not a usable identity counts as none."""
-    if resolver is None:
-        return from_auth_state(conn)
-    try:
-        value = resolver(conn)
-        if inspect.isawaitable(value):
-            value = await value
-        return _coerce(value)
-    except Exception:
-        # A resolver that raises (say, a KeyError on an unauthenticated request) has found
-        # no identity: the client gets a clear 401, not a 500, and the cause is logged.
-        log.warning("spendguard identity resolver failed; treating as no identity", exc_info=True)
-        return None

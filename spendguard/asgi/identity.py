@@ -1,0 +1,72 @@
+"""Identity resolvers: the team and API key of a request, from the host app's auth state.
+
+Headers are never consulted: identity comes from the app's own authentication.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from starlette.requests import HTTPConnection
+
+from ..identity import Identity
+
+log = logging.getLogger("spendguard")
+
+IdentityLike = Identity | tuple[str, str | None] | None
+IdentityResolver = Callable[[HTTPConnection], IdentityLike | Awaitable[IdentityLike]]
+
+STATE_TEAM = "team_id"
+STATE_API_KEY = "api_key_id"
+STATE_IDENTITY = "spendguard_identity"
+
+
+def _coerce(value: object) -> Identity | None:
+    if value is None:
+        return None
+    if isinstance(value, Identity):
+        return value
+    if isinstance(value, tuple) and len(value) == 2:
+        team, key = value
+        if isinstance(team, str) and team and (key is None or (isinstance(key, str) and key)):
+            return Identity(team, key)
+    return None
+
+
+def from_auth_state(conn: HTTPConnection) -> Identity | None:
+    """Default resolver: read what the host's auth middleware left in the scope.
+
+    Looks at ``scope["state"]`` (``request.state.spendguard_identity`` or
+    ``request.state.team_id`` / ``api_key_id``), then at ``scope["user"]`` attributes of the
+    same names (Starlette's AuthenticationMiddleware). Headers are never consulted.
+    """
+    state: Mapping[str, Any] = conn.scope.get("state") or {}
+    found = _coerce(state.get(STATE_IDENTITY))
+    if found is not None:
+        return found
+    found = _coerce((state.get(STATE_TEAM), state.get(STATE_API_KEY)))
+    if found is not None:
+        return found
+    user = conn.scope.get("user")
+    if user is not None:
+        return _coerce((getattr(user, STATE_TEAM, None), getattr(user, STATE_API_KEY, None)))
+    return None
+
+
+async def resolve(resolver: IdentityResolver | None, conn: HTTPConnection) -> Identity | None:
+    """Run a sync or async resolver; anything that is not a usable identity counts as none."""
+    if resolver is None:
+        return from_auth_state(conn)
+    try:
+        value = resolver(conn)
+        if inspect.isawaitable(value):
+            value = await value
+        return _coerce(value)
+    except Exception:
+        # A resolver that raises (say, a KeyError on an unauthenticated request) has found
+        # no identity: the client gets a clear 401, not a 500, and the cause is logged.
+        log.warning("spendguard identity resolver failed; treating as no identity", exc_info=True)
+        return None

@@ -1,0 +1,27 @@
+"""Time as spendguard keeps it: aware UTC datetimes, stored as exact epoch microseconds."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def as_utc(t: datetime) -> datetime:
+    if t.tzinfo is None:
+        raise ValueError("naive datetime: spendguard needs an aware (UTC) time")
+    return t.astimezone(UTC)
+
+
+def to_micros(t: datetime) -> int:
+    """Epoch microseconds: exact and portable across SQLite and PostgreSQL."""
+    delta = as_utc(t) - _EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def from_micros(us: int) -> datetime:
+    return _EPOCH + timedelta(microseconds=us)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)

@@ -1,0 +1,137 @@
+"""The one codec between typed limits and strings (design.md, "Cache keys").
+
+Cache key names, policy-hash fields and window names are made here and decoded here, nowhere
+else. The layout::
+
+    {prefix}:{team}:spend:policy                                hash: field -> amount
+    {prefix}:{team}:spend:usage:team:month:YYYYMM               usage of a team limit
+    {prefix}:{team}:spend:usage:team:day:YYYYMMDD
+    {prefix}:{team}:spend:usage:api_key:<key>:day:YYYYMMDD      usage of an API key limit
+    {prefix}:{team}:spend:usage:api_key:<key>:month:YYYYMM
+    {prefix}:{team}:spend:balance                               the team's prepaid account
+
+``team`` and ``key`` are encoded ids (:func:`spendguard.identity.encode_id`: no ``:``, braces
+or whitespace), so every key of one request hashes to the team's cluster slot and no id can
+reach outside its segment. A policy-hash field names a target without the prefix:
+``team:month``, ``api_key:<key>:day``, ``balance``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from ..identity import Identity
+from .model import Balance, Limit, Policy, Subject, SubjectKind, Target, applicable
+from .windows import Period, Window
+
+# Marks a policy hash as loaded from the ledger, so a missing field means "no policy" (negative
+# caching) instead of "not loaded yet".
+LOADED_FIELD = "_loaded"
+# The policy-hash field saying the team has a prepaid account (its value is 1). The balance
+# itself lives in the balance key: t (topped up), s (settled charges), p (pending estimates).
+BALANCE_FIELD = "balance"
+
+
+def window_of(name: str) -> Window:
+    """Decode a window name (a ledger column, a CLI argument); ValueError if unknown."""
+    return Period(name)
+
+
+def field_of(target: Target) -> str:
+    """The policy-hash field of a target."""
+    if isinstance(target, Balance):
+        return BALANCE_FIELD
+    subject = target.subject
+    if subject.kind is SubjectKind.TEAM:
+        return f"team:{target.window.value}"
+    return f"api_key:{subject.api_key}:{target.window.value}"
+
+
+def parse_field(team: str, field: str) -> Target | None:
+    """Inverse of :func:`field_of` for ``team``'s hash; None for the loaded marker or junk."""
+    if field == BALANCE_FIELD:
+        return Balance(team)
+    parts = field.split(":")
+    try:
+        if len(parts) == 2 and parts[0] == SubjectKind.TEAM:
+            return Limit(Subject(team), window_of(parts[1]))
+        if len(parts) == 3 and parts[0] == SubjectKind.API_KEY and parts[1]:
+            return Limit(Subject(team, parts[1]), window_of(parts[2]))
+    except ValueError:
+        return None
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One target a request may be subject to, located in the cache for ``t0``."""
+
+    target: Target
+    bucket: str  # the window's id at t0 ("" for a balance)
+    field: str  # policy-hash field
+    usage_key: str
+    expires_at: datetime  # window end + grace: a closed window's key outlives it a while
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPlan:
+    """Every cache key one request touches."""
+
+    team: str
+    policy_key: str
+    checks: tuple[Check, ...]  # in check order
+
+
+class KeyCodec:
+    """Key names under one prefix. ``grace`` is how long a usage key outlives its window."""
+
+    __slots__ = ("grace", "prefix")
+
+    def __init__(self, prefix: str, grace: timedelta) -> None:
+        self.prefix = prefix
+        self.grace = grace
+
+    def policy_key(self, team: str) -> str:
+        return f"{self.prefix}:{{{team}}}:spend:policy"
+
+    def balance_key(self, team: str) -> str:
+        return f"{self.prefix}:{{{team}}}:spend:balance"
+
+    def usage_key(self, target: Target, bucket: str) -> str:
+        """The key holding ``target``'s usage in window ``bucket`` (the balance has one)."""
+        if isinstance(target, Balance):
+            return self.balance_key(target.team)
+        return f"{self.prefix}:{{{target.team}}}:spend:usage:{field_of(target)}:{bucket}"
+
+    def check(self, target: Target, t0: datetime) -> Check:
+        if isinstance(target, Balance):
+            # No window: the key is reloaded from the ledger now and then instead.
+            return Check(target, "", BALANCE_FIELD, self.balance_key(target.team), t0 + self.grace)
+        window = target.window
+        bucket = window.bucket(t0)
+        return Check(
+            target=target,
+            bucket=bucket,
+            field=field_of(target),
+            usage_key=self.usage_key(target, bucket),
+            expires_at=window.end(t0) + self.grace,
+        )
+
+    def plan(self, identity: Identity, t0: datetime) -> KeyPlan:
+        """Every check that may apply to ``identity`` at ``t0`` (the store skips unset ones)."""
+        return KeyPlan(
+            team=identity.team,
+            policy_key=self.policy_key(identity.team),
+            checks=tuple(self.check(target, t0) for target in applicable(identity)),
+        )
+
+    @staticmethod
+    def policy_fields(policies: Iterable[Policy], *, balance: bool) -> dict[str, int]:
+        """A team's policy hash: field -> amount (empty: "no policy"), plus the balance
+        marker when the team has a prepaid account."""
+        fields = {field_of(p.limit): p.amount for p in policies}
+        if balance:
+            fields[BALANCE_FIELD] = 1
+        return fields

@@ -1,0 +1,104 @@
+"""The limit vocabulary (design.md, "The limit model"): typed values, no strings.
+
+A :class:`Limit` names what it limits (its :class:`Subject`), over which :data:`Window`, in
+which :class:`Unit`. A :class:`Policy` is a limit with an amount, as an operator set it. A
+team's prepaid account is its own kind, :class:`Balance`: it has no window and never resets.
+Everything that is checked before an inference is a :data:`Target` (a limit or a balance).
+
+Turning these values into cache keys and back happens in one place only,
+:mod:`spendguard.limits.codec`; the ledger, the engine, the worker and the CLI pass the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from ..identity import Identity
+from .windows import Period, Window
+
+
+class SubjectKind(StrEnum):
+    TEAM = "team"
+    API_KEY = "api_key"
+    # Model and fleet-wide subjects are further members; a subject's kind decides which
+    # records count against it (``Subject.covers``).
+
+
+@dataclass(frozen=True, slots=True)
+class Subject:
+    """Who a limit applies to: a team, or one API key of a team (encoded ids)."""
+
+    team: str
+    api_key: str | None = None
+
+    @property
+    def kind(self) -> SubjectKind:
+        return SubjectKind.TEAM if self.api_key is None else SubjectKind.API_KEY
+
+    def covers(self, api_key: str | None) -> bool:
+        """Whether spend through ``api_key`` (of this subject's team) counts against it."""
+        return self.api_key is None or self.api_key == api_key
+
+
+class Unit(StrEnum):
+    USD = "usd"  # amounts are integer micro-USD (1 USD = 1,000,000)
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    subject: Subject
+    window: Window
+    unit: Unit = Unit.USD
+
+    @property
+    def team(self) -> str:
+        return self.subject.team
+
+
+@dataclass(frozen=True, slots=True)
+class Balance:
+    """A team's prepaid account: topped up minus charged, in micro-USD; no window."""
+
+    team: str
+
+
+Target = Limit | Balance
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A limit an operator set, with the raw ids the host app gave (for display only)."""
+
+    limit: Limit
+    amount: int  # in the limit's unit
+    team_id: str
+    api_key_id: str | None = None
+
+
+def team_limit(identity: Identity, window: Window) -> Limit:
+    return Limit(Subject(identity.team), window)
+
+
+def key_limit(identity: Identity, window: Window) -> Limit:
+    if identity.api_key is None:
+        raise ValueError("an API key limit needs an identity with an API key")
+    return Limit(Subject(identity.team, identity.api_key), window)
+
+
+def limit_for(identity: Identity, window: Window) -> Limit:
+    """The identity's own limit: its key's when it names one, else its team's."""
+    subject = Subject(identity.team, identity.api_key)
+    return Limit(subject, window)
+
+
+def applicable(identity: Identity) -> tuple[Target, ...]:
+    """Every target that may apply to a request of ``identity``, in check order: the
+    narrowest limit first (a key before its team, a day before its month), then the balance,
+    so a denial names the most specific problem."""
+    targets: list[Target] = []
+    if identity.api_key is not None:
+        targets += [key_limit(identity, Period.DAY), key_limit(identity, Period.MONTH)]
+    targets += [team_limit(identity, Period.DAY), team_limit(identity, Period.MONTH)]
+    targets.append(Balance(identity.team))
+    return tuple(targets)
