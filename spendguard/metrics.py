@@ -1,4 +1,4 @@
-"""Prometheus metrics, with closed label sets (R10.3). Defined once per process.
+"""Prometheus metrics, with closed label sets. Defined once per process.
 
 Served by whatever exposes your app's default registry (e.g. ``prometheus_client``'s
 ``make_asgi_app()`` mounted at ``/metrics``).
@@ -24,7 +24,7 @@ RECORDS_DROPPED = Counter(
 AGGREGATE_UPDATE_SECONDS = Histogram(
     "spendguard_aggregate_update_seconds",
     "Time of one aggregate-row UPDATE in settlement; on PostgreSQL it includes row-lock waits "
-    "on hot team-month rows (R7.7).",
+    "on hot team-month rows.",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
 SETTLED_RECORDS = Counter("spendguard_settled_records_total", "Records settled by this process.")

@@ -19,7 +19,7 @@ class PostflightStatus(StrEnum):
 @dataclass(frozen=True, slots=True)
 class InferenceRecord:
     id: str  # unique per HTTP request
-    inference_id: str  # shared by retries/fallbacks of one inference (R3)
+    inference_id: str  # shared by retries/fallbacks of one inference
     identity: Identity
     model: str
     route: str

@@ -1,4 +1,4 @@
-"""Settings, read from ``SPENDGUARD_*`` environment variables (R10.4).
+"""Settings, read from ``SPENDGUARD_*`` environment variables.
 
 Invalid values fail when the middleware, worker or CLI starts, with a message naming the field.
 """

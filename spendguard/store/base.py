@@ -1,12 +1,14 @@
 """The store Protocol: the hot-path cache of policies and usage, one atomic call per decision.
 
-Two implementations pass one contract suite (``tests/test_store_contract.py``): the embedded
+Two implementations pass one contract suite (``tests/store/test_contract.py``): the embedded
 :class:`~spendguard.store.memory.MemoryStore` and the Redis store, whose every method is one
-Lua script. The semantics, shared by both:
+Lua script. The store speaks the cache's language (key names and policy-hash fields, made by
+:mod:`spendguard.limits.codec`). The semantics, shared by both (design.md, "Invariants"):
 
 - A usage key holds ``settled`` (the ledger's aggregate), ``pending`` (the sum of estimates of
   records postflight applied that settlement has not yet folded in) and one marker per such
-  record holding its estimate. Usage = settled + pending (R7.3: no under-count gap).
+  record holding its estimate. Usage = settled + pending, so there is no under-count gap
+  between a postflight and the settlement that folds it in.
 - ``preflight`` reads, never writes. It reports a miss (policy hash or usage key absent)
   instead of guessing; the caller loads from the ledger and calls ``fill``.
 - ``fill`` writes only keys that are absent (never overwrites what postflight added) and never
@@ -25,7 +27,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
-from ..keys import Candidate, KeyPlan
+from ..limits import Balance, Check, KeyPlan
 
 
 class Outcome(StrEnum):
@@ -36,9 +38,13 @@ class Outcome(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class LimitState:
-    candidate: Candidate
-    limit: int  # micro-USD
+    check: Check
+    limit: int  # micro-USD (a balance: topped up)
     used: int  # micro-USD: settled + pending
+
+    @property
+    def is_balance(self) -> bool:
+        return isinstance(self.check.target, Balance)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +54,7 @@ class Preflight:
     # keys postflight will charge; on DENY the last one is the limit that denied.
     limits: tuple[LimitState, ...] = ()
     missing_policy: bool = False
-    missing_usage: tuple[Candidate, ...] = ()
+    missing_usage: tuple[Check, ...] = ()
 
     @property
     def denied(self) -> LimitState | None:
@@ -72,24 +78,24 @@ class UsageFill:
     limit: int | None = None  # the balance key's topped-up total
 
 
-def decide(checks: Sequence[tuple[Candidate, int | None, int | None]]) -> Preflight:
+def decide(checks: Sequence[tuple[Check, int | None, int | None]]) -> Preflight:
     """The preflight rule shared by every store, on exact integers.
 
-    ``checks`` holds, in check order, (candidate, limit or None for no policy, usage or None
+    ``checks`` holds, in check order, (check, limit or None for no policy, usage or None
     for an absent key). The first limit with usage >= limit denies; otherwise any absent key
-    of a policy-bearing candidate is a miss; otherwise the request is allowed. A balance is
+    of a policy-bearing check is a miss; otherwise the request is allowed. A balance is
     the same comparison (limit = topped up, usage = charges settled plus pending), so it
     denies once nothing is left.
     """
     checked: list[LimitState] = []
-    missing: list[Candidate] = []
-    for cand, limit, used in checks:
+    missing: list[Check] = []
+    for check, limit, used in checks:
         if limit is None:
             continue
         if used is None:
-            missing.append(cand)
+            missing.append(check)
             continue
-        state = LimitState(cand, limit, used)
+        state = LimitState(check, limit, used)
         checked.append(state)
         if used >= limit:
             return Preflight(Outcome.DENY, tuple(checked))
@@ -100,11 +106,16 @@ def decide(checks: Sequence[tuple[Candidate, int | None, int | None]]) -> Prefli
 
 @runtime_checkable
 class Store(Protocol):
-    async def preflight(self, plan: KeyPlan, *, reserve: int = 0) -> Preflight:
-        """Check every policy-bearing candidate of ``plan``; one round trip.
+    # Whether other processes see this store (Redis) or it lives inside one process (the
+    # embedded store): a CLI only talks to a shared store.
+    shared: bool
 
-        ``reserve`` is the room for R12's hold-the-worst-case mode; only 0 is supported yet.
-        """
+    async def start(self) -> None:
+        """Checks worth a warning at start (e.g. an eviction policy that can drop keys)."""
+        ...
+
+    async def preflight(self, plan: KeyPlan) -> Preflight:
+        """Check every policy-bearing check of ``plan``; one round trip."""
         ...
 
     async def fill(
@@ -139,8 +150,8 @@ class Store(Protocol):
         (the keys of one team share a slot). Settlement drops those the ledger has settled."""
         ...
 
-    async def evict_policy(self, team: str, prefix: str) -> None:
-        """Drop the cached policy hash now (spendguard's own policy changes, R9.2)."""
+    async def evict_policy(self, policy_key: str) -> None:
+        """Drop a cached policy hash now (spendguard's own policy changes)."""
         ...
 
     async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:

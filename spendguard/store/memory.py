@@ -11,9 +11,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from ..clock import utcnow
 from ..errors import StoreFull
-from ..keys import LOADED_FIELD, Candidate, KeyPlan, Scope, policy_key
-from ..periods import utcnow
+from ..limits import Balance, Check, KeyPlan
+from ..limits.codec import LOADED_FIELD
 from .base import Outcome, Preflight, RefreshEntry, UsageFill, decide
 
 
@@ -34,6 +35,8 @@ class _Policy:
 
 
 class MemoryStore:
+    shared = False  # lives in one process: other processes (a CLI) can't reach it
+
     def __init__(self, *, max_keys: int = 100_000, clock: Callable[[], datetime] = utcnow) -> None:
         if max_keys < 1:
             raise ValueError("max_keys must be positive")
@@ -41,9 +44,6 @@ class MemoryStore:
         self._clock = clock
         self._usage: dict[str, _Usage] = {}
         self._policies: dict[str, _Policy] = {}
-        # How many usage keys preflight has looked at: lets tests show that a request with no
-        # policy performs no usage lookup at all (R5.1).
-        self.usage_reads = 0
 
     # -- helpers --------------------------------------------------------------------------
     def _live_usage(self, key: str, now: datetime) -> _Usage | None:
@@ -71,24 +71,24 @@ class MemoryStore:
             raise StoreFull(f"embedded store is full ({self._max_keys} keys)")
 
     # -- Store ----------------------------------------------------------------------------
-    async def preflight(self, plan: KeyPlan, *, reserve: int = 0) -> Preflight:
-        if reserve != 0:
-            raise ValueError("reservations (R12) are not supported yet")
+    async def start(self) -> None:
+        pass
+
+    async def preflight(self, plan: KeyPlan) -> Preflight:
         now = self._clock()
         policy = self._live_policy(plan.policy_key, now)
         if policy is None:
             return Preflight(Outcome.MISS, missing_policy=True)
-        checks: list[tuple[Candidate, int | None, int | None]] = []
-        for cand in plan.candidates:
-            limit = policy.limits.get(cand.field)
+        checks: list[tuple[Check, int | None, int | None]] = []
+        for check in plan.checks:
+            limit = policy.limits.get(check.field)
             used = None
-            if limit is not None:
-                self.usage_reads += 1
-                usage = self._live_usage(cand.usage_key, now)
+            if limit is not None:  # no policy: its usage key is not even looked at
+                usage = self._live_usage(check.usage_key, now)
                 used = None if usage is None else usage.settled + usage.pending
-                if cand.scope is Scope.BALANCE and usage is not None:
+                if isinstance(check.target, Balance) and usage is not None:
                     limit = usage.limit or 0
-            checks.append((cand, limit, used))
+            checks.append((check, limit, used))
         return decide(checks)
 
     async def fill(
@@ -160,8 +160,8 @@ class MemoryStore:
                 out[key] = list(usage.markers)
         return out
 
-    async def evict_policy(self, team: str, prefix: str) -> None:
-        self._policies.pop(policy_key(prefix, team), None)
+    async def evict_policy(self, policy_key: str) -> None:
+        self._policies.pop(policy_key, None)
 
     async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:
         now = self._clock()

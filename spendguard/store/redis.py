@@ -1,4 +1,4 @@
-"""The Redis store: every decision is one Lua script, one round trip (R4-R7, R13).
+"""The Redis store: every decision is one Lua script, one round trip (design.md, "Cache keys").
 
 Scripts live in ``lua/*.lua``, are registered once per client and reloaded by redis-py after
 NOSCRIPT (a restart or SCRIPT FLUSH). Keys reach scripts only through KEYS, and every key of
@@ -25,7 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from ..errors import ConfigurationError, StoreUnavailable
-from ..keys import Candidate, KeyPlan, policy_key
+from ..limits import Check, KeyPlan
 from .base import Outcome, Preflight, RefreshEntry, UsageFill, decide
 
 log = logging.getLogger("spendguard.store")
@@ -45,6 +45,8 @@ def _ms(t: datetime) -> str:
 
 
 class RedisStore:
+    shared = True  # every replica (and a CLI) sees the same keys
+
     def __init__(self, client: aioredis.Redis | RedisCluster, *, timeout: float = 0.5) -> None:
         self._client = client
         self._timeout = timeout
@@ -52,7 +54,7 @@ class RedisStore:
 
     @classmethod
     def from_url(cls, url: str, *, timeout: float = 0.5, max_connections: int = 512) -> RedisStore:
-        """A store for ``url``; the timeout bounds every call, connecting included (R5.4)."""
+        """A store for ``url``; the timeout bounds every call, connecting included."""
         opts: dict[str, Any] = {
             "socket_timeout": timeout,
             "socket_connect_timeout": timeout,
@@ -77,7 +79,7 @@ class RedisStore:
                 timeout=timeout,
                 # One quick retry on a fresh connection: after a server restart the pool's
                 # sockets are dead, and the first command on each would otherwise fail. Only
-                # a broken connection is retried; a timeout is not (R5.4: bounded time).
+                # a broken connection is retried; a timeout is not (the time a request may wait stays bounded).
                 retry=Retry(NoBackoff(), 1),
                 retry_on_error=[RedisConnectionError],
                 **opts,
@@ -106,18 +108,16 @@ class RedisStore:
         return await self._call(lambda: script(keys=list(keys), args=list(args)))
 
     # -- Store ----------------------------------------------------------------------------
-    async def preflight(self, plan: KeyPlan, *, reserve: int = 0) -> Preflight:
-        if reserve != 0:
-            raise ValueError("reservations (R12) are not supported yet")
-        keys = [plan.policy_key, *(c.usage_key for c in plan.candidates)]
-        raw = await self._script("preflight", keys, [c.field for c in plan.candidates])
+    async def preflight(self, plan: KeyPlan) -> Preflight:
+        keys = [plan.policy_key, *(c.usage_key for c in plan.checks)]
+        raw = await self._script("preflight", keys, [c.field for c in plan.checks])
         if raw == 0:
             return Preflight(Outcome.MISS, missing_policy=True)
-        checks: list[tuple[Candidate, int | None, int | None]] = []
-        for i, cand in enumerate(plan.candidates):
+        checks: list[tuple[Check, int | None, int | None]] = []
+        for i, check in enumerate(plan.checks):
             limit, settled, pending = raw[3 * i : 3 * i + 3]
             used = None if settled is None else int(settled) + int(pending or 0)
-            checks.append((cand, None if limit is None else int(limit), used))
+            checks.append((check, None if limit is None else int(limit), used))
         return decide(checks)
 
     async def fill(
@@ -169,8 +169,8 @@ class RedisStore:
             pos += 1 + n
         return out
 
-    async def evict_policy(self, team: str, prefix: str) -> None:
-        await self._call(lambda: self._client.delete(policy_key(prefix, team)))
+    async def evict_policy(self, policy_key: str) -> None:
+        await self._call(lambda: self._client.delete(policy_key))
 
     async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:
         out: dict[str, int | None] = {}
@@ -180,6 +180,9 @@ class RedisStore:
             )
             out[key] = None if settled is None else int(settled) + int(pending or 0)
         return out
+
+    async def start(self) -> None:
+        await self.check_eviction_policy()
 
     async def check_eviction_policy(self) -> str | None:
         """Warn when Redis may evict quota keys under memory pressure (a silent budget leak)."""

@@ -1,4 +1,4 @@
--- Fill after a miss (R5.3): write only keys that are absent, never overwrite.
+-- Fill after a miss (design.md, "Cache misses"): write only keys that are absent, never overwrite.
 --
 -- KEYS[1]    the team's policy hash
 -- KEYS[1+i]  usage hash i

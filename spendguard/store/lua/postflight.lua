@@ -1,4 +1,4 @@
--- Postflight (R6.3): add one record's estimate to the usage keys that exist, once.
+-- Postflight (design.md, "Invariants" 1, 2 and 5): add one record's estimate to the usage keys that exist, once.
 --
 -- KEYS[i]  a usage hash the preflight found policy-bearing
 -- ARGV[1]  record id

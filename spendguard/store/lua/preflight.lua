@@ -1,4 +1,4 @@
--- Preflight (R5.1): one read of every limit that can apply to a request.
+-- Preflight (design.md, "One inference"): one read of every limit that can apply to a request.
 -- Read-only, so the decision itself is made by the caller on exact integers.
 --
 -- KEYS[1]    the team's policy hash ({prefix}:{team}:spend:policy)
@@ -7,7 +7,7 @@
 --
 -- Returns 0 when the policy hash is absent (a miss: the caller loads it from the ledger).
 -- Otherwise a flat list, 3 entries per candidate: limit, settled, pending. A nil limit means
--- "no policy" and then its usage key is not even read (R5.1: no policy, no usage lookups);
+-- "no policy" and then its usage key is not even read (no policy, no usage lookups);
 -- nil settled means the usage key is absent (a miss for that key). The "balance" field only
 -- marks that the team has a prepaid account; its limit is the balance key's t (topped up).
 if redis.call('EXISTS', KEYS[1]) == 0 then

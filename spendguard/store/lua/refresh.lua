@@ -1,4 +1,4 @@
--- Settlement's cache refresh (R7.3/R7.4) for one team's usage keys.
+-- Settlement's cache refresh (design.md, "Settlement" and "Invariants" 1 and 4) for one team's usage keys.
 --
 -- KEYS[k]  usage hash k (absent keys stay absent: the next preflight loads them)
 -- ARGV     per key, in KEYS order: settled, limit ("-", or a balance key's topped-up total),

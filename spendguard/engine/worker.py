@@ -1,4 +1,4 @@
-"""Settlement (R7): exact charges into the ledger, then the cache refreshed from it.
+"""Settlement: exact charges into the ledger, then the cache refreshed from it.
 
 ``run_once()`` is one deterministic pass (tests, ``spendguard settle``); ``run()`` loops it
 every interval, subtracting the pass's own time from the sleep.
@@ -16,14 +16,14 @@ from typing import IO
 import anyio
 from anyio.abc import TaskStatus
 
-from . import metrics
+from .. import metrics
+from ..clock import to_micros, utcnow
+from ..errors import LedgerUnavailable, SpendGuardError
+from ..ledger import Ledger, RecordRow, SettledRecord, Settlement
+from ..limits import Balance, KeyCodec, Target
+from ..store import RefreshEntry, Store
+from ..usage import Usage
 from .costing import Coster
-from .errors import LedgerUnavailable, SpendGuardError
-from .keys import balance_key, parse_field, usage_key
-from .ledger import Ledger, RecordRow, SettledRecord, Settlement
-from .periods import Period, period_id, to_micros, utcnow
-from .store.base import RefreshEntry, Store
-from .usage import Usage
 
 log = logging.getLogger("spendguard.worker")
 
@@ -41,14 +41,25 @@ class PassResult:
     refresh_failures: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Key:
+    """One cache key a pass refreshes: a limit's current window, or a team's balance."""
+
+    target: Target
+    bucket: str
+    usage_key: str
+    settled: int  # the ledger's aggregate (a balance: charged)
+    limit: int | None = None  # a balance: topped up
+
+
 class SettlementWorker:
     def __init__(
         self,
         ledger: Ledger,
         store: Store | None,
         coster: Coster,
+        codec: KeyCodec,
         *,
-        key_prefix: str,
         batch_size: int = 1000,
         settle: bool = True,
         clock: Callable[[], datetime] = utcnow,
@@ -56,7 +67,7 @@ class SettlementWorker:
         self._ledger = ledger
         self._store = store
         self._coster = coster
-        self._prefix = key_prefix
+        self._codec = codec
         self._batch = batch_size
         self._clock = clock
         # settle=False keeps only the cache in sync (policy changes, records settled by a
@@ -106,7 +117,7 @@ class SettlementWorker:
             if self._evicted.get(team, -1) >= at:
                 continue
             try:
-                await self._store.evict_policy(team, self._prefix)
+                await self._store.evict_policy(self._codec.policy_key(team))
                 self._evicted[team] = at
             except SpendGuardError as exc:
                 log.warning("spendguard could not evict the policy cache of %s: %s", team, exc)
@@ -118,41 +129,48 @@ class SettlementWorker:
     async def _refresh(
         self, settled: dict[str, dict[str, SettledRecord]], result: PassResult
     ) -> None:
-        """Refresh the current periods of every team with policies or a balance, new charges
-        or not (R7.4): a refresh lost to a crash or a store error heals on the next pass.
-        Closed periods are left to the ledger (R7.5).
+        """Refresh the current windows of every team with policies or a balance, new charges
+        or not: a refresh lost to a crash or a store error heals on the next pass. Closed
+        windows are left to the ledger; their keys expire.
 
         Estimates to drop are the markers of records this pass settled, plus any marker the
         cache still holds whose record the ledger shows settled: settled by another worker or
         process, or before a crash, however long ago. So no estimate outlives its record.
         """
-        assert self._store is not None
-        now = self._clock()
-        day, month = period_id(Period.DAY, now), period_id(Period.MONTH, now)
-        rows = await self._ledger.policy_aggregates(day, month)
-        accounts = await self._ledger.balance_accounts()
-        # Per team: (entry, api key of the scope, period, period id); None period = balance.
-        plans: dict[str, list[tuple[RefreshEntry, str | None, Period | None, str]]] = {}
-        for team in sorted(rows.keys() | accounts.keys()):
-            entries: list[tuple[RefreshEntry, str | None, Period | None, str]] = []
-            if team in accounts:
-                topped_up, charged = accounts[team]
-                bkey = balance_key(self._prefix, team)
-                entries.append((RefreshEntry(bkey, charged, limit=topped_up), None, None, ""))
-            for field, pid, value in rows.get(team, []):
-                parsed = parse_field(field)
-                if parsed is not None:
-                    ukey = usage_key(self._prefix, team, field, pid)
-                    entries.append((RefreshEntry(ukey, value), parsed[1], parsed[2], pid))
-            plans[team] = entries
+        keys = await self._keys(self._clock())
+        await self._add_settled_elsewhere(keys, settled)
+        for team, team_keys in keys.items():
+            await self._refresh_team(team, team_keys, settled.get(team, {}), result)
 
-        # Markers of records settled elsewhere: ask the cache what each team holds, then the
-        # ledger once for all teams (one query per pass, not one per team).
+    async def _keys(self, now: datetime) -> dict[str, list[_Key]]:
+        """Per team, the keys to refresh with the ledger's values."""
+        aggregates = await self._ledger.policy_aggregates(now)
+        accounts = await self._ledger.balance_accounts()
+        keys: dict[str, list[_Key]] = {}
+        for team in sorted(aggregates.keys() | accounts.keys()):
+            team_keys: list[_Key] = []
+            account = accounts.get(team)
+            if account is not None:
+                balance = Balance(team)
+                key = self._codec.usage_key(balance, "")
+                team_keys.append(_Key(balance, "", key, account.charged, account.topped_up))
+            for agg in aggregates.get(team, []):
+                key = self._codec.usage_key(agg.limit, agg.bucket)
+                team_keys.append(_Key(agg.limit, agg.bucket, key, agg.settled))
+            keys[team] = team_keys
+        return keys
+
+    async def _add_settled_elsewhere(
+        self, keys: dict[str, list[_Key]], settled: dict[str, dict[str, SettledRecord]]
+    ) -> None:
+        """Add the records whose estimates the cache still holds but the ledger has settled:
+        ask the cache what each team holds, then the ledger once for all teams."""
+        assert self._store is not None
         known = {rid for recs in settled.values() for rid in recs}
         asked: dict[str, str] = {}  # record id -> team
-        for team, entries in plans.items():
+        for team, team_keys in keys.items():
             try:
-                markers = await self._store.pending_records([e[0].usage_key for e in entries])
+                markers = await self._store.pending_records([k.usage_key for k in team_keys])
             except SpendGuardError as exc:
                 log.warning("spendguard could not read pending estimates of %s: %s", team, exc)
                 continue
@@ -162,36 +180,34 @@ class SettlementWorker:
             for rid, rec in (await self._ledger.settled_records(sorted(asked))).items():
                 settled.setdefault(asked[rid], {})[rid] = rec
 
-        for team, entries in plans.items():
-            recs = settled.get(team, {}).values()
-            refresh = []
-            for entry, key, period, pid in entries:
-                mine = [
-                    r
-                    for r in recs
-                    if period is None  # the balance: every record of the team
-                    or (
-                        (key is None or r.api_key == key)
-                        and (r.day_id if period is Period.DAY else r.month_id) == pid
-                    )
-                ]
-                refresh.append(
-                    RefreshEntry(
-                        entry.usage_key,
-                        entry.settled,
-                        applied=tuple(r.id for r in mine if not r.unknown),
-                        unknown=tuple(r.id for r in mine if r.unknown),
-                        limit=entry.limit,
-                    )
+    async def _refresh_team(
+        self,
+        team: str,
+        keys: list[_Key],
+        records: dict[str, SettledRecord],
+        result: PassResult,
+    ) -> None:
+        assert self._store is not None
+        entries = []
+        for key in keys:
+            mine = [r for r in records.values() if r.counts_toward(key.target, key.bucket)]
+            entries.append(
+                RefreshEntry(
+                    key.usage_key,
+                    key.settled,
+                    applied=tuple(r.id for r in mine if not r.unknown),
+                    unknown=tuple(r.id for r in mine if r.unknown),
+                    limit=key.limit,
                 )
-            try:
-                await self._store.refresh(refresh)
-                result.teams_refreshed += 1
-            except SpendGuardError as exc:
-                # The DB is committed; a failed refresh must not undo it (R7.4).
-                result.refresh_failures += 1
-                metrics.CACHE_REFRESH_FAILURES.inc()
-                log.warning("spendguard cache refresh failed for team %s: %s", team, exc)
+            )
+        try:
+            await self._store.refresh(entries)
+            result.teams_refreshed += 1
+        except SpendGuardError as exc:
+            # The ledger is committed; a failed refresh must not undo it (the next pass heals).
+            result.refresh_failures += 1
+            metrics.CACHE_REFRESH_FAILURES.inc()
+            log.warning("spendguard cache refresh failed for team %s: %s", team, exc)
 
     def _claim_sqlite(self) -> IO[bytes] | None:
         """SQLite supports one settlement worker: take an exclusive lock file beside the

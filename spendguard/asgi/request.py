@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from typing import Any, Final, NoReturn
+
+from ..engine.decision import InferenceRequest
 
 __all__ = ["BadRequest", "InferenceRequest", "parse_request"]
 
@@ -31,25 +32,12 @@ _MAX_COUNTED_NODES: Final = 1_000_000
 _BINARY_KEYS: Final = frozenset({"data", "file_data"})
 
 
-@dataclass(frozen=True, slots=True)
-class InferenceRequest:
-    """What spendguard needs from an inference request to reserve budget before calling."""
-
-    model: str
-    stream: bool
-    max_tokens: int | None
-    """Output cap from max_tokens / max_completion_tokens / max_output_tokens (largest wins)."""
-    estimated_input_tokens: int
-    """Rough prompt size: ceil(prompt characters / 4), at least 1."""
-
-
 class BadRequest(Exception):
-    """The request body is invalid; answer ``status`` with ``message`` (OpenAI-style ``param``)."""
+    """The request body is invalid; answer ``status`` with ``message``."""
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
+    def __init__(self, message: str, *, status: int = 400) -> None:
         super().__init__(message)
         self.message = message
-        self.param = param
         self.status = status
 
 
@@ -112,20 +100,19 @@ def _load(body: bytes) -> Any:
 
 def _model(obj: dict[str, Any]) -> str:
     if "model" not in obj or obj["model"] is None:
-        raise BadRequest("'model' is required.", param="model")
+        raise BadRequest("'model' is required.")
     model = obj["model"]
     if not isinstance(model, str):
-        raise BadRequest("'model' must be a string.", param="model")
+        raise BadRequest("'model' must be a string.")
     if not model.strip():
-        raise BadRequest("'model' must not be empty.", param="model")
+        raise BadRequest("'model' must not be empty.")
     if len(model) > MAX_MODEL_LENGTH:
         raise BadRequest(
-            f"'model' is too long ({len(model)} characters, at most {MAX_MODEL_LENGTH}).",
-            param="model",
+            f"'model' is too long ({len(model)} characters, at most {MAX_MODEL_LENGTH})."
         )
     # The model name ends up in store keys, ledger rows and logs: no control characters.
     if any(ord(char) < 0x20 or ord(char) == 0x7F for char in model):
-        raise BadRequest("'model' must not contain control characters.", param="model")
+        raise BadRequest("'model' must not contain control characters.")
     return model
 
 
@@ -134,7 +121,7 @@ def _stream(obj: dict[str, Any]) -> bool:
     if stream is None:  # absent, or null as the OpenAI SDKs may send: not streaming
         return False
     if not isinstance(stream, bool):
-        raise BadRequest(f"'stream' must be a boolean, not {_json_type(stream)}.", param="stream")
+        raise BadRequest(f"'stream' must be a boolean, not {_json_type(stream)}.")
     return stream
 
 
@@ -146,11 +133,11 @@ def _max_tokens(obj: dict[str, Any]) -> int | None:
             continue
         # bool is an int subclass, and 5.0 is not an integer in the APIs' schemas.
         if type(value) is not int:
-            raise BadRequest(f"'{name}' must be an integer, not {_json_type(value)}.", param=name)
+            raise BadRequest(f"'{name}' must be an integer, not {_json_type(value)}.")
         if value < 0:
-            raise BadRequest(f"'{name}' must not be negative.", param=name)
+            raise BadRequest(f"'{name}' must not be negative.")
         if value > MAX_OUTPUT_TOKENS:
-            raise BadRequest(f"'{name}' must be at most {MAX_OUTPUT_TOKENS}.", param=name)
+            raise BadRequest(f"'{name}' must be at most {MAX_OUTPUT_TOKENS}.")
         caps.append(value)
     # When several are sent (e.g. max_tokens and max_completion_tokens), the provider honours
     # one of them; the largest is a safe upper bound for the reservation.

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import yaml
 
-from .errors import ConfigurationError
-from .money import MicroUSD, ceil_micros
+from ..errors import ConfigurationError
+from ..money import MicroUSD, ceil_micros
 
 if TYPE_CHECKING:
     from .usage import Usage

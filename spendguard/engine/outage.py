@@ -1,4 +1,4 @@
-"""The fail-open tracker: what a process allowed while the store was unavailable (R5.4).
+"""The fail-open tracker: what a process allowed while the store was unavailable.
 
 Bounded: once it holds ``max_keys`` identities, requests from new identities are refused
 (never allowed untracked). It is cleared when the store answers again: the allowed requests
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import metrics
-from .identity import Identity
+from .. import metrics
+from ..identity import Identity
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Inference records to the ledger, off the request path (R6.5).
+"""Inference records to the ledger, off the request path.
 
 Requests hand records to a bounded anyio memory stream and never wait for SQL. One writer task
 batches them into the ledger; while the database is down it keeps its batch and retries with
@@ -15,10 +15,10 @@ import logging
 import anyio
 from anyio.abc import TaskStatus
 
-from . import metrics
-from .errors import LedgerUnavailable
-from .ledger import Ledger
-from .record import InferenceRecord
+from .. import metrics
+from ..errors import LedgerUnavailable
+from ..ledger import Ledger
+from ..record import InferenceRecord
 
 log = logging.getLogger("spendguard.recorder")
 
@@ -42,7 +42,6 @@ class Recorder:
         self._lock = anyio.Lock()
         self.capacity = capacity
         self.dropped = 0
-        self.written = 0
 
     @property
     def pending(self) -> int:
@@ -82,7 +81,6 @@ class Recorder:
                 except LedgerUnavailable:
                     await self._drop_poison()  # raises again when the database is down
                     continue
-                self.written += len(self._batch)
                 self._batch = []
                 self._take()
 
@@ -97,7 +95,6 @@ class Recorder:
         for record in self._batch:
             try:
                 await self._ledger.insert_records([record])
-                self.written += 1
             except LedgerUnavailable:
                 kept.append(record)
         if kept:

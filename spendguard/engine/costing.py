@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
+from ..settings import UnknownModel
+from ..usage import Usage
 from .pricing import Price, PriceTable
-from .settings import UnknownModel
-from .usage import Usage
 
 DEFAULT_ENTRY = "default"
 

@@ -1,11 +1,16 @@
-"""The engine: preflight, postflight and the background tasks, with no ASGI in sight.
+"""The engine: it owns each inference, from admission to its record, with no ASGI in sight.
 
-:class:`SpendGuard` is what the middleware drives; a non-ASGI gateway can call it directly::
+:class:`SpendGuard` is what the middleware drives; any gateway can drive it the same way::
 
     async with SpendGuard(settings) as guard:
-        decision = await guard.preflight(Identity("acme", "alpha"), t0)
-        ...
-        await guard.postflight(decision, model=..., route=..., status_code=200, usage=...)
+        admission = await guard.admit(identity, request, route="/v1/chat/completions",
+                                      dialect=Dialect.OPENAI)
+        if admission.allowed:
+            observer = guard.observe(admission, status_code, content_type, content_encoding)
+            ...  # feed the response body to the observer as it passes
+            await guard.finish(admission, status_code, observer)
+
+``preflight`` and ``postflight`` are the two store steps underneath, usable on their own.
 """
 
 from __future__ import annotations
@@ -14,31 +19,29 @@ import logging
 import uuid
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from enum import StrEnum
 from types import TracebackType
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from . import metrics
+from .. import metrics
+from ..clock import utcnow
+from ..errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnavailable
+from ..identity import Identity
+from ..ledger import Ledger
+from ..limits import KeyCodec, Limit
+from ..settings import FailMode, MissingIdentity, Settings, load_settings
+from ..store import Outcome, Preflight, Store, make_store
+from ..usage import BodyObserver, Dialect, Usage, estimate_usage, observer_for
+from .admin import Admin
 from .costing import Coster
-from .errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnavailable
-from .identity import Identity
-from .keys import KeyPlan, Scope, parse_field, plan
-from .ledger import Ledger
+from .decision import Admission, Decision, InferenceRequest, Unavailable, Verdict
+from .fill import CacheFiller
 from .outage import OutageTracker
-from .periods import seconds_to_reset, utcnow
 from .pricing import PriceTable
-from .record import InferenceRecord, PostflightStatus
+from ..record import InferenceRecord, PostflightStatus
 from .recorder import Recorder
-from .settings import FailMode, Settings, load_settings
-from .singleflight import SingleFlight
-from .store.base import LimitState, Outcome, Preflight, Store, UsageFill
-from .store.memory import MemoryStore
-from .store.redis import RedisStore
-from .usage import Usage
 from .worker import SettlementWorker
 
 log = logging.getLogger("spendguard")
@@ -47,36 +50,9 @@ _MAX_FILL_ROUNDS = 3  # a miss, a fill and a re-check; more means keys vanish as
 _POSTFLIGHT_TIMEOUT = 2.0
 
 
-def make_store(settings: Settings, clock: Callable[[], datetime] = utcnow) -> Store:
-    """The store the settings ask for: Redis when a URL is set, else the embedded one."""
-    if settings.redis_url is not None:
-        return RedisStore.from_url(
-            settings.redis_url.get_secret_value(), timeout=settings.redis_timeout
-        )
-    return MemoryStore(max_keys=settings.memory_max_keys, clock=clock)
-
-
-class Verdict(StrEnum):
-    ALLOW = "allow"
-    DENY = "deny"
-    UNAVAILABLE = "unavailable"  # store or ledger could not answer: 503
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    verdict: Verdict
-    identity: Identity
-    t0: datetime
-    record_id: str
-    inference_id: str
-    plan: KeyPlan
-    limits: tuple[LimitState, ...] = ()  # policy-bearing limits: what postflight charges
-    retry_after: int | None = None
-    reason: str = ""
-
-    @property
-    def denied(self) -> LimitState | None:
-        return self.limits[-1] if self.verdict is Verdict.DENY and self.limits else None
+def charged(status_code: int) -> bool:
+    """Only successful responses are charged: an upstream error costs the caller nothing."""
+    return 200 <= status_code < 300
 
 
 class SpendGuard:
@@ -92,6 +68,7 @@ class SpendGuard:
         self.settings = settings if settings is not None else load_settings()
         s = self.settings
         self.clock = clock
+        self.codec = KeyCodec(s.key_prefix, timedelta(seconds=s.key_grace))
         self.store: Store = store if store is not None else make_store(s, clock)
         self.outage = OutageTracker(s.fail_open_max_keys)
         self.ledger = ledger if ledger is not None else Ledger(s.database_url.get_secret_value())
@@ -102,17 +79,34 @@ class SpendGuard:
             self.ledger,
             self.store,
             self.coster,
-            key_prefix=s.key_prefix,
+            self.codec,
             batch_size=s.settle_batch,
             settle=s.run_worker,
             clock=clock,
         )
-        self._grace = timedelta(seconds=s.key_grace)
-        self._loads: SingleFlight[object] = SingleFlight()
+        self.filler = CacheFiller(
+            self.ledger,
+            self.store,
+            self.codec,
+            policy_ttl=s.policy_ttl,
+            db_timeout=s.db_timeout,
+            ensure_connected=self._ensure_connected,
+        )
         self._stack: AsyncExitStack | None = None
         self._cancel: anyio.CancelScope | None = None
         self._stopped = anyio.Event()
         self._connect_lock = anyio.Lock()
+
+    @property
+    def admin(self) -> Admin:
+        """Policies, balances and usage, with this process's cache kept in sync."""
+        return Admin(
+            self.ledger,
+            self.store,
+            self.codec,
+            policy_ttl=self.settings.policy_ttl,
+            clock=self.clock,
+        )
 
     # -- lifecycle ------------------------------------------------------------------------
     @property
@@ -141,8 +135,7 @@ class SpendGuard:
         if self._cancel is not None:
             raise ConfigurationError("SpendGuard already started")
         await self._ensure_connected()
-        if isinstance(self.store, RedisStore):
-            await self.store.check_eviction_policy()
+        await self.store.start()
         if task_group is None:
             self._stack = AsyncExitStack()
             task_group = await self._stack.enter_async_context(anyio.create_task_group())
@@ -198,106 +191,143 @@ class SpendGuard:
     ) -> None:
         await self.stop()
 
+    # -- one inference --------------------------------------------------------------------
+    async def admit(
+        self,
+        identity: Identity | None,
+        request: InferenceRequest | None,
+        *,
+        route: str,
+        dialect: Dialect,
+        t0: datetime | None = None,
+        inference_id: str | None = None,
+    ) -> Admission:
+        """Decide whether one inference may call the provider.
+
+        ``request`` may be None only when there is no identity (the body is not read then).
+        ``t0`` and ``inference_id`` continue an earlier inference (a retry or fallback).
+        """
+        if identity is None:
+            verdict = (
+                Verdict.PASS
+                if self.settings.missing_identity is MissingIdentity.ALLOW
+                else Verdict.UNAUTHENTICATED
+            )
+            return Admission(verdict, route, dialect)
+        if request is None:
+            raise TypeError("admit() needs the request of an identified inference")
+        if self.coster.rejects_unknown and not self.coster.is_priced(request.model):
+            message = f"Model {request.model!r} has no price."
+            return Admission(Verdict.UNPRICED, route, dialect, request, message=message)
+        decision = await self.preflight(
+            identity, t0 if t0 is not None else self.clock(), inference_id=inference_id
+        )
+        return Admission(decision.verdict, route, dialect, request, decision)
+
+    def observe(
+        self,
+        admission: Admission,
+        status_code: int,
+        content_type: str | None,
+        content_encoding: str | None,
+    ) -> BodyObserver | None:
+        """An observer for the response body, or None when the response won't be charged."""
+        if not admission.allowed or not charged(status_code):
+            return None
+        return observer_for(admission.dialect, content_type, content_encoding or "identity")
+
+    async def finish(
+        self, admission: Admission, status_code: int, observer: BodyObserver | None
+    ) -> InferenceRecord | None:
+        """Charge an admitted inference once, however it ended (``status_code`` 0: no
+        response started). Never raises: the response is already out."""
+        decision, request = admission.decision, admission.request
+        if decision is None or request is None or not charged(status_code):
+            return None
+        usage = observer.result() if observer is not None else None
+        if usage is None:
+            # The provider reported nothing (no usage in the stream, a disconnect): estimate
+            # from the prompt and the text that was served.
+            output = observer.output_chars if observer is not None else 0
+            usage = estimate_usage(request.estimated_input_tokens, output)
+        model = request.model
+        served = observer.model if observer is not None else None
+        if served and self.coster.is_priced(served):
+            model = served  # what was actually served (aliases, fallbacks)
+        try:
+            return await self.postflight(
+                decision, model=model, route=admission.route, status_code=status_code, usage=usage
+            )
+        except Exception:  # a bug here must not turn a served response into a 500
+            log.exception("spendguard postflight failed for record %s", decision.record_id)
+            return None
+
     # -- preflight ------------------------------------------------------------------------
     async def preflight(
         self, identity: Identity, t0: datetime, *, inference_id: str | None = None
     ) -> Decision:
         """One store call when the cache is warm; on a miss, load from the ledger and retry."""
         record_id = uuid.uuid4().hex
-        keys = plan(self.settings.key_prefix, identity, t0, self._grace)
+        plan = self.codec.plan(identity, t0)
 
-        def decide(verdict: Verdict, pf: Preflight | None = None, reason: str = "") -> Decision:
+        def decide(
+            verdict: Verdict,
+            pf: Preflight | None = None,
+            *,
+            fail_open: bool = False,
+            unavailable: Unavailable | None = None,
+        ) -> Decision:
             denied = pf.denied if pf is not None else None
+            target = denied.check.target if denied is not None else None
+            if isinstance(target, Limit):
+                retry_after: int | None = target.window.seconds_to_reset(self.clock())
+            else:  # a balance never resets by itself; an outage is retried shortly
+                retry_after = 1 if verdict is Verdict.UNAVAILABLE else None
             return Decision(
                 verdict=verdict,
                 identity=identity,
                 t0=t0,
                 record_id=record_id,
                 inference_id=inference_id or record_id,
-                plan=keys,
                 limits=pf.limits if pf is not None else (),
-                retry_after=(
-                    seconds_to_reset(denied.candidate.period, self.clock())
-                    if denied is not None and denied.candidate.period is not None
-                    else (1 if verdict is Verdict.UNAVAILABLE else None)
-                ),
-                reason=reason,
+                retry_after=retry_after,
+                fail_open=fail_open,
+                unavailable=unavailable,
             )
 
         try:
             for _ in range(_MAX_FILL_ROUNDS):
-                pf = await self.store.preflight(keys)
+                pf = await self.store.preflight(plan)
                 if len(self.outage):
                     self.outage.clear()  # the store answers again
                 if pf.outcome is Outcome.ALLOW:
                     return decide(Verdict.ALLOW, pf)
                 if pf.outcome is Outcome.DENY:
                     return decide(Verdict.DENY, pf)
-                await self._recover(keys, pf)
+                await self.filler.fill(plan, pf)
         except StoreFull as exc:
             log.error("spendguard store full, refusing: %s", exc)
             metrics.STORE_UNAVAILABLE.labels("deny").inc()
-            return decide(Verdict.UNAVAILABLE, reason="store full")
+            return decide(Verdict.UNAVAILABLE, unavailable=Unavailable.STORE_FULL)
         except StoreUnavailable as exc:
-            return self._store_down(decide, identity, exc)
+            # Fail closed (503), or fail open into the bounded local tracker.
+            if self.settings.fail_mode is FailMode.OPEN and self.outage.admit(identity):
+                log.warning("spendguard store unavailable, allowing (fail open): %s", exc)
+                metrics.STORE_UNAVAILABLE.labels("allow").inc()
+                return decide(Verdict.ALLOW, fail_open=True)
+            log.warning("spendguard store unavailable, refusing: %s", exc)
+            metrics.STORE_UNAVAILABLE.labels("deny").inc()
+            return decide(Verdict.UNAVAILABLE, unavailable=Unavailable.STORE)
         except (LedgerUnavailable, TimeoutError) as exc:
             log.warning("spendguard ledger read failed on a cache miss: %r", exc)
-            return decide(Verdict.UNAVAILABLE, reason="ledger")
+            return decide(Verdict.UNAVAILABLE, unavailable=Unavailable.LEDGER)
         log.warning(
             "spendguard cache still missing %s after %d fills for team %s",
             "the policy" if pf.missing_policy else [c.field for c in pf.missing_usage],
             _MAX_FILL_ROUNDS,
             identity.team,
         )
-        return decide(Verdict.UNAVAILABLE, reason="cache keys vanished while filling")
-
-    def _store_down(
-        self, decide: Callable[..., Decision], identity: Identity, exc: StoreUnavailable
-    ) -> Decision:
-        """R5.4: fail closed (503), or fail open into the bounded local tracker."""
-        if self.settings.fail_mode is FailMode.OPEN and self.outage.admit(identity):
-            log.warning("spendguard store unavailable, allowing (fail open): %s", exc)
-            metrics.STORE_UNAVAILABLE.labels("allow").inc()
-            return decide(Verdict.ALLOW, reason="fail open")
-        log.warning("spendguard store unavailable, refusing: %s", exc)
-        metrics.STORE_UNAVAILABLE.labels("deny").inc()
-        return decide(Verdict.UNAVAILABLE, reason="store")
-
-    async def _recover(self, keys: KeyPlan, pf: Preflight) -> None:
-        """R5.3: read policies and aggregates (coalesced per key), fill only empty keys."""
-        await self._ensure_connected()
-        policies: dict[str, int] | None = None
-        if pf.missing_policy:
-            loaded = await self._load(("policy", keys.team), self.ledger.load_policies, keys.team)
-            assert isinstance(loaded, dict)
-            policies = loaded
-            wanted = [c for c in keys.candidates if c.field in policies]
-        else:
-            wanted = list(pf.missing_usage)
-        fills: list[UsageFill] = []
-        if any(c.scope is Scope.BALANCE for c in wanted):
-            loaded = await self._load(("balance", keys.team), self.ledger.load_balance, keys.team)
-            assert isinstance(loaded, tuple)
-            topped_up, charged = loaded
-            cand = next(c for c in wanted if c.scope is Scope.BALANCE)
-            fills.append(UsageFill(cand.usage_key, charged, cand.expires_at, limit=topped_up))
-        wanted = [c for c in wanted if c.period is not None]
-        if wanted:
-            spec = [(c, (_api_key_of(c.field), c.period, c.period_id)) for c in wanted]
-            sig = ("agg", keys.team, tuple(s for _, s in spec))
-            loaded = await self._load(
-                sig, self.ledger.load_aggregates, keys.team, [s for _, s in spec]
-            )
-            assert isinstance(loaded, dict)
-            fills += [UsageFill(c.usage_key, int(loaded[s]), c.expires_at) for c, s in spec]
-        await self.store.fill(keys, policies, fills, policy_ttl=self.settings.policy_ttl)
-
-    async def _load(self, key: object, fn: Callable[..., object], *args: object) -> object:
-        async def call() -> object:
-            with anyio.fail_after(self.settings.db_timeout):
-                return await fn(*args)  # type: ignore[misc]
-
-        return await self._loads.do(key, call)
+        return decide(Verdict.UNAVAILABLE, unavailable=Unavailable.VANISHED)
 
     # -- postflight -----------------------------------------------------------------------
     async def postflight(
@@ -311,16 +341,16 @@ class SpendGuard:
     ) -> InferenceRecord | None:
         """Charge a finished inference once: estimate into the cache, record to the ledger.
 
-        Only 2xx responses are charged (R6.2). Never raises: a store failure leaves the
-        outcome ``unknown`` for settlement to correct (R6.4: never re-run).
+        Only 2xx responses are charged. Never raises on a store failure: the outcome is then
+        ``unknown`` for settlement to correct; a postflight is never re-run.
         """
-        if not 200 <= status_code < 300:
+        if not charged(status_code):
             return None
         estimate = self.coster.cost(model, usage)
-        if decision.reason == "fail open":
+        if decision.fail_open:
             self.outage.charge(decision.identity, estimate)
         status = PostflightStatus.SKIPPED
-        keys = [limit.candidate.usage_key for limit in decision.limits]
+        keys = [limit.check.usage_key for limit in decision.limits]
         if keys:
             try:
                 with anyio.fail_after(_POSTFLIGHT_TIMEOUT):
@@ -352,8 +382,3 @@ class SpendGuard:
             except (LedgerUnavailable, TimeoutError) as exc:
                 log.error("spendguard could not write record %s: %s", record.id, exc)
         return record
-
-
-def _api_key_of(field: str) -> str | None:
-    parsed = parse_field(field)
-    return None if parsed is None else parsed[1]

@@ -1,0 +1,8 @@
+"""The ASGI adapter: routes, request bodies, identity resolvers, error bodies, lifespan."""
+
+from __future__ import annotations
+
+from .identity import IdentityResolver, from_auth_state
+from .middleware import HEADER_INFERENCE_ID, SpendGuardMiddleware
+
+__all__ = ["HEADER_INFERENCE_ID", "IdentityResolver", "SpendGuardMiddleware", "from_auth_state"]

@@ -1,0 +1,100 @@
+"""Error responses spendguard sends itself, in the dialect of the route (OpenAI or Anthropic).
+
+A 429 names only the limit that denied, never any usage. :func:`send_refusal` renders every
+admission the engine refused; the adapter decides nothing about it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import Send
+
+from ..engine.decision import Admission, Verdict
+from ..limits import Limit, Period, SubjectKind
+from ..usage import Dialect
+
+_SUBJECT_NAMES = {SubjectKind.TEAM: "Team", SubjectKind.API_KEY: "API Key"}
+_WINDOW_NAMES = {Period.DAY: "daily", Period.MONTH: "monthly"}
+
+# OpenAI error "type" for each status; Anthropic's envelope has its own type names.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "insufficient_quota",
+    503: "service_unavailable",
+}
+
+
+def limit_message(limit: Limit) -> str:
+    """``API Key daily spend limit exceeded.`` and the like."""
+    subject = _SUBJECT_NAMES[limit.subject.kind]
+    return f"{subject} {_WINDOW_NAMES[limit.window]} spend limit exceeded."
+
+
+def error_body(dialect: Dialect, status: int, code: str, message: str) -> bytes:
+    if dialect is Dialect.ANTHROPIC:
+        body: dict[str, object] = {
+            "type": "error",
+            "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message},
+        }
+    else:
+        body = {
+            "error": {
+                "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
+                "code": code,
+                "message": message,
+            }
+        }
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+async def send_error(
+    send: Send,
+    dialect: Dialect,
+    status: int,
+    code: str,
+    message: str,
+    *,
+    retry_after: int | None = None,
+) -> None:
+    body = error_body(dialect, status, code, message)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_refusal(send: Send, admission: Admission) -> None:
+    """The response to an admission that was not allowed (nothing was charged)."""
+    dialect, decision = admission.dialect, admission.decision
+    if admission.verdict is Verdict.UNAUTHENTICATED:
+        message = "This route needs an authenticated team and API key."
+        await send_error(send, dialect, 401, "missing_identity", message)
+    elif admission.verdict is Verdict.UNPRICED:
+        await send_error(send, dialect, 400, "invalid_request", admission.message)
+    elif admission.verdict is Verdict.DENY and decision is not None and decision.denied:
+        limit = decision.denied_limit
+        if limit is None:  # the prepaid balance is used up: it never resets by itself
+            message = "Account balance exhausted."
+            await send_error(send, dialect, 429, "insufficient_quota", message)
+        else:
+            message = limit_message(limit)
+            retry = decision.retry_after
+            await send_error(send, dialect, 429, "spend_limit_exceeded", message, retry_after=retry)
+    else:
+        message = "Spend limits cannot be checked right now; retry shortly."
+        retry = (decision.retry_after if decision is not None else None) or 1
+        await send_error(send, dialect, 503, "spend_limit_unavailable", message, retry_after=retry)

@@ -1,0 +1,213 @@
+"""The ASGI adapter: it only speaks ASGI (design.md, "One inference").
+
+Route match → identity → request body → ``guard.admit`` → refusal, or the app with an
+observing ``send`` → ``guard.finish``, exactly once, in ``finally``. Every decision (who may
+pass, which statuses are charged, which usage and model count) is the engine's.
+
+Pure ASGI: every response message is forwarded as soon as the app sends it; usage is read from
+copies as they pass. Per-request state lives in the closures of ``_inference``.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from typing import Any
+
+import anyio
+from starlette.datastructures import MutableHeaders
+from starlette.requests import HTTPConnection
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..clock import as_utc
+from ..engine.decision import Admission, InferenceRequest, Verdict
+from ..engine.guard import SpendGuard
+from ..ledger import Ledger
+from ..settings import Settings, load_settings
+from ..store import Store
+from ..usage import BodyObserver, Dialect
+from .errors import send_error, send_refusal
+from .identity import IdentityResolver, resolve
+from .lifespan import run_lifespan
+from .request import BadRequest, parse_request
+from .routes import RouteTable
+
+log = logging.getLogger("spendguard")
+
+STATE_INFERENCE_ID = "spendguard_inference_id"
+STATE_T0 = "spendguard_t0"
+STATE_RECORD_ID = "spendguard_record_id"
+HEADER_INFERENCE_ID = "x-spendguard-inference-id"
+
+
+class _Disconnected(Exception):
+    """The client went away while we read the request body: nothing to answer or charge."""
+
+
+class SpendGuardMiddleware:
+    """Spend limits for the inference routes of a Starlette/FastAPI app.
+
+    ``app.add_middleware(SpendGuardMiddleware)`` reads ``SPENDGUARD_*`` settings; pass
+    ``settings=``, ``resolve_identity=`` (sync or async, gets an ``HTTPConnection`` and returns
+    an ``Identity``, a ``(team_id, api_key_id)`` tuple or None) or a ready ``guard=``.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: Settings | None = None,
+        *,
+        resolve_identity: IdentityResolver | None = None,
+        guard: SpendGuard | None = None,
+        store: Store | None = None,
+        ledger: Ledger | None = None,
+    ) -> None:
+        self.app = app
+        self.settings = settings or (guard.settings if guard is not None else load_settings())
+        self.enabled = self.settings.enabled
+        self.resolve_identity = resolve_identity
+        self.routes = RouteTable(self.settings.routes)
+        # Disabled means a strict no-op: not even a database file or a price table.
+        self.guard: SpendGuard | None = None
+        if self.enabled:
+            self.guard = guard or SpendGuard(self.settings, store=store, ledger=ledger)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.guard is None:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "http":
+            match = self.routes.match(scope)
+            if match is not None:
+                await self._inference(self.guard, scope, receive, send, *match)
+                return
+        elif scope["type"] == "lifespan":
+            await run_lifespan(self.app, self.guard, scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _inference(
+        self,
+        guard: SpendGuard,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: str,
+        dialect: Dialect,
+    ) -> None:
+        now = guard.clock()
+        state: dict[str, Any] = scope.setdefault("state", {})
+        identity = await resolve(self.resolve_identity, HTTPConnection(scope))
+        body = b""
+        request: InferenceRequest | None = None
+        if identity is not None:  # no identity: answered without reading the body
+            try:
+                body = await self._read_body(scope, receive)
+                request = parse_request(body)
+            except _Disconnected:
+                return
+            except BadRequest as exc:
+                code = "request_too_large" if exc.status == 413 else "invalid_request"
+                await send_error(send, dialect, exc.status, code, exc.message)
+                return
+
+        t0, inference_id = self._retry_of(state, now)
+        admission = await guard.admit(
+            identity, request, route=route, dialect=dialect, t0=t0, inference_id=inference_id
+        )
+        if admission.verdict is Verdict.PASS:
+            await self.app(scope, receive, send)
+            return
+        if not admission.allowed or admission.decision is None:
+            await send_refusal(send, admission)
+            return
+        decision = admission.decision
+        state[STATE_INFERENCE_ID] = decision.inference_id
+        state[STATE_T0] = decision.t0
+        state[STATE_RECORD_ID] = decision.record_id
+        await self._call_app(guard, admission, body, scope, receive, send)
+
+    async def _call_app(
+        self,
+        guard: SpendGuard,
+        admission: Admission,
+        body: bytes,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        assert admission.decision is not None
+        body_sent = False
+
+        async def replay_receive() -> Message:
+            # The app reads the body we already consumed; after it, the real receive (so the
+            # app still sees http.disconnect).
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        status_code = 0
+        observer: BodyObserver | None = None
+        inference_header = admission.decision.inference_id.encode()
+
+        async def observed_send(message: Message) -> None:
+            nonlocal status_code, observer
+            if message["type"] == "http.response.start":
+                status_code = message["status"]
+                headers = MutableHeaders(scope=message)
+                observer = guard.observe(
+                    admission,
+                    status_code,
+                    headers.get("content-type"),
+                    headers.get("content-encoding"),
+                )
+                headers.raw.append((HEADER_INFERENCE_ID.encode(), inference_header))
+            elif observer is not None and message["type"] == "http.response.body":
+                observer.feed(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, replay_receive, observed_send)
+        finally:
+            # Exactly once, however the app ended: return, exception, disconnect or
+            # cancellation; shielded so a cancelled request still settles its charge.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(15):
+                await guard.finish(admission, status_code, observer)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.settings.max_body_bytes
+        too_large = BadRequest(f"Request body exceeds {limit} bytes.", status=413)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    if int(value) > limit:
+                        raise too_large
+                except ValueError:
+                    raise BadRequest("Invalid Content-Length header.") from None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _retry_of(self, state: dict[str, Any], now: datetime) -> tuple[datetime, str | None]:
+        """A retry or fallback the host app marked keeps the original id and ``t0``."""
+        t0, inference_id = state.get(STATE_T0), state.get(STATE_INFERENCE_ID)
+        if not isinstance(inference_id, str) or not isinstance(t0, datetime) or t0.tzinfo is None:
+            return now, None
+        t0 = as_utc(t0)
+        # A t0 from the future or from beyond the cache's grace would address keys that must
+        # not exist; such a marker is ignored rather than trusted.
+        if t0 > now or now - t0 > timedelta(seconds=self.settings.key_grace / 2):
+            return now, None
+        return t0, inference_id[:64]

@@ -1,0 +1,262 @@
+"""The admin API: policies, balances and usage, kept in sync with the cache.
+
+This is what the ``spendguard`` CLI sits on, and what a gateway's own admin endpoints call::
+
+    admin = guard.admin                      # in the gateway: this process's cache included
+    await admin.set_policy("acme", window="month", limit_usd="100")
+    report = await admin.usage("acme")
+
+Every change is written to the ledger first; then the cached policy is dropped (and the usage
+key of a newly active limit raised to its rebuilt aggregate), so the change applies to the
+next request. With Redis that is every replica at once; an embedded store elsewhere learns of
+it on its next settlement pass. A cache that can't be reached is logged, never an error: the
+ledger is the truth and the cached policy expires by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+
+from ..clock import utcnow
+from ..errors import StoreUnavailable
+from ..identity import Identity
+from ..ledger import Account, Ledger
+from ..limits import Balance, KeyCodec, Limit, Period, Policy, Subject, Window, window_of
+from ..money import usd_to_micros
+from ..store import RefreshEntry, Store
+
+log = logging.getLogger("spendguard.admin")
+
+
+@dataclass(frozen=True, slots=True)
+class LimitUsage:
+    """Spend of one subject in one current window, with its limit if it has one."""
+
+    limit: Limit
+    api_key_id: str | None  # the raw key id, for display (None for the team)
+    bucket: str
+    settled: int  # settled charges in the window, micro-USD
+    amount: int | None  # the limit; None: no limit set
+    aggregate: int | None  # the ledger's running total for the limit (None: no row yet)
+    cached: int | None  # settled + pending in the cache; None when not readable here
+    resets_at: datetime
+
+    @property
+    def used(self) -> int:
+        """Best known usage: the cache's (it includes pending estimates), else settled."""
+        return self.cached if self.cached is not None else self.settled
+
+    @property
+    def remaining(self) -> int | None:
+        return None if self.amount is None else max(0, self.amount - self.used)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageReport:
+    team_id: str
+    at: datetime
+    limits: tuple[LimitUsage, ...]
+    charges_total: int  # every settled charge of the team, all time
+    unsettled_records: int
+    unsettled_estimate: int
+    cache_error: str | None = None  # the cache could not be read (values then None)
+
+
+@dataclass(frozen=True, slots=True)
+class BalanceReport:
+    team_id: str
+    account: Account
+    unsettled_estimate: int
+    cached_used: int | None  # charged + pending in the cache; None when not readable here
+
+    @property
+    def remaining(self) -> int:
+        """What is left: topped up minus the best known usage."""
+        used = self.cached_used if self.cached_used is not None else self.account.charged
+        return self.account.topped_up - used
+
+
+class Admin:
+    """``store`` is the cache to keep in sync, or None when it is out of reach (a CLI next
+    to gateways with embedded stores)."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        store: Store | None,
+        codec: KeyCodec,
+        *,
+        policy_ttl: float = 60.0,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.ledger = ledger
+        self.store = store
+        self.codec = codec
+        self.policy_ttl = policy_ttl
+        self.clock = clock
+
+    # -- policies -------------------------------------------------------------------------
+    async def set_policy(
+        self,
+        team_id: str,
+        api_key_id: str | None = None,
+        *,
+        window: Window | str,
+        limit_usd: Decimal | str | int,
+    ) -> Policy:
+        """Create or change a limit (0 blocks everything); ValueError on a bad argument."""
+        identity = Identity(team_id, api_key_id)
+        limit = Limit(Subject(identity.team, identity.api_key), _window(window))
+        amount = usd_to_micros(limit_usd)
+        if amount < 0:
+            raise ValueError("a limit must be >= 0 USD")
+        now = self.clock()
+        policy = await self.ledger.set_policy(
+            Policy(limit, amount, identity.team_id, identity.api_key_id), now=now
+        )
+        await self._sync(limit.team, "policy saved", activated=(limit, limit.window.bucket(now)))
+        return policy
+
+    async def remove_policy(
+        self, team_id: str, api_key_id: str | None = None, *, window: Window | str
+    ) -> bool:
+        """Deactivate a limit (kept for history); False when no active one existed."""
+        identity = Identity(team_id, api_key_id)
+        limit = Limit(Subject(identity.team, identity.api_key), _window(window))
+        removed = await self.ledger.remove_policy(limit)
+        await self._sync(limit.team, "policy removed")
+        return removed
+
+    async def list_policies(self, team_id: str | None = None) -> list[Policy]:
+        team = None if team_id is None else Identity(team_id).team
+        return await self.ledger.list_policies(team)
+
+    # -- balances -------------------------------------------------------------------------
+    async def topup(self, team_id: str, usd: Decimal | str | int) -> Account:
+        """Add prepaid credit (the first top-up opens the account); ValueError if not > 0."""
+        identity = Identity(team_id)
+        micros = usd_to_micros(usd)
+        if micros <= 0:
+            raise ValueError("a top-up must be positive")
+        account = await self.ledger.topup(
+            team=identity.team, team_id=identity.team_id, micros=micros, now=self.clock()
+        )
+        # A first top-up opens the account: the cached policy hash must learn of it.
+        await self._sync(identity.team, "top-up saved", account=account)
+        return account
+
+    async def balance(self, team_id: str) -> BalanceReport | None:
+        """The team's account, or None when it has none (not balance-limited)."""
+        identity = Identity(team_id)
+        account = await self.ledger.load_balance(identity.team)
+        if account is None:
+            return None
+        _, estimates = await self.ledger.unsettled(identity.team)
+        cached = None
+        if self.store is not None:
+            key = self.codec.usage_key(Balance(identity.team), "")
+            with contextlib.suppress(StoreUnavailable):
+                cached = (await self.store.read_usage([key]))[key]
+        return BalanceReport(identity.team_id, account, estimates, cached)
+
+    # -- usage ----------------------------------------------------------------------------
+    async def usage(self, team_id: str, api_key_id: str | None = None) -> UsageReport:
+        """Settled spend of the team and each key (or only ``api_key_id``) in the current
+        day and month, each with its limit, what remains and when it resets."""
+        identity = Identity(team_id, api_key_id)
+        team = identity.team
+        now = self.clock()
+        spend = await self.ledger.spend(team, now)
+        policies = {p.limit: p for p in await self.ledger.list_policies(team)}
+        aggregates = {(a.limit, a.bucket): a.settled for a in await self.ledger.aggregates(team)}
+        count, estimates = await self.ledger.unsettled(team)
+        rows = [(s.limit, s.api_key_id, s.bucket, s.spent) for s in spend]
+        # Limits with no spend yet still show, at 0.
+        seen = {limit for limit, *_ in rows}
+        rows += [
+            (limit, p.api_key_id, limit.window.bucket(now), 0)
+            for limit, p in policies.items()
+            if limit not in seen
+        ]
+        if identity.api_key is not None:
+            rows = [r for r in rows if r[0].subject.api_key in (None, identity.api_key)]
+        cached, error = await self._cached(
+            [(limit, bucket) for limit, _, bucket, _ in rows if limit in policies]
+        )
+        limits = tuple(
+            LimitUsage(
+                limit=limit,
+                api_key_id=key_id if limit.subject.api_key is not None else None,
+                bucket=bucket,
+                settled=settled,
+                amount=policies[limit].amount if limit in policies else None,
+                aggregate=aggregates.get((limit, bucket)),
+                cached=cached.get((limit, bucket)),
+                resets_at=limit.window.end(now),
+            )
+            for limit, key_id, bucket, settled in rows
+        )
+        return UsageReport(
+            team_id=identity.team_id,
+            at=now,
+            limits=limits,
+            charges_total=await self.ledger.charges_total(team),
+            unsettled_records=count,
+            unsettled_estimate=estimates,
+            cache_error=error,
+        )
+
+    async def _cached(
+        self, wanted: list[tuple[Limit, str]]
+    ) -> tuple[dict[tuple[Limit, str], int], str | None]:
+        if self.store is None or not wanted:
+            return {}, None
+        keys = {w: self.codec.usage_key(*w) for w in wanted}
+        try:
+            values = await self.store.read_usage(list(keys.values()))
+        except StoreUnavailable as exc:
+            return {}, str(exc)
+        found = {w: values[key] for w, key in keys.items()}
+        return {w: v for w, v in found.items() if v is not None}, None
+
+    # -- cache sync -----------------------------------------------------------------------
+    async def _sync(
+        self,
+        team: str,
+        what: str,
+        *,
+        activated: tuple[Limit, str] | None = None,
+        account: Account | None = None,
+    ) -> None:
+        """Drop the team's cached policy; raise a (re)activated limit's usage key to the
+        aggregate the ledger just rebuilt (the key may outlive a removed policy, stale); put
+        a topped-up account into the balance key. Keys that don't exist stay absent."""
+        if self.store is None:
+            return
+        try:
+            await self.store.evict_policy(self.codec.policy_key(team))
+            if activated is not None:
+                agg = (await self.ledger.load_aggregates(team, [activated]))[activated]
+                key = self.codec.usage_key(*activated)
+                await self.store.refresh([RefreshEntry(key, agg)])
+            if account is not None:
+                key = self.codec.usage_key(Balance(team), "")
+                await self.store.refresh(
+                    [RefreshEntry(key, account.charged, limit=account.topped_up)]
+                )
+        except StoreUnavailable as exc:
+            log.warning(
+                "%s, cache not updated (%s); the cached policy expires in %gs",
+                what,
+                exc,
+                self.policy_ttl,
+            )
+
+
+def _window(window: Window | str) -> Window:
+    return window if isinstance(window, Period) else window_of(window)

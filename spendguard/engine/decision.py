@@ -1,0 +1,94 @@
+"""What the engine decides about an inference, as typed values (design.md, "One inference").
+
+:class:`Decision` is the outcome of a preflight (the store's answer); :class:`Admission` is the
+outcome of admitting one inference end to end (identity, model rule, preflight), which the
+ASGI adapter renders without interpreting anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+from ..identity import Identity
+from ..limits import Limit
+from ..store import LimitState
+from ..usage import Dialect
+
+
+class Verdict(StrEnum):
+    ALLOW = "allow"  # checked: call the provider; finishing the inference charges it
+    DENY = "deny"  # a limit or the balance is used up: 429
+    UNAVAILABLE = "unavailable"  # the store or the ledger could not answer: 503
+    # Admission only (no limit was checked):
+    PASS = "pass"  # no identity, and unidentified requests may pass: not limited, not recorded
+    UNAUTHENTICATED = "unauthenticated"  # no identity: 401
+    UNPRICED = "unpriced"  # the model has no price and unknown models are rejected: 400
+
+
+class Unavailable(StrEnum):
+    """Why a decision is UNAVAILABLE."""
+
+    STORE = "store"  # the store did not answer (and failing open did not apply)
+    STORE_FULL = "store_full"  # the embedded store is at its bound
+    LEDGER = "ledger"  # a cache miss needed the ledger, which did not answer
+    VANISHED = "vanished"  # cache keys kept disappearing while being filled
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    verdict: Verdict
+    identity: Identity
+    t0: datetime
+    record_id: str
+    inference_id: str
+    limits: tuple[LimitState, ...] = ()  # policy-bearing limits: what postflight charges
+    retry_after: int | None = None
+    fail_open: bool = False  # allowed without the store (it was down): tracked locally
+    unavailable: Unavailable | None = None
+
+    @property
+    def denied(self) -> LimitState | None:
+        """The limit (or balance) that denied, the last one checked."""
+        return self.limits[-1] if self.verdict is Verdict.DENY and self.limits else None
+
+    @property
+    def denied_limit(self) -> Limit | None:
+        """The spend limit that denied; None for a balance denial or no denial."""
+        denied = self.denied
+        target = None if denied is None else denied.check.target
+        return target if isinstance(target, Limit) else None
+
+    @property
+    def balance_exhausted(self) -> bool:
+        denied = self.denied
+        return denied is not None and denied.is_balance
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """What spendguard needs from an inference request to check and charge it."""
+
+    model: str
+    stream: bool
+    max_tokens: int | None
+    """Output cap from max_tokens / max_completion_tokens / max_output_tokens (largest wins)."""
+    estimated_input_tokens: int
+    """Rough prompt size: ceil(prompt characters / 4), at least 1."""
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """One inference, admitted or not. Only an ALLOW admission is finished (and charged)."""
+
+    verdict: Verdict
+    route: str
+    dialect: Dialect
+    request: InferenceRequest | None = None
+    decision: Decision | None = None
+    message: str = ""  # for UNPRICED: what to tell the client
+
+    @property
+    def allowed(self) -> bool:
+        return self.verdict is Verdict.ALLOW
