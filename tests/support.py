@@ -1,4 +1,5 @@
-"""Test helpers: an ASGI lifespan driver, a settable clock, identity-setting auth, failing parts."""
+"""Test helpers: an ASGI lifespan driver, a settable clock, identity-setting auth, failing parts,
+ledger probes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import sqlalchemy as sa
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from spendguard.ledger import Ledger
+from spendguard.ledger.schema import topups
 
 # A price table where one token costs exactly one micro-USD, so expected charges are obvious.
 UNIT_PRICES = {
@@ -91,3 +96,13 @@ async def lifespan(app: ASGIApp) -> AsyncIterator[None]:
             await to_app_send.send({"type": "lifespan.shutdown"})
             done = await from_app_recv.receive()
             assert done["type"] == "lifespan.shutdown.complete", done
+
+
+async def topups_total(ledger: Ledger, team: str) -> int:
+    """The sum of a team's top-ups, read from the top-up log (not the account) as a cross-check."""
+    total = await ledger._db.fetch_val(
+        sa.select(sa.func.coalesce(sa.func.sum(topups.c.amount_micros), 0)).where(
+            topups.c.team == team
+        )
+    )
+    return int(total)

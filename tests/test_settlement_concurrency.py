@@ -10,9 +10,9 @@ import pytest
 import sqlalchemy as sa
 
 from spendguard.identity import Identity
-from spendguard.ledger import Ledger, RecordRow
-from spendguard.ledger.schema import aggregates, charges
-from spendguard.periods import Period
+from spendguard.ledger import Aggregate, Ledger, RecordRow
+from spendguard.ledger.schema import charges
+from spendguard.limits import Limit, Period, Policy, Subject
 from spendguard.record import InferenceRecord, PostflightStatus
 from spendguard.usage import Usage
 
@@ -85,15 +85,8 @@ async def test_policy_added_mid_period_while_traffic_and_workers_run(
     async def change_policies() -> None:
         await anyio.sleep(0.05)  # traffic and settlement are under way
         for team in teams:
-            await producer.set_policy(
-                team=team,
-                team_id=team,
-                api_key=None,
-                api_key_id=None,
-                period=Period.MONTH,
-                limit_micros=10**12,
-                now=T0,
-            )
+            limit = Limit(Subject(team), Period.MONTH)
+            await producer.set_policy(Policy(limit, 10**12, team_id=team), now=T0)
             await anyio.sleep(0.01)
 
     async with anyio.create_task_group() as tg:
@@ -105,14 +98,10 @@ async def test_policy_added_mid_period_while_traffic_and_workers_run(
     assert settled == total_records  # every record settled once, none lost, none twice
     assert await producer.charges_total() == sum(1 + i % 97 for i in range(total_records))
     for team in teams:
-        rows = await producer._db.fetch_all(
-            sa.select(aggregates.c.settled_micros).where(
-                aggregates.c.team == team,
-                aggregates.c.api_key == "",
-                aggregates.c.period == "month",
-            )
-        )
         # Folded in exactly once, whichever side of each settlement the activation fell on.
-        assert [int(r[0]) for r in rows] == [await recompute(producer, team, "202611")]
+        limit = Limit(Subject(team), Period.MONTH)
+        expected = Aggregate(limit, "202611", await recompute(producer, team, "202611"))
+        assert await producer.aggregates(team) == [expected]
+        assert (await producer.policy_aggregates(T0, [team]))[team] == [expected]
     for led in ledgers:
         await led.disconnect()

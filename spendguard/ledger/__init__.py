@@ -1,3 +1,24 @@
-from .ledger import Ledger, PolicyRow, RecordRow, SettledRecord, Settlement, SpendRow
+"""The SQL ledger: every query spendguard runs, on SQLite or PostgreSQL.
 
-__all__ = ["Ledger", "PolicyRow", "RecordRow", "SettledRecord", "Settlement", "SpendRow"]
+:class:`Ledger` is one object over one database, put together from a module per job:
+:mod:`.database` (connection, errors, locks, schema), :mod:`.policies` (limits and their
+aggregates), :mod:`.balances` (prepaid accounts), :mod:`.records` (inference records),
+:mod:`.settlement` (charging records) and :mod:`.reports` (CLI reports). Callers pass and get
+typed values (:class:`~spendguard.limits.Limit`, :class:`~spendguard.limits.Policy`, ...) and
+see :class:`~spendguard.errors.LedgerUnavailable` for any database failure.
+"""
+
+from __future__ import annotations
+
+from .balances import Account
+from .policies import Aggregate, PolicyQueries
+from .records import RecordQueries
+from .reports import ReportQueries, SpendRow
+from .settlement import RecordRow, SettledRecord, Settlement, SettlementQueries
+
+
+class Ledger(PolicyQueries, RecordQueries, SettlementQueries, ReportQueries):
+    """The ledger of one database URL (``sqlite:///...`` or ``postgresql://...``)."""
+
+
+__all__ = ["Account", "Aggregate", "Ledger", "RecordRow", "SettledRecord", "Settlement", "SpendRow"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from ..limits import Period, Window
+
 metadata = sa.MetaData()
 
 policies = sa.Table(
@@ -66,6 +68,14 @@ charges = sa.Table(
     sa.Index("spendguard_charges_team_month", "team", "month_id", "api_key"),
     sa.Index("spendguard_charges_team_day", "team", "day_id", "api_key"),
 )
+
+
+def charge_bucket(window: Window) -> sa.Column[str]:
+    """The charges column holding a charge's bucket in ``window``: a charge carries the bucket
+    of each calendar window its record's ``t0`` fell in, so a window's spend is one indexed
+    filter."""
+    return charges.c.day_id if window is Period.DAY else charges.c.month_id
+
 
 aggregates = sa.Table(
     "spendguard_aggregates",

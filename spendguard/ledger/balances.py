@@ -1,0 +1,85 @@
+"""Prepaid accounts: a team's top-ups and the charges settled against them.
+
+An account is optional; a team without one is not balance-limited. Settlement debits accounts
+(see :mod:`spendguard.ledger.settlement`); this module opens, tops up and reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import sqlalchemy as sa
+
+from ..clock import to_micros, utcnow
+from .database import LedgerDatabase, _text, _tuples
+from .schema import balances, topups
+
+
+@dataclass(frozen=True, slots=True)
+class Account:
+    """A team's prepaid account in micro-USD. Both totals only grow, so of two reads the one
+    with the larger totals is the newer."""
+
+    team: str
+    topped_up: int
+    charged: int  # settled charges since the account was opened
+
+    @property
+    def balance(self) -> int:
+        return self.topped_up - self.charged
+
+
+class BalanceQueries(LedgerDatabase):
+    async def load_balance(self, team: str) -> Account | None:
+        """The team's account; None: it has none."""
+        async with self._guard("balance read"):
+            row = await self._db.fetch_one(
+                sa.select(balances.c.topped_up_micros, balances.c.charged_micros).where(
+                    balances.c.team == team
+                )
+            )
+        return None if row is None else Account(team, int(row[0]), int(row[1]))
+
+    async def topup(
+        self, *, team: str, team_id: str, micros: int, now: datetime | None = None
+    ) -> Account:
+        """Add prepaid credit (opening the account on the first top-up); returns the account."""
+        if micros <= 0:
+            raise ValueError("a top-up must be positive")
+        now_us = to_micros(now or utcnow())
+        async with self._guard("top-up"), self._db.transaction():
+            await self._lock_for_write()
+            await self._lock_teams([team])
+            stmt = self._insert(balances).values(
+                team=team,
+                team_id=_text(team_id),
+                topped_up_micros=micros,
+                charged_micros=0,
+                created_us=now_us,
+                updated_us=now_us,
+            )
+            await self._db.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=[balances.c.team],
+                    set_={
+                        "topped_up_micros": balances.c.topped_up_micros + micros,
+                        "updated_us": now_us,
+                    },
+                )
+            )
+            await self._db.execute(
+                topups.insert().values(team=team, amount_micros=micros, at_us=now_us)
+            )
+        account = await self.load_balance(team)
+        assert account is not None  # just opened or topped up, and accounts are never deleted
+        return account
+
+    async def balance_accounts(self) -> dict[str, Account]:
+        """Every account, by team. The worker's self-healing refresh rewrites the cache from
+        these."""
+        async with self._guard("balance read"):
+            rows = await self._db.fetch_all(
+                sa.select(balances.c.team, balances.c.topped_up_micros, balances.c.charged_micros)
+            )
+        return {t: Account(t, int(a), int(c)) for t, a, c in _tuples(rows)}

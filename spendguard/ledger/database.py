@@ -1,0 +1,151 @@
+"""The connection to the ledger database and what every query needs around it.
+
+It wraps ``databases`` (asyncio, SQLAlchemy Core) on SQLite or PostgreSQL: connecting, turning
+any driver failure into :class:`LedgerUnavailable`, taking the write and per-team locks a
+transaction needs, and creating the schema. The query modules build on :class:`LedgerDatabase`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import sqlalchemy as sa
+from databases import Database
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.schema import CreateIndex, CreateTable
+
+from ..errors import LedgerUnavailable
+from .schema import metadata, records
+
+ROWS_PER_STATEMENT = 500  # keeps a multi-row statement under SQLite's and asyncpg's parameter caps
+_SCHEMA_LOCK = 0x5E9D6A4D  # an arbitrary, fixed advisory-lock id for schema creation
+
+
+class LedgerDatabase:
+    """One ledger database, by URL. Every method raises :class:`LedgerUnavailable` when the
+    database fails, whatever the backend."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.is_postgres = url.startswith(("postgres", "postgresql"))
+        self._db = Database(url)
+        # Both dialects' INSERT has ON CONFLICT, which the generic one lacks.
+        self._insert: Any = postgresql.insert if self.is_postgres else sqlite.insert
+
+    async def connect(self) -> None:
+        try:
+            await self._db.connect()
+        except Exception as exc:
+            raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
+
+    async def disconnect(self) -> None:
+        if self._db.is_connected:
+            await self._db.disconnect()
+
+    @property
+    def sqlite_path(self) -> str | None:
+        """The database file of a SQLite ledger (None for PostgreSQL or in-memory SQLite)."""
+        if self.is_postgres:
+            return None
+        path = self.url.split("://", 1)[1].split("?", 1)[0]
+        path = path[1:] if path.startswith("/") else path
+        return None if path in ("", ":memory:") else path
+
+    @property
+    def connected(self) -> bool:
+        return bool(self._db.is_connected)
+
+    @asynccontextmanager
+    async def _guard(self, what: str) -> AsyncIterator[None]:
+        try:
+            yield
+        except LedgerUnavailable:
+            raise
+        except Exception as exc:  # driver errors differ per backend; callers need one type
+            self._forget_connection()
+            raise LedgerUnavailable(f"ledger {what} failed: {exc!r}") from exc
+
+    def _forget_connection(self) -> None:
+        """Drop this task's `databases` connection after a failure.
+
+        When the server goes away, `databases` (0.9) can fail while releasing a connection and
+        keep it bound to the task, already handed back to the pool: every later query of that
+        task then fails ("connection has been released back to the pool") even after the
+        database is back. Forgetting it makes the next query acquire a fresh one.
+        """
+        with contextlib.suppress(Exception):
+            self._db._connection = None
+
+    async def _lock_for_write(self) -> None:
+        """On SQLite, take the write lock as a transaction's first step.
+
+        A transaction that reads first holds a WAL snapshot; if another connection (the record
+        writer) commits before our first write, SQLite fails that write at once with "database
+        is locked" instead of waiting. A no-op UPDATE as the first statement takes the write
+        lock up front, waiting politely under the busy timeout. PostgreSQL needs none of this.
+        """
+        if not self.is_postgres:
+            await self._db.execute(
+                records.update().where(sa.false()).values(settled=records.c.settled)
+            )
+
+    async def _lock_teams(self, teams: Iterable[str]) -> None:
+        """On PostgreSQL, serialise policy changes and settlements of the same team.
+
+        Without it a settlement that read "no policy" and a policy activation that summed the
+        charges committed so far can both miss the settlement's charges (READ COMMITTED).
+        Locks are taken in sorted order, so two settlements never deadlock. SQLite already
+        serialises writers (see ``_lock_for_write``).
+        """
+        if self.is_postgres:
+            for team in sorted(set(teams)):
+                await self._db.execute(
+                    sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtextextended(team, 0)))
+                )
+
+    async def ping(self) -> None:
+        async with self._guard("ping"):
+            await self._db.fetch_val(sa.select(sa.literal(1)))
+
+    async def init_schema(self) -> None:
+        """Create the tables and indexes if they are missing (idempotent, safe at every start)."""
+        dialect = self._db._backend._dialect
+        if not self.is_postgres:
+            async with self._guard("schema init"):
+                # WAL lets the settlement worker and the record writer (or a CLI) work side by side.
+                await self._db.execute("PRAGMA journal_mode=WAL")
+                await self._create_tables(dialect)
+            return
+        # Replicas starting together on a fresh database would race in CREATE ... IF NOT
+        # EXISTS (PostgreSQL reports a duplicate key): one transaction-scoped lock orders them.
+        async with self._guard("schema init"), self._db.transaction():
+            await self._db.execute(sa.select(sa.func.pg_advisory_xact_lock(_SCHEMA_LOCK)))
+            await self._create_tables(dialect)
+
+    async def _create_tables(self, dialect: Any) -> None:
+        for table in metadata.sorted_tables:
+            await self._db.execute(
+                str(CreateTable(table, if_not_exists=True).compile(dialect=dialect))
+            )
+            for index in table.indexes:
+                await self._db.execute(
+                    str(CreateIndex(index, if_not_exists=True).compile(dialect=dialect))
+                )
+
+
+def _tuples(rows: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """Rows as plain tuples: a `databases` Record iterates over its column names, not its
+    values, so ``for a, b in rows`` would unpack names."""
+    return [tuple(r._mapping.values()) for r in rows]
+
+
+def _text(value: str | None) -> str | None:
+    """Display text from the host app, made storable everywhere: PostgreSQL refuses NUL and
+    lone surrogates in text, and one such record must not block the record writer."""
+    if value is None:
+        return None
+    cleaned = value.replace("\x00", "\ufffd")
+    return cleaned.encode("utf-8", "replace").decode("utf-8")

@@ -1,0 +1,242 @@
+"""Policies (the limits operators set) and the settled spend aggregated against them.
+
+A policy row is keyed by its limit's columns: ``team``, ``api_key`` ('' for a team limit) and
+``period`` (the window's name). :func:`_limit_columns` and :func:`_limit_of` are the only
+places that map a :class:`Limit` to those columns and back. Each active limit has one
+aggregate row per bucket of its window: the settled spend counted against it there.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from ..clock import to_micros, utcnow
+from ..limits import Limit, Period, Policy, Subject, window_of
+from .balances import Account, BalanceQueries
+from .database import _text, _tuples
+from .schema import aggregates, balances, charge_bucket, charges, policies
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregate:
+    """The settled spend counted against ``limit`` in one bucket of its window, micro-USD."""
+
+    limit: Limit
+    bucket: str
+    settled: int
+
+
+def _limit_columns(limit: Limit) -> dict[str, str]:
+    """The key columns of ``limit``'s rows (policies and aggregates)."""
+    return {
+        "team": limit.team,
+        "api_key": limit.subject.api_key or "",
+        "period": limit.window.value,
+    }
+
+
+def _limit_of(team: str, api_key: str, period: str) -> Limit:
+    """The limit of a row's key columns; ValueError for a window name spendguard can't read."""
+    return Limit(Subject(team, api_key or None), window_of(period))
+
+
+def _policy_of(m: Any) -> Policy:
+    return Policy(
+        limit=_limit_of(m["team"], m["api_key"], m["period"]),
+        amount=int(m["limit_micros"]),
+        team_id=m["team_id"],
+        api_key_id=m["api_key_id"],
+    )
+
+
+class PolicyQueries(BalanceQueries):
+    async def set_policy(self, policy: Policy, *, now: datetime | None = None) -> Policy:
+        """Create, change or reactivate a policy.
+
+        A new or reactivated policy's current-window aggregate is rebuilt from that window's
+        charges in the same transaction, so spend that happened before the policy existed
+        counts against it exactly once. Changing the amount of an active policy keeps it.
+        """
+        if policy.amount < 0:
+            raise ValueError("limit must be >= 0")
+        now = now or utcnow()
+        now_us = to_micros(now)
+        limit = policy.limit
+        cols = _limit_columns(limit)
+        async with self._guard("policy write"), self._db.transaction():
+            await self._lock_for_write()
+            await self._lock_teams([limit.team])
+            existing = await self._db.fetch_one(
+                sa.select(policies.c.active).where(
+                    *(policies.c[name] == value for name, value in cols.items())
+                )
+            )
+            stmt = self._insert(policies).values(
+                **cols,
+                team_id=_text(policy.team_id),
+                api_key_id=_text(policy.api_key_id),
+                limit_micros=policy.amount,
+                active=True,
+                created_us=now_us,
+                updated_us=now_us,
+            )
+            stmt = stmt.on_conflict_do_update(
+                index_elements=[policies.c.team, policies.c.api_key, policies.c.period],
+                set_={
+                    "limit_micros": stmt.excluded.limit_micros,
+                    "active": True,
+                    "updated_us": stmt.excluded.updated_us,
+                },
+            )
+            await self._db.execute(stmt)
+            if existing is None or not existing[0]:
+                await self._rebuild_aggregate(limit, limit.window.bucket(now), now_us)
+        return policy
+
+    async def _rebuild_aggregate(self, limit: Limit, bucket: str, now_us: int) -> None:
+        """Set ``limit``'s aggregate in ``bucket`` to the sum of the charges it covers."""
+        conds = [charges.c.team == limit.team, charge_bucket(limit.window) == bucket]
+        if limit.subject.api_key is not None:
+            conds.append(charges.c.api_key == limit.subject.api_key)
+        total = await self._db.fetch_val(
+            sa.select(sa.func.coalesce(sa.func.sum(charges.c.amount_micros), 0)).where(*conds)
+        )
+        stmt = self._insert(aggregates).values(
+            **_limit_columns(limit),
+            period_id=bucket,
+            settled_micros=int(total),
+            updated_us=now_us,
+        )
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[
+                aggregates.c.team,
+                aggregates.c.api_key,
+                aggregates.c.period,
+                aggregates.c.period_id,
+            ],
+            set_={"settled_micros": stmt.excluded.settled_micros, "updated_us": now_us},
+        )
+        await self._db.execute(stmt)
+
+    async def remove_policy(self, limit: Limit) -> bool:
+        """Deactivate a policy (kept for history); returns whether an active one existed."""
+        match = [policies.c[name] == value for name, value in _limit_columns(limit).items()]
+        async with self._guard("policy write"):
+            row = await self._db.fetch_one(sa.select(policies.c.active).where(*match))
+            if row is None or not row[0]:
+                return False
+            await self._db.execute(
+                policies.update().where(*match).values(active=False, updated_us=to_micros(utcnow()))
+            )
+            return True
+
+    async def list_policies(self, team: str | None = None) -> list[Policy]:
+        """Active policies (of one team, or all), ordered by team, API key and window."""
+        query = sa.select(policies).where(policies.c.active == sa.true())
+        if team is not None:
+            query = query.where(policies.c.team == team)
+        query = query.order_by(policies.c.team, policies.c.api_key, policies.c.period)
+        async with self._guard("policy read"):
+            rows = await self._db.fetch_all(query)
+        return [_policy_of(r._mapping) for r in rows]
+
+    async def load_limits(self, team: str) -> tuple[list[Policy], Account | None]:
+        """What a cache miss needs of a team: its active policies (empty: no limit) and its
+        prepaid account (None: not balance-limited)."""
+        return await self.list_policies(team), await self.load_balance(team)
+
+    async def load_aggregates(
+        self, team: str, wanted: Iterable[tuple[Limit, str]]
+    ) -> dict[tuple[Limit, str], int]:
+        """Settled micro-USD of ``team``'s limits in the given buckets; 0 where no row exists."""
+        wanted = list(wanted)
+        if not wanted:
+            return {}
+        if any(limit.team != team for limit, _ in wanted):
+            raise ValueError(f"load_aggregates: every limit must be of team {team!r}")
+        conds = []
+        for limit, bucket in wanted:
+            cols = _limit_columns(limit)
+            conds.append(
+                sa.and_(
+                    aggregates.c.api_key == cols["api_key"],
+                    aggregates.c.period == cols["period"],
+                    aggregates.c.period_id == bucket,
+                )
+            )
+        query = sa.select(
+            aggregates.c.api_key,
+            aggregates.c.period,
+            aggregates.c.period_id,
+            aggregates.c.settled_micros,
+        ).where(aggregates.c.team == team, sa.or_(*conds))
+        async with self._guard("aggregate read"):
+            rows = await self._db.fetch_all(query)
+        found = {
+            (_limit_of(team, key, period), bucket): int(settled)
+            for key, period, bucket, settled in _tuples(rows)
+        }
+        return {w: found.get(w, 0) for w in wanted}
+
+    async def policy_aggregates(
+        self, now: datetime, teams: Sequence[str] | None = None
+    ) -> dict[str, list[Aggregate]]:
+        """For every team with active policies (or just ``teams``): each active limit's
+        aggregate in the bucket of its window containing ``now``, 0 where no row exists yet.
+        The worker's self-healing refresh rewrites the cache from these."""
+        # Each policy joins the aggregate row of its own window's current bucket.
+        current = sa.case(*((policies.c.period == w.value, w.bucket(now)) for w in Period))
+        query = (
+            sa.select(
+                policies.c.team,
+                policies.c.api_key,
+                policies.c.period,
+                aggregates.c.settled_micros,
+            )
+            .select_from(
+                policies.outerjoin(
+                    aggregates,
+                    sa.and_(
+                        aggregates.c.team == policies.c.team,
+                        aggregates.c.api_key == policies.c.api_key,
+                        aggregates.c.period == policies.c.period,
+                        aggregates.c.period_id == current,
+                    ),
+                )
+            )
+            .where(policies.c.active == sa.true())
+        )
+        if teams is not None:
+            query = query.where(policies.c.team.in_(list(teams)))
+        async with self._guard("aggregate read"):
+            rows = await self._db.fetch_all(query)
+        out: dict[str, list[Aggregate]] = defaultdict(list)
+        for team, key, period, settled in _tuples(rows):
+            limit = _limit_of(team, key, period)
+            out[team].append(Aggregate(limit, limit.window.bucket(now), int(settled or 0)))
+        return dict(out)
+
+    async def policies_changed_since(self, since_us: int) -> dict[str, int]:
+        """Teams whose policies changed at or after ``since_us`` (by anyone, e.g. the CLI),
+        with the time of their latest change."""
+        query = (
+            sa.select(policies.c.team, sa.func.max(policies.c.updated_us))
+            .where(policies.c.updated_us >= since_us)
+            .group_by(policies.c.team)
+        )
+        opened = sa.select(balances.c.team, balances.c.created_us).where(
+            balances.c.created_us >= since_us
+        )
+        async with self._guard("policy read"):
+            rows = _tuples(await self._db.fetch_all(query))
+            rows += _tuples(await self._db.fetch_all(opened))  # a new account: new marker
+        changed: dict[str, int] = {}
+        for team, at in rows:
+            changed[team] = max(changed.get(team, 0), int(at))
+        return changed

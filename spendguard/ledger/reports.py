@@ -1,0 +1,88 @@
+"""Read-only reports for the CLI and admin tools: settled spend, charge totals, aggregates.
+
+Nothing on the request path or in the worker reads these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import sqlalchemy as sa
+
+from ..limits import Limit, Period, Subject
+from .database import LedgerDatabase, _tuples
+from .policies import Aggregate, _limit_of
+from .schema import aggregates, charge_bucket, charges, records
+
+
+@dataclass(frozen=True, slots=True)
+class SpendRow:
+    """Settled spend (sum of charges, micro-USD) against ``limit`` in ``bucket``, whether or
+    not a policy sets that limit. ``api_key_id`` is the raw id of a key row, for display."""
+
+    limit: Limit
+    api_key_id: str | None
+    bucket: str
+    spent: int
+
+
+class ReportQueries(LedgerDatabase):
+    async def spend(self, team: str, now: datetime) -> list[SpendRow]:
+        """A team's settled spend in the day and the month containing ``now``: per API key
+        that spent (in key order), then the team's total, the day's rows first."""
+        rows: list[tuple[Subject, Period, str, int]] = []
+        async with self._guard("usage read"):
+            for window in (Period.DAY, Period.MONTH):
+                bucket = window.bucket(now)
+                per_key = await self._db.fetch_all(
+                    sa.select(charges.c.api_key, sa.func.sum(charges.c.amount_micros))
+                    .where(charges.c.team == team, charge_bucket(window) == bucket)
+                    .group_by(charges.c.api_key)
+                    .order_by(charges.c.api_key)
+                )
+                total = 0
+                for key, amount in _tuples(per_key):
+                    total += int(amount)
+                    if key:
+                        rows.append((Subject(team, key), window, bucket, int(amount)))
+                rows.append((Subject(team), window, bucket, total))
+            raw_ids = dict(
+                _tuples(
+                    await self._db.fetch_all(
+                        sa.select(records.c.api_key, records.c.api_key_id)
+                        .where(records.c.team == team)
+                        .distinct()
+                    )
+                )
+            )
+        return [
+            SpendRow(Limit(subject, window), raw_ids.get(subject.api_key or ""), bucket, spent)
+            for subject, window, bucket, spent in rows
+        ]
+
+    async def charges_total(self, team: str | None = None) -> int:
+        """The sum of all charges (of one team, or everyone's), micro-USD."""
+        query = sa.select(sa.func.coalesce(sa.func.sum(charges.c.amount_micros), 0))
+        if team is not None:
+            query = query.where(charges.c.team == team)
+        async with self._guard("charge read"):
+            return int(await self._db.fetch_val(query))
+
+    async def aggregates(self, team: str | None = None) -> list[Aggregate]:
+        """Every aggregate row (of one team, or everyone's), of any bucket, open or closed."""
+        query = sa.select(
+            aggregates.c.team,
+            aggregates.c.api_key,
+            aggregates.c.period,
+            aggregates.c.period_id,
+            aggregates.c.settled_micros,
+        )
+        if team is not None:
+            query = query.where(aggregates.c.team == team)
+        async with self._guard("aggregate read"):
+            rows = await self._db.fetch_all(query)
+        return [
+            Aggregate(_limit_of(t, key, period), bucket, int(settled))
+            for t, key, period, bucket, settled in _tuples(rows)
+        ]
