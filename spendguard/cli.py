@@ -283,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace, settings: Settings) -> int:
     ledger = Ledger(settings.database_url.get_secret_value())
     store: Store | None = make_store(settings)
-    if not store.shared:  # the embedded store lives in the gateway: out of the CLI's reach
+    if store is not None and not store.shared:
+        # The embedded store lives inside the gateway: out of the CLI's reach.
         await store.aclose()
         store = None
     codec = KeyCodec(settings.key_prefix, timedelta(seconds=settings.key_grace))

@@ -31,6 +31,7 @@ from ..errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnav
 from ..identity import Identity
 from ..ledger import Ledger
 from ..limits import KeyCodec, Limit
+from ..record import InferenceRecord, PostflightStatus
 from ..settings import FailMode, MissingIdentity, Settings, load_settings
 from ..store import Outcome, Preflight, Store, make_store
 from ..usage import BodyObserver, Dialect, Usage, estimate_usage, observer_for
@@ -40,7 +41,6 @@ from .decision import Admission, Decision, InferenceRequest, Unavailable, Verdic
 from .fill import CacheFiller
 from .outage import OutageTracker
 from .pricing import PriceTable
-from ..record import InferenceRecord, PostflightStatus
 from .recorder import Recorder
 from .worker import SettlementWorker
 

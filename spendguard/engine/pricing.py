@@ -38,7 +38,7 @@ from ..errors import ConfigurationError
 from ..money import MicroUSD, ceil_micros
 
 if TYPE_CHECKING:
-    from .usage import Usage
+    from ..usage import Usage
 
 __all__ = ["Price", "PriceTable"]
 

@@ -79,7 +79,8 @@ class RedisStore:
                 timeout=timeout,
                 # One quick retry on a fresh connection: after a server restart the pool's
                 # sockets are dead, and the first command on each would otherwise fail. Only
-                # a broken connection is retried; a timeout is not (the time a request may wait stays bounded).
+                # a broken connection is retried; a timeout is not: a request's wait stays
+                # bounded.
                 retry=Retry(NoBackoff(), 1),
                 retry_on_error=[RedisConnectionError],
                 **opts,
