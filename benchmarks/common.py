@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from spendguard import Identity
-from spendguard.guard import SpendGuard
+from spendguard.asgi.middleware import SpendGuardMiddleware
+from spendguard.engine.guard import SpendGuard
 from spendguard.ledger import Ledger
-from spendguard.middleware import SpendGuardMiddleware
-from spendguard.periods import Period
+from spendguard.limits import Period, Policy, key_limit, team_limit
 
 from .apps import KEY_ID, TEAM_ID
 
@@ -112,25 +112,14 @@ async def set_policies(
     await ledger.connect()
     try:
         await ledger.init_schema()
-        await ledger.set_policy(
-            team=identity.team,
-            team_id=identity.team_id,
-            api_key=identity.api_key,
-            api_key_id=identity.api_key_id,
-            period=Period.DAY,
-            limit_micros=key_day,
-            now=now or datetime.now(UTC),
+        now = now or datetime.now(UTC)
+        day = Policy(
+            key_limit(identity, Period.DAY), key_day, identity.team_id, identity.api_key_id
         )
+        await ledger.set_policy(day, now=now)
         if team_month is not None:
-            await ledger.set_policy(
-                team=identity.team,
-                team_id=identity.team_id,
-                api_key=None,
-                api_key_id=None,
-                period=Period.MONTH,
-                limit_micros=team_month,
-                now=now or datetime.now(UTC),
-            )
+            month = Policy(team_limit(identity, Period.MONTH), team_month, identity.team_id)
+            await ledger.set_policy(month, now=now)
     finally:
         await ledger.disconnect()
 

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spendguard import Settings
-from spendguard.guard import SpendGuard
+from spendguard.engine.guard import SpendGuard
 from spendguard.record import InferenceRecord
 from spendguard.settings import load_settings
 from spendguard.usage import Usage

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from spendguard import Identity
-from spendguard.costing import Coster
-from spendguard.pricing import PriceTable
+from spendguard.engine.costing import Coster
+from spendguard.engine.pricing import PriceTable
 from spendguard.settings import UnknownModel
 from spendguard.testing import expected_usage
 

@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from spendguard import Identity
-from spendguard.keys import plan
+from spendguard.limits import KeyCodec
 from spendguard.store.redis import RedisStore
 
 from .common import Sizes
@@ -159,10 +159,10 @@ async def _measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]
     identity = Identity("client-path", "key")
     store = RedisStore.from_url(redis_url, timeout=5.0)
     await _warm(store, identity)
-    keys = plan("quota", identity, datetime.now(UTC), timedelta(days=2))
+    keys = KeyCodec("quota", timedelta(days=2)).plan(identity, datetime.now(UTC))
     script = store._scripts["preflight"]  # the registered script: same SHA, same Lua
-    redis_keys = [keys.policy_key, *(c.usage_key for c in keys.candidates)]
-    args = [c.field for c in keys.candidates]
+    redis_keys = [keys.policy_key, *(c.usage_key for c in keys.checks)]
+    args = [c.field for c in keys.checks]
     packed = _pack("EVALSHA", script.sha, str(len(redis_keys)), *redis_keys, *args)
     minimal = await MinimalRedis.connect(redis_url)
     clients: dict[str, Callable[[], Awaitable[Any]]] = {

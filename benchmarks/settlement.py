@@ -27,21 +27,22 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from spendguard import Identity
-from spendguard.costing import Coster
-from spendguard.keys import plan
+from spendguard.engine.costing import Coster
+from spendguard.engine.pricing import PriceTable
+from spendguard.engine.worker import SettlementWorker
 from spendguard.ledger import Ledger
-from spendguard.periods import Period
-from spendguard.pricing import PriceTable
+from spendguard.limits import KeyCodec, Limit, Period, Policy, Subject, key_limit
 from spendguard.record import InferenceRecord, PostflightStatus
 from spendguard.settings import UnknownModel
-from spendguard.store.base import UsageFill
+from spendguard.store import UsageFill
 from spendguard.store.redis import RedisStore
 from spendguard.usage import Usage
-from spendguard.worker import SettlementWorker
 
 from .apps import INFERENCE_PATH, MODEL
 from .common import HIGH_LIMIT_MICROS, Sizes
 from .stats import percentile, summary
+
+CODEC = KeyCodec("quota", timedelta(days=2))
 
 KEYS_PER_TEAM = 5
 WRITE_BATCH = 500  # the record writer's batch size
@@ -78,25 +79,13 @@ async def _prepare(url: str, identities: list[Identity]) -> Ledger:
     await ledger.init_schema()
     now = datetime.now(UTC)
     for ident in identities:
+        day = key_limit(ident, Period.DAY)
         await ledger.set_policy(
-            team=ident.team,
-            team_id=ident.team_id,
-            api_key=ident.api_key,
-            api_key_id=ident.api_key_id,
-            period=Period.DAY,
-            limit_micros=HIGH_LIMIT_MICROS,
-            now=now,
+            Policy(day, HIGH_LIMIT_MICROS, ident.team_id, ident.api_key_id), now=now
         )
     for team in sorted({i.team for i in identities}):
-        await ledger.set_policy(
-            team=team,
-            team_id=team,
-            api_key=None,
-            api_key_id=None,
-            period=Period.MONTH,
-            limit_micros=HIGH_LIMIT_MICROS,
-            now=now,
-        )
+        month = Limit(Subject(team), Period.MONTH)
+        await ledger.set_policy(Policy(month, HIGH_LIMIT_MICROS, team), now=now)
     return ledger
 
 
@@ -119,8 +108,8 @@ async def _executemany(url: str, records: list[InferenceRecord]) -> float:
     """Records/s writing ``records`` with asyncpg executemany, one transaction per 500."""
     import asyncpg  # type: ignore[import-untyped]
 
-    from spendguard.ledger.ledger import _record_values  # the ledger's own row mapping
-    from spendguard.periods import to_micros
+    from spendguard.clock import to_micros
+    from spendguard.ledger.records import _record_values  # the ledger's own row mapping
 
     now_us = to_micros(datetime.now(UTC))
     rows = [_record_values(r, now_us) for r in records]
@@ -163,18 +152,16 @@ async def _settlement(
                     n = sizes.settle_records // 10 if size == "1" else sizes.settle_records
                     records = _records(n, identities, datetime.now(UTC))
                     cpu[size].append(await _write_cpu(ledger, records, int(size)))
-                await SettlementWorker(ledger, None, coster, key_prefix="quota").run_once()
+                await SettlementWorker(ledger, None, coster, CODEC).run_once()
                 if backend == "postgresql":
                     records = _records(sizes.settle_records, identities, datetime.now(UTC))
                     raw_writes.append(await _executemany(url, records))
-                    await SettlementWorker(ledger, None, coster, key_prefix="quota").run_once()
+                    await SettlementWorker(ledger, None, coster, CODEC).run_once()
                 for batch in sizes.settle_batches:
                     n = max(sizes.settle_records, batch)
                     records = _records(n, identities, datetime.now(UTC))
                     writes.append(n / await _write(ledger, records))
-                    worker = SettlementWorker(
-                        ledger, None, coster, key_prefix="quota", batch_size=batch
-                    )
+                    worker = SettlementWorker(ledger, None, coster, CODEC, batch_size=batch)
                     start = time.perf_counter()
                     result = await worker.run_once()
                     elapsed = time.perf_counter() - start
@@ -196,7 +183,7 @@ async def _settlement(
 async def _preflight_load(
     store: RedisStore, identity: Identity, calls: int, concurrency: int
 ) -> list[int]:
-    keys = plan("quota", identity, datetime.now(UTC), timedelta(days=2))
+    keys = CODEC.plan(identity, datetime.now(UTC))
     samples: list[int] = []
     clock = time.perf_counter_ns
 
@@ -212,10 +199,14 @@ async def _preflight_load(
 
 
 async def _warm(store: RedisStore, identity: Identity) -> None:
-    keys = plan("quota", identity, datetime.now(UTC), timedelta(days=2))
-    limits = {c.field: HIGH_LIMIT_MICROS for c in keys.candidates}
-    await store.fill(keys, limits, [], policy_ttl=3600)
-    fills = [UsageFill(c.usage_key, 0, c.expires_at) for c in keys.candidates]
+    keys = CODEC.plan(identity, datetime.now(UTC))
+    policies = [
+        Policy(c.target, HIGH_LIMIT_MICROS, "bench")
+        for c in keys.checks
+        if isinstance(c.target, Limit)
+    ]
+    await store.fill(keys, CODEC.policy_fields(policies, balance=False), [], policy_ttl=3600)
+    fills = [UsageFill(c.usage_key, 0, c.expires_at) for c in keys.checks]
     await store.fill(keys, None, fills, policy_ttl=3600)
 
 
@@ -240,7 +231,7 @@ async def _preflight(
                 _add(results, f"concurrency {conc}", samples)
             # The in-app worker settling and refreshing the cache in the same event loop.
             await _write(ledger, _records(sizes.settle_records, identities, datetime.now(UTC)))
-            worker = SettlementWorker(ledger, store, coster, key_prefix="quota")
+            worker = SettlementWorker(ledger, store, coster, CODEC)
             settle = asyncio.create_task(worker.run_once())
             samples = []
             while not settle.done():

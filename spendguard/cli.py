@@ -53,9 +53,12 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 
 def _amount(flag: str, value: str) -> Decimal:
     try:
-        return Decimal(value)
+        amount = Decimal(value)
     except ArithmeticError as exc:
         raise ConfigurationError(f"{flag}: not a USD amount: {value!r}") from exc
+    if not amount.is_finite():
+        raise ConfigurationError(f"{flag}: not a finite USD amount: {value!r}")
+    return amount
 
 
 # -- commands --------------------------------------------------------------------------------

@@ -15,12 +15,13 @@ from datetime import datetime, timedelta
 import anyio
 
 from spendguard import Settings, SpendGuard, SpendGuardMiddleware
-from spendguard.costing import Coster
+from spendguard.engine.costing import Coster
+from spendguard.engine.pricing import PriceTable
+from spendguard.engine.worker import SettlementWorker
 from spendguard.ledger import Ledger
-from spendguard.pricing import PriceTable
+from spendguard.limits import KeyCodec
 from spendguard.store.redis import RedisStore
 from spendguard.testing import fake_upstream
-from spendguard.worker import SettlementWorker
 
 sys.path.insert(0, os.path.dirname(__file__))
 from support import StateAuth
@@ -48,7 +49,7 @@ async def run_worker() -> None:
         ledger,
         store,
         coster,
-        key_prefix=settings.key_prefix,
+        KeyCodec(settings.key_prefix, timedelta(seconds=settings.key_grace)),
         batch_size=500,
         clock=injected_clock,
     )

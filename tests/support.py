@@ -4,6 +4,7 @@ ledger probes."""
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -12,9 +13,9 @@ from typing import Any
 
 import anyio
 import sqlalchemy as sa
+from databases import Database
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from spendguard.ledger import Ledger
 from spendguard.ledger.schema import topups
 
 # A price table where one token costs exactly one micro-USD, so expected charges are obvious.
@@ -98,11 +99,43 @@ async def lifespan(app: ASGIApp) -> AsyncIterator[None]:
             assert done["type"] == "lifespan.shutdown.complete", done
 
 
-async def topups_total(ledger: Ledger, team: str) -> int:
+async def sql_rows(url: str, query: Any) -> list[tuple[Any, ...]]:
+    """Run one query on its own connection: tests read the ledger's tables directly, as an
+    operator would, without reaching into the ledger object."""
+    db = Database(url)
+    await db.connect()
+    try:
+        return [tuple(r._mapping.values()) for r in await db.fetch_all(query)]
+    finally:
+        await db.disconnect()
+
+
+async def topups_total(url: str, team: str) -> int:
     """The sum of a team's top-ups, read from the top-up log (not the account) as a cross-check."""
-    total = await ledger._db.fetch_val(
-        sa.select(sa.func.coalesce(sa.func.sum(topups.c.amount_micros), 0)).where(
-            topups.c.team == team
-        )
+    query = sa.select(sa.func.coalesce(sa.func.sum(topups.c.amount_micros), 0)).where(
+        topups.c.team == team
     )
-    return int(total)
+    return int((await sql_rows(url, query))[0][0])
+
+
+class Counting:
+    """A collaborator (a store, a ledger) that counts the calls made to it, per method, and
+    forwards them: tests show which requests never reach it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+    def __len__(self) -> int:
+        return len(self.inner)

@@ -1,4 +1,4 @@
-"""Prepaid balances (R4.1/R5.1/R6.3, issue: account balances), on both stores."""
+"""Prepaid balances end to end, on both stores."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 
 from spendguard.cli import main as cli_main
-from spendguard.identity import Identity
-from spendguard.keys import balance_key
+from spendguard.ledger import Account
+from spendguard.limits import Balance
+from spendguard.money import micros_to_usd
 from spendguard.store.redis import RedisStore
+from tests.support import topups_total
 from tests.test_middleware import Gateway, chat_body
 
 pytestmark = pytest.mark.anyio
@@ -43,9 +45,7 @@ async def gw(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Ga
 
 
 async def topup(gw: Gateway, micros: int, team: str = "acme") -> None:
-    ident = Identity(team)
-    await gw.guard.ledger.topup(team=ident.team, team_id=team, micros=micros)
-    await gw.store.evict_policy(ident.team, "quota")  # what the CLI / worker pass does
+    await gw.guard.admin.topup(team, micros_to_usd(micros))  # keeps the cache in sync itself
 
 
 async def test_balance_runs_out_then_a_top_up_reopens_it(gw: Gateway) -> None:
@@ -62,14 +62,17 @@ async def test_balance_runs_out_then_a_top_up_reopens_it(gw: Gateway) -> None:
         assert anthropic.json()["error"]["message"] == "Account balance exhausted."
         await gw.settle()
         account = await gw.guard.ledger.load_balance("acme")
-        assert account == (40, 45)  # overdrawn by the last admitted request (a soft cap)
+        assert account == Account(
+            "acme", 40, 45
+        )  # overdrawn by the last admitted request (a soft cap)
         await topup(gw, 100)
         await gw.guard.worker.run_once()  # the sync pass raises the cached top-up total
         assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
     await gw.settle()
-    topped, charged = await gw.guard.ledger.load_balance("acme") or (0, 0)
-    assert topped == await gw.guard.ledger.topups_total("acme") == 140
-    assert charged == await gw.guard.ledger.charges_total("acme") == 60
+    account = await gw.guard.ledger.load_balance("acme")
+    assert account is not None
+    assert account.topped_up == await topups_total(gw.guard.ledger.url, "acme") == 140
+    assert account.charged == await gw.guard.ledger.charges_total("acme") == 60
 
 
 async def test_teams_without_an_account_are_not_balance_limited(gw: Gateway) -> None:
@@ -86,11 +89,11 @@ async def test_cached_balance_is_settled_plus_pending(gw: Gateway) -> None:
     async with gw.client() as c:
         for _ in range(2):
             assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
-    key = balance_key("quota", "acme")
+    key = gw.guard.codec.usage_key(Balance("acme"), "")
     assert (await gw.store.read_usage([key]))[key] == 30  # pending estimates
     await gw.settle()
     assert (await gw.store.read_usage([key]))[key] == 30  # now settled charges, not doubled
-    assert await gw.guard.ledger.load_balance("acme") == (1_000, 30)
+    assert await gw.guard.ledger.load_balance("acme") == Account("acme", 1_000, 30)
 
 
 def test_cli_balance_topup_and_show(

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from spendguard.pricing import PriceTable
+from spendguard.engine.pricing import PriceTable
 from spendguard.testing import expected_usage
 
 ROOT = Path(__file__).resolve().parent.parent

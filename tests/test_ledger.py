@@ -316,7 +316,7 @@ async def test_settlement_debits_balances_in_the_same_transaction(ledger: Ledger
     account = await ledger.topup(team="acme", team_id="acme", micros=500)
     assert account == Account("acme", 1_500, 15) and account.balance == 1_485
     assert await ledger.balance_accounts() == {"acme": account}
-    assert await topups_total(ledger, "acme") == 1_500
+    assert await topups_total(ledger.url, "acme") == 1_500
     with pytest.raises(ValueError):
         await ledger.topup(team="acme", team_id="acme", micros=0)
 

@@ -21,14 +21,18 @@ from starlette.types import ASGIApp, Message
 
 from spendguard import Settings, SpendGuard, SpendGuardMiddleware
 from spendguard.identity import Identity
-from spendguard.periods import Period
-from spendguard.store.base import Store
+from spendguard.ledger import Ledger
+from spendguard.limits import Limit, Period, key_limit, team_limit
+from spendguard.money import micros_to_usd
+from spendguard.store import Store
 from spendguard.store.memory import MemoryStore
-from tests.support import Clock, Exploding, StateAuth, lifespan, write_unit_prices
+from tests.support import Clock, Counting, Exploding, StateAuth, lifespan, write_unit_prices
 
 pytestmark = pytest.mark.anyio
 
 MODEL = "unit-model"  # 1 micro-USD per token (tests/support.py)
+ALPHA = Identity("acme", "alpha")
+KEY_DAY, TEAM_MONTH = key_limit(ALPHA, Period.DAY), team_limit(ALPHA, Period.MONTH)
 
 
 async def chat(request: Request) -> Response:
@@ -100,8 +104,13 @@ class Gateway:
             prices=write_unit_prices(tmp_path),
             **settings,
         )
-        self.store: Any = store if store is not None else MemoryStore(clock=self.clock)
-        self.guard = SpendGuard(self.settings, store=self.store, clock=self.clock)
+        # Every store and ledger call is counted: tests show what a request never reaches.
+        self.store: Any = Counting(store if store is not None else MemoryStore(clock=self.clock))
+        url = self.settings.database_url.get_secret_value()
+        self.ledger: Any = Counting(Ledger(url))
+        self.guard = SpendGuard(
+            self.settings, store=self.store, ledger=self.ledger, clock=self.clock
+        )
         self.inner = upstream()
         self.app: ASGIApp = StateAuth(SpendGuardMiddleware(self.inner, guard=self.guard))
         self.postflights = 0
@@ -125,27 +134,17 @@ class Gateway:
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://gw")
 
     async def policy(self, period: Period, usd_micros: int, key: str | None = "alpha") -> None:
-        ident = Identity("acme", key)
-        await self.guard.ledger.set_policy(
-            team=ident.team,
-            team_id="acme",
-            api_key=ident.api_key,
-            api_key_id=key,
-            period=period,
-            limit_micros=usd_micros,
-            now=self.clock(),
+        """Set a limit through the admin API, which also drops the cached policy."""
+        await self.guard.admin.set_policy(
+            "acme", key, window=period, limit_usd=micros_to_usd(usd_micros)
         )
-        await self.store.evict_policy(ident.team, "quota")
 
     async def settle(self) -> None:
         await self.guard.recorder.flush()
         await self.guard.worker.run_once()
 
-    async def aggregates(self) -> dict[tuple[str, str, str], int]:
-        return {
-            (r["api_key"], r["period"], r["period_id"]): r["settled_micros"]
-            for r in await self.guard.ledger.aggregate_rows()
-        }
+    async def aggregates(self) -> dict[tuple[Limit, str], int]:
+        return {(a.limit, a.bucket): a.settled for a in await self.guard.ledger.aggregates()}
 
 
 @pytest.fixture
@@ -208,7 +207,10 @@ async def test_no_policy_means_no_usage_lookups(gw: Gateway) -> None:
     async with gw.client() as c:
         for _ in range(5):
             assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
-    assert gw.store.usage_reads == 0 and loads == 0
+    assert loads == 0
+    # No usage key was made (or looked up to be filled): only the "no policy" hash is cached.
+    keys = [c.usage_key for c in gw.guard.codec.plan(ALPHA, gw.clock()).checks]
+    assert await gw.store.read_usage(keys) == dict.fromkeys(keys)
     await gw.settle()
     assert await gw.guard.ledger.charges_total() == 5 * 15  # still recorded and charged
 
@@ -224,9 +226,7 @@ async def test_usage_equal_to_limit_denies_one_micro_below_allows(
         await gw.settle()
         second = await c.post("/v1/chat/completions", json=chat_body())
     assert (second.status_code == 200) is allowed
-    assert await gw.aggregates() == {
-        ("alpha", "day", "20260930"): prior + (15 if allowed else 0)
-    } or (
+    assert await gw.aggregates() == {(KEY_DAY, "20260930"): prior + (15 if allowed else 0)} or (
         allowed  # the second request is recorded but not settled yet
     )
 
@@ -243,8 +243,8 @@ async def test_call_started_before_midnight_settles_into_that_day_and_month(
         clock.now = datetime(2026, 10, 1, 0, 0, 3, tzinfo=UTC)
         await gateway.settle()
         assert await gateway.aggregates() == {
-            ("alpha", "day", "20260930"): 15,
-            ("", "month", "202609"): 15,
+            (KEY_DAY, "20260930"): 15,
+            (TEAM_MONTH, "202609"): 15,
         }
 
 
@@ -259,9 +259,9 @@ async def test_streaming_with_and_without_usage_is_charged(gw: Gateway) -> None:
     assert with_usage.status_code == without.status_code == 200
     assert with_usage.text.endswith("data: [DONE]\n\n")
     await gw.settle()
-    rows = await gw.guard.ledger.aggregate_rows()
+    rows = await gw.guard.ledger.aggregates()
     # 103 exact; the usage-less stream is estimated from its prompt and 8 × "word " (40 chars).
-    assert rows[0]["settled_micros"] > 103
+    assert rows[0].settled > 103
     assert gw.postflights == 2
 
 
@@ -294,18 +294,10 @@ async def test_upstream_error_is_not_charged(gw: Gateway) -> None:
     await gw.settle()
     assert await gw.guard.ledger.charges_total() == 0
     assert await gw.guard.ledger.unsettled() == (0, 0)
-    day_key = next(c.usage_key for c in _plan(gw).candidates if c.field == "api_key:alpha:day")
+    day_key = gw.guard.codec.check(KEY_DAY, gw.clock()).usage_key
     assert await gw.store.read_usage([day_key]) == {
         day_key: 0
     }  # filled by preflight, never charged
-
-
-def _plan(gw: Gateway) -> Any:
-    from datetime import timedelta
-
-    from spendguard.keys import plan
-
-    return plan("quota", Identity("acme", "alpha"), gw.clock(), timedelta(days=2))
 
 
 async def raw_call(
@@ -449,11 +441,11 @@ async def test_bad_input_is_a_4xx_with_no_charge(tmp_path: Path, body: bytes, st
     gateway = Gateway(tmp_path, max_body_bytes=2048)
     async with gateway, gateway.client() as c:
         await gateway.policy(Period.DAY, 1_000_000)
-        usage_reads = gateway.store.usage_reads
+        preflights = gateway.store.calls["preflight"]
         r = await c.post("/v1/chat/completions", content=body)
         assert r.status_code == status
         assert r.json()["error"]["type"] == "invalid_request_error"
-        assert gateway.postflights == 0 and gateway.store.usage_reads == usage_reads
+        assert gateway.postflights == 0 and gateway.store.calls["preflight"] == preflights
         await gateway.guard.recorder.flush()
         assert await gateway.guard.ledger.unsettled() == (0, 0)
 
@@ -571,7 +563,7 @@ async def test_ledger_failure_on_a_cache_miss_is_503_with_retry_after(gw: Gatewa
 
         raise LedgerUnavailable("connection refused")
 
-    gw.guard.ledger.load_policies = down  # type: ignore[method-assign]
+    gw.guard.ledger.load_limits = down  # type: ignore[method-assign]
     async with gw.client() as c:
         r = await c.post("/v1/chat/completions", json=chat_body())
         a = await c.post("/v1/messages", json=chat_body(max_tokens=5))
@@ -584,9 +576,8 @@ async def test_ledger_failure_on_a_cache_miss_is_503_with_retry_after(gw: Gatewa
 
 
 async def test_full_embedded_store_refuses_instead_of_allowing_untracked(tmp_path: Path) -> None:
-    async with Gateway(tmp_path) as gateway:
-        gateway.store = MemoryStore(max_keys=1, clock=gateway.clock)
-        gateway.guard.store = gateway.store
+    clock = Clock()
+    async with Gateway(tmp_path, clock, store=MemoryStore(max_keys=1, clock=clock)) as gateway:
         await gateway.policy(Period.DAY, 1_000_000)
         async with gateway.client() as c:
             r = await c.post("/v1/chat/completions", json=chat_body())

@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from spendguard.periods import Period
+from spendguard.limits import Period
 from tests.tcp_proxy import TcpProxy
 from tests.test_middleware import Gateway, chat_body
 

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from spendguard.engine.pricing import Price, PriceTable
 from spendguard.errors import ConfigurationError
-from spendguard.pricing import Price, PriceTable
 from spendguard.usage import Usage
 
 

@@ -19,12 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spendguard import Identity, Settings, SpendGuard, Verdict
-from spendguard.keys import balance_key, plan
 from spendguard.ledger.schema import charges, records
-from spendguard.periods import Period
+from spendguard.limits import Balance, Limit, Period, Policy, Subject
 from spendguard.store.memory import MemoryStore
 from spendguard.usage import Usage
-from tests.support import Clock, write_unit_prices
+from tests.support import Clock, sql_rows, topups_total, write_unit_prices
 
 TEAMS = ["acme", "beta"]
 KEYS = ["k1", "k2"]
@@ -105,18 +104,11 @@ async def _apply(g: SpendGuard, store: MemoryStore, step: Any) -> None:
             )
     elif kind == "policy":
         _, team, key, period, limit = step
-        await g.ledger.set_policy(
-            team=team,
-            team_id=team,
-            api_key=key,
-            api_key_id=key,
-            period=period,
-            limit_micros=limit,
-            now=g.clock(),
-        )
+        limit_of = Limit(Subject(team, key), period)
+        await g.ledger.set_policy(Policy(limit_of, limit, team, key), now=g.clock())
     elif kind == "rm":
         _, team, key, period = step
-        await g.ledger.remove_policy(team=team, api_key=key, period=period)
+        await g.ledger.remove_policy(Limit(Subject(team, key), period))
     elif kind == "flush":
         await g.recorder.flush()
     elif kind == "settle":
@@ -137,39 +129,38 @@ async def _apply(g: SpendGuard, store: MemoryStore, step: Any) -> None:
 
 
 async def _check(g: SpendGuard, store: MemoryStore, accounts: list[str]) -> None:
-    db = g.ledger._db
-    n_records = await db.fetch_val(sa.select(sa.func.count()).select_from(records))
-    n_charges = await db.fetch_val(sa.select(sa.func.count()).select_from(charges))
+    url = g.ledger.url
+
+    async def value(query: Any) -> Any:
+        return (await sql_rows(url, query))[0][0]
+
+    n_records = await value(sa.select(sa.func.count()).select_from(records))
+    n_charges = await value(sa.select(sa.func.count()).select_from(charges))
     assert n_records == n_charges  # every record charged exactly once
-    usage_sum = await db.fetch_val(
-        sa.select(sa.func.coalesce(sa.func.sum(records.c.input_tokens), 0))
-    )
+    usage_sum = await value(sa.select(sa.func.coalesce(sa.func.sum(records.c.input_tokens), 0)))
     assert await g.ledger.charges_total() == usage_sum  # nothing counted twice or lost
-    day, month = "20261110", "202611"
     for team in TEAMS:
-        agg = await g.ledger.policy_aggregates(day, month, [team])
-        for field, pid, settled in agg.get(team, []):
-            parts = field.split(":")
-            key = parts[1] if parts[0] == "api_key" else None
-            column = charges.c.day_id if parts[-1] == "day" else charges.c.month_id
-            conds = [charges.c.team == team, column == pid]
+        agg = await g.ledger.policy_aggregates(g.clock(), [team])
+        for a in agg.get(team, []):
+            key = a.limit.subject.api_key
+            column = charges.c.day_id if a.limit.window is Period.DAY else charges.c.month_id
+            conds = [charges.c.team == team, column == a.bucket]
             if key is not None:
                 conds.append(charges.c.api_key == key)
-            expected = await db.fetch_val(
+            expected = await value(
                 sa.select(sa.func.coalesce(sa.func.sum(charges.c.amount_micros), 0)).where(*conds)
             )
-            assert settled == expected, (team, field)  # the aggregate holds its charges, once
-            p = plan("quota", Identity(team, key or "k1"), g.clock(), timedelta(days=2))
-            cand = next(c for c in p.candidates if c.field == field)
-            cached = (await store.read_usage([cand.usage_key]))[cand.usage_key]
-            assert cached in (None, settled), (team, field)  # cache == aggregate (or unloaded)
+            assert a.settled == expected, (team, a)  # the aggregate holds its charges, once
+            usage_key = g.codec.usage_key(a.limit, a.bucket)
+            cached = (await store.read_usage([usage_key]))[usage_key]
+            assert cached in (None, a.settled), (team, a)  # cache == aggregate (or unloaded)
         account = await g.ledger.load_balance(team)
         if team in accounts:
             assert account is not None
-            topped, charged = account
-            assert topped == await g.ledger.topups_total(team)
+            assert account.topped_up == await topups_total(url, team)
+            charged = account.charged
             assert charged == await g.ledger.charges_total(team)  # top-ups minus charges
-            key = balance_key("quota", team)
+            key = g.codec.usage_key(Balance(team), "")
             assert (await store.read_usage([key]))[key] in (None, charged)
         else:
             assert account is None

@@ -8,11 +8,11 @@ from typing import Any
 import anyio
 import pytest
 
+from spendguard.engine.recorder import Recorder
 from spendguard.errors import LedgerUnavailable
 from spendguard.identity import Identity
 from spendguard.ledger import Ledger
 from spendguard.record import InferenceRecord, PostflightStatus
-from spendguard.recorder import Recorder
 from spendguard.usage import Usage
 
 pytestmark = pytest.mark.anyio

@@ -18,8 +18,7 @@ import anyio
 import pytest
 
 from spendguard import Identity
-from spendguard.keys import plan
-from spendguard.periods import Period
+from spendguard.limits import KeyCodec, Period, key_limit
 from spendguard.store.redis import RedisStore
 from tests.redis_servers import RedisCluster, RedisServer
 from tests.test_middleware import Gateway, chat_body
@@ -52,21 +51,6 @@ def data_commands(server: RedisServer) -> dict[str, int]:
     return {k: v for k, v in calls.items() if k.split("|")[0] not in {"info", "config", "ping"}}
 
 
-class CountingDB:
-    """Counts every query the ledger sends through `databases`."""
-
-    def __init__(self, db: Any) -> None:
-        self.db, self.queries = db, 0
-        for name in ("execute", "execute_many", "fetch_all", "fetch_one", "fetch_val"):
-            real = getattr(db, name)
-
-            async def counted(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
-                self.queries += 1
-                return await _real(*args, **kwargs)
-
-            setattr(db, name, counted)
-
-
 async def test_warm_inference_is_two_round_trips_and_no_sql(
     redis_gw: Gateway, shared_redis: RedisServer
 ) -> None:
@@ -77,22 +61,14 @@ async def test_warm_inference_is_two_round_trips_and_no_sql(
         await redis_gw.guard.recorder.flush()
         submitted: list[Any] = []
         redis_gw.guard.recorder.submit = submitted.append  # type: ignore[assignment,method-assign]
-        sql = CountingDB(redis_gw.guard.ledger._db)
-        client = redis_gw.store._client
-        sent: list[str] = []
-        real_execute = client.execute_command
-
-        async def counting(*args: Any, **kwargs: Any) -> Any:
-            sent.append(str(args[0]))
-            return await real_execute(*args, **kwargs)
-
-        client.execute_command = counting
+        store_calls, ledger_calls = dict(redis_gw.store.calls), dict(redis_gw.ledger.calls)
         shared_redis.cli("CONFIG", "RESETSTAT")
         r = await c.post("/v1/chat/completions", json=chat_body())
     assert r.status_code == 200
-    assert sent == ["EVALSHA", "EVALSHA"]  # round trips: one preflight, one postflight
+    made = {k: v - store_calls.get(k, 0) for k, v in redis_gw.store.calls.items()}
+    assert {k: v for k, v in made.items() if v} == {"preflight": 1, "postflight": 1}
     assert data_commands(shared_redis)["evalsha"] == 2  # and the server saw exactly those
-    assert sql.queries == 0
+    assert dict(redis_gw.ledger.calls) == ledger_calls  # no ledger call, so no SQL
     assert len(submitted) == 1  # the record went to the background writer
 
 
@@ -100,7 +76,7 @@ async def test_concurrent_misses_make_one_ledger_read(redis_gw: Gateway) -> None
     await redis_gw.policy(Period.DAY, 10**9)
     loads = {"policies": 0, "aggregates": 0}
     ledger = redis_gw.guard.ledger
-    real_p, real_a = ledger.load_policies, ledger.load_aggregates
+    real_p, real_a = ledger.load_limits, ledger.load_aggregates
 
     async def slow_policies(*args: Any) -> Any:
         loads["policies"] += 1
@@ -112,7 +88,7 @@ async def test_concurrent_misses_make_one_ledger_read(redis_gw: Gateway) -> None
         await anyio.sleep(0.05)
         return await real_a(*args)
 
-    ledger.load_policies = slow_policies  # type: ignore[method-assign]
+    ledger.load_limits = slow_policies  # type: ignore[method-assign]
     ledger.load_aggregates = slow_aggregates  # type: ignore[method-assign]
     statuses: list[int] = []
     async with redis_gw.client() as c:
@@ -219,8 +195,8 @@ async def test_restart_and_script_flush_mid_traffic(
         assert statuses == [200] * 15
         # The keys lost in the restart were rebuilt from the ledger: settled 5 requests, plus
         # pending estimates of the 10 after it that were not settled.
-        day = plan("quota", Identity("acme", "alpha"), utc_now(), timedelta(days=2))
-        key = next(c.usage_key for c in day.candidates if c.field == "api_key:alpha:day")
+        alpha_day = key_limit(Identity("acme", "alpha"), Period.DAY)
+        key = gw.guard.codec.check(alpha_day, utc_now()).usage_key
         cached = (await store.read_usage([key]))[key]
         await gw.settle()
         assert cached is not None and 5 * 15 <= cached <= 15 * 15
@@ -243,10 +219,9 @@ async def test_cluster_keys_of_a_request_share_the_team_slot(redis_cluster: Redi
     for raw in hostile:
         team = raw or "empty-key-only"
         for key in (raw or None, "k"):
-            p = plan("quota", Identity(team, key), utc_now(), timedelta(days=2))
+            p = KeyCodec("quota", timedelta(days=2)).plan(Identity(team, key), utc_now())
             slots = {
-                redis_cluster.slot_of(k)
-                for k in [p.policy_key, *(c.usage_key for c in p.candidates)]
+                redis_cluster.slot_of(k) for k in [p.policy_key, *(c.usage_key for c in p.checks)]
             }
             assert len(slots) == 1, (raw, slots)
 
@@ -263,7 +238,8 @@ async def test_cluster_gateway_end_to_end(tmp_path: Path, redis_cluster: RedisCl
             ]
         assert codes == [200, 200, 429]
         await gw.settle()
-        assert await gw.aggregates() == {("alpha", "day", utc_now().strftime("%Y%m%d")): 30}
+        alpha_day = key_limit(Identity("acme", "alpha"), Period.DAY)
+        assert await gw.aggregates() == {(alpha_day, Period.DAY.bucket(utc_now())): 30}
     await store.aclose()
 
 

@@ -17,12 +17,12 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from tests.conftest import _truncate_pg
 
 from spendguard import Identity
-from spendguard.keys import plan
 from spendguard.ledger import Ledger
+from spendguard.limits import KeyCodec, Period, key_limit, team_limit
 from spendguard.store.redis import RedisStore
+from tests.conftest import _truncate_pg
 from tests.test_demo_gateway import ROOT, cli, free_port, wait_healthy
 
 
@@ -118,8 +118,10 @@ def test_two_gateways_200_concurrent_requests_one_key(
         store = RedisStore.from_url(redis_url, timeout=2)
         ledger = Ledger(postgres_url)
         await ledger.connect()
-        p = plan("quota", Identity("acme", "alpha"), datetime.now(UTC), timedelta(days=2))
-        keys = [c.usage_key for c in p.candidates if c.field in ("api_key:alpha:day", "team:month")]
+        alpha = Identity("acme", "alpha")
+        p = KeyCodec("quota", timedelta(days=2)).plan(alpha, datetime.now(UTC))
+        limits = (key_limit(alpha, Period.DAY), team_limit(alpha, Period.MONTH))
+        keys = [p.find(limit).usage_key for limit in limits]
         try:
             with anyio.fail_after(20):
                 while (await ledger.unsettled())[0] < 200:  # the writers flush in the background

@@ -15,15 +15,24 @@ import pytest
 
 from spendguard.errors import StoreFull
 from spendguard.identity import Identity
-from spendguard.keys import KeyPlan, plan
-from spendguard.periods import Period, period_end
-from spendguard.store.base import Outcome, RefreshEntry, Store, UsageFill
+from spendguard.limits import Balance, KeyCodec, KeyPlan, Period, Target, key_limit, team_limit
+from spendguard.limits.codec import field_of
+from spendguard.store import Outcome, RefreshEntry, Store, UsageFill
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
 
 pytestmark = pytest.mark.anyio
 
 GRACE = timedelta(days=2)
+ALPHA = Identity("acme", "alpha")
+KEY_DAY, KEY_MONTH = key_limit(ALPHA, Period.DAY), key_limit(ALPHA, Period.MONTH)
+TEAM_MONTH = team_limit(ALPHA, Period.MONTH)
+BALANCE = Balance(ALPHA.team)
+
+
+def fields(limits: dict[Target, int]) -> dict[str, int]:
+    """A team's policy hash, as the engine writes it (through the codec)."""
+    return {field_of(target): amount for target, amount in limits.items()}
 
 
 class Clock:
@@ -72,18 +81,16 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
 def keys_for(h: Harness, team: str = "acme", key: str | None = "alpha", **kw: object) -> KeyPlan:
     t0 = kw.get("t0", h.now())
     grace = kw.get("grace", GRACE)
-    return plan("quota", Identity(team, key), t0, grace)  # type: ignore[arg-type]
+    return KeyCodec("quota", grace).plan(Identity(team, key), t0)  # type: ignore[arg-type]
 
 
-def usage_key(p: KeyPlan, field: str) -> str:
-    return next(c.usage_key for c in p.candidates if c.field == field)
+def usage_key(p: KeyPlan, target: Target) -> str:
+    return p.find(target).usage_key
 
 
-async def warm(h: Harness, p: KeyPlan, limits: dict[str, int], settled: int = 0) -> None:
-    fills = [
-        UsageFill(c.usage_key, settled, c.expires_at) for c in p.candidates if c.field in limits
-    ]
-    await h.store.fill(p, limits, fills, policy_ttl=60)
+async def warm(h: Harness, p: KeyPlan, limits: dict[Target, int], settled: int = 0) -> None:
+    fills = [UsageFill(c.usage_key, settled, c.expires_at) for c in p.checks if c.target in limits]
+    await h.store.fill(p, fields(limits), fills, policy_ttl=60)
 
 
 async def test_empty_store_reports_a_policy_miss(harness: Harness) -> None:
@@ -96,16 +103,17 @@ async def test_no_policy_is_cached_and_reads_no_usage(harness: Harness) -> None:
     await harness.store.fill(p, {}, [], policy_ttl=60)
     pf = await harness.store.preflight(p)
     assert pf.outcome is Outcome.ALLOW and pf.limits == ()
-    if isinstance(harness.store, MemoryStore):
-        assert harness.store.usage_reads == 0
+    # Nothing about usage was looked up or made: every usage key of the plan is still absent.
+    keys = [c.usage_key for c in p.checks]
+    assert await harness.store.read_usage(keys) == dict.fromkeys(keys)
 
 
 async def test_policy_without_usage_key_reports_which_keys_miss(harness: Harness) -> None:
     p = keys_for(harness)
-    await harness.store.fill(p, {"team:month": 100}, [], policy_ttl=60)
+    await harness.store.fill(p, fields({TEAM_MONTH: 100}), [], policy_ttl=60)
     pf = await harness.store.preflight(p)
     assert pf.outcome is Outcome.MISS and not pf.missing_policy
-    assert [c.field for c in pf.missing_usage] == ["team:month"]
+    assert [c.target for c in pf.missing_usage] == [TEAM_MONTH]
 
 
 @pytest.mark.parametrize(
@@ -115,7 +123,7 @@ async def test_usage_at_limit_denies_and_one_below_allows(
     harness: Harness, used: int, limit: int, outcome: str
 ) -> None:
     p = keys_for(harness)
-    await warm(harness, p, {"api_key:alpha:day": limit}, settled=used)
+    await warm(harness, p, {KEY_DAY: limit}, settled=used)
     pf = await harness.store.preflight(p)
     assert pf.outcome == outcome
     assert pf.limits[-1].used == used and pf.limits[-1].limit == limit
@@ -123,12 +131,10 @@ async def test_usage_at_limit_denies_and_one_below_allows(
 
 async def test_every_configured_limit_must_pass(harness: Harness) -> None:
     p = keys_for(harness)
-    day, month = (
-        next(c for c in p.candidates if c.field == f) for f in ("api_key:alpha:day", "team:month")
-    )
+    day, month = p.find(KEY_DAY), p.find(TEAM_MONTH)
     await harness.store.fill(
         p,
-        {"api_key:alpha:day": 5_000_000, "team:month": 200_000_000},
+        fields({KEY_DAY: 5_000_000, TEAM_MONTH: 200_000_000}),
         [
             UsageFill(day.usage_key, 1, day.expires_at),
             UsageFill(month.usage_key, 200_000_000, month.expires_at),
@@ -137,13 +143,13 @@ async def test_every_configured_limit_must_pass(harness: Harness) -> None:
     )
     pf = await harness.store.preflight(p)
     assert pf.outcome is Outcome.DENY
-    assert pf.denied is not None and pf.denied.candidate.field == "team:month"
+    assert pf.denied is not None and pf.denied.check.target == TEAM_MONTH
 
 
 async def test_postflight_adds_once_and_never_creates_keys(harness: Harness) -> None:
     p = keys_for(harness)
-    await warm(harness, p, {"api_key:alpha:day": 1000})
-    day, month = usage_key(p, "api_key:alpha:day"), usage_key(p, "team:month")
+    await warm(harness, p, {KEY_DAY: 1000})
+    day, month = usage_key(p, KEY_DAY), usage_key(p, TEAM_MONTH)
     assert await harness.store.postflight("r1", 40, [day, month]) == 1
     assert await harness.store.postflight("r1", 40, [day]) == 0  # a re-sent record adds nothing
     assert await harness.store.read_usage([day, month]) == {day: 40, month: None}
@@ -152,8 +158,8 @@ async def test_postflight_adds_once_and_never_creates_keys(harness: Harness) -> 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])
 async def test_postflight_validates_before_writing(harness: Harness, bad: object) -> None:
     p = keys_for(harness)
-    await warm(harness, p, {"api_key:alpha:day": 1000})
-    day = usage_key(p, "api_key:alpha:day")
+    await warm(harness, p, {KEY_DAY: 1000})
+    day = usage_key(p, KEY_DAY)
     with pytest.raises(ValueError):
         await harness.store.postflight("r1", bad, [day])  # type: ignore[arg-type]
     with pytest.raises(ValueError):
@@ -163,18 +169,18 @@ async def test_postflight_validates_before_writing(harness: Harness, bad: object
 
 async def test_fill_never_overwrites_what_postflight_added(harness: Harness) -> None:
     p = keys_for(harness)
-    await warm(harness, p, {"api_key:alpha:day": 1000}, settled=10)
-    day = usage_key(p, "api_key:alpha:day")
+    await warm(harness, p, {KEY_DAY: 1000}, settled=10)
+    day = usage_key(p, KEY_DAY)
     await harness.store.postflight("r1", 5, [day])
-    await warm(harness, p, {"api_key:alpha:day": 1}, settled=0)  # a stale second loader
+    await warm(harness, p, {KEY_DAY: 1}, settled=0)  # a stale second loader
     assert await harness.store.read_usage([day]) == {day: 15}
     assert (await harness.store.preflight(p)).limits[0].limit == 1000
 
 
 async def test_refresh_replaces_settled_and_drops_each_estimate_once(harness: Harness) -> None:
     p = keys_for(harness)
-    await warm(harness, p, {"api_key:alpha:day": 10_000}, settled=100)
-    day = usage_key(p, "api_key:alpha:day")
+    await warm(harness, p, {KEY_DAY: 10_000}, settled=100)
+    day = usage_key(p, KEY_DAY)
     await harness.store.postflight("r1", 30, [day])
     await harness.store.postflight("r2", 50, [day])
     # r1 settled at an exact charge of 32: settled 100 -> 132, pending keeps only r2.
@@ -188,8 +194,8 @@ async def test_refresh_replaces_settled_and_drops_each_estimate_once(harness: Ha
 
 async def test_unknown_postflight_outcome_never_leaves_an_estimate_behind(harness: Harness) -> None:
     p = keys_for(harness)
-    await warm(harness, p, {"api_key:alpha:day": 10_000})
-    day = usage_key(p, "api_key:alpha:day")
+    await warm(harness, p, {KEY_DAY: 10_000})
+    day = usage_key(p, KEY_DAY)
     # Settled while its postflight was still "unknown"; the postflight lands afterwards.
     await harness.store.refresh([RefreshEntry(day, 25, (), ("late",))])
     assert await harness.store.postflight("late", 25, [day]) == 0
@@ -203,8 +209,8 @@ async def test_unknown_postflight_outcome_never_leaves_an_estimate_behind(harnes
 
 async def test_refresh_never_lowers_settled(harness: Harness) -> None:
     p = keys_for(harness)
-    await warm(harness, p, {"api_key:alpha:day": 10_000}, settled=100)
-    day = usage_key(p, "api_key:alpha:day")
+    await warm(harness, p, {KEY_DAY: 10_000}, settled=100)
+    day = usage_key(p, KEY_DAY)
     await harness.store.postflight("r2", 7, [day])
     await harness.store.refresh([RefreshEntry(day, 300, ("r1",))])  # worker B, newer read
     await harness.store.refresh([RefreshEntry(day, 200, ("r0",))])  # worker A, older read
@@ -216,7 +222,7 @@ async def test_refresh_never_lowers_settled(harness: Harness) -> None:
 
 
 async def test_refresh_does_not_create_absent_keys(harness: Harness) -> None:
-    day = usage_key(keys_for(harness), "api_key:alpha:day")
+    day = usage_key(keys_for(harness), KEY_DAY)
     await harness.store.refresh([RefreshEntry(day, 500, ("r1",))])
     assert await harness.store.read_usage([day]) == {day: None}
 
@@ -224,10 +230,10 @@ async def test_refresh_does_not_create_absent_keys(harness: Harness) -> None:
 async def test_keys_expire_at_period_end_plus_grace(harness: Harness) -> None:
     now = harness.now()
     # A grace chosen so this day's key expires 300 ms from now.
-    grace = now + timedelta(milliseconds=300) - period_end(Period.DAY, now)
+    grace = now + timedelta(milliseconds=300) - Period.DAY.end(now)
     p = keys_for(harness, grace=grace)
-    await warm(harness, p, {"api_key:alpha:day": 1000}, settled=7)
-    day = usage_key(p, "api_key:alpha:day")
+    await warm(harness, p, {KEY_DAY: 1000}, settled=7)
+    day = usage_key(p, KEY_DAY)
     assert await harness.store.read_usage([day]) == {day: 7}
     await harness.advance(0.6)
     assert await harness.store.read_usage([day]) == {day: None}
@@ -235,8 +241,8 @@ async def test_keys_expire_at_period_end_plus_grace(harness: Harness) -> None:
 
 async def test_closed_period_key_is_never_recreated(harness: Harness) -> None:
     p = keys_for(harness, t0=harness.now() - timedelta(days=10))
-    await warm(harness, p, {"api_key:alpha:day": 1000})
-    day = usage_key(p, "api_key:alpha:day")
+    await warm(harness, p, {KEY_DAY: 1000})
+    day = usage_key(p, KEY_DAY)
     assert await harness.store.read_usage([day]) == {day: None}
     assert await harness.store.postflight("r1", 5, [day]) == 0
     assert await harness.store.read_usage([day]) == {day: None}
@@ -248,16 +254,16 @@ async def test_policy_cache_expires_after_its_ttl_and_can_be_evicted(harness: Ha
     await harness.advance(0.6)
     assert (await harness.store.preflight(p)).missing_policy
     await harness.store.fill(p, {}, [], policy_ttl=60)
-    await harness.store.evict_policy("acme", "quota")
+    await harness.store.evict_policy(KeyCodec("quota", GRACE).policy_key(ALPHA.team))
     assert (await harness.store.preflight(p)).missing_policy
 
 
 async def test_overwrites_keep_the_ttl(harness: Harness) -> None:
     now = harness.now()
-    grace = now + timedelta(milliseconds=500) - period_end(Period.DAY, now)
+    grace = now + timedelta(milliseconds=500) - Period.DAY.end(now)
     p = keys_for(harness, grace=grace)
-    await warm(harness, p, {"api_key:alpha:day": 1000})
-    day = usage_key(p, "api_key:alpha:day")
+    await warm(harness, p, {KEY_DAY: 1000})
+    day = usage_key(p, KEY_DAY)
     await harness.store.postflight("r1", 5, [day])
     await harness.store.refresh([RefreshEntry(day, 3, ("r1",))])
     await harness.advance(0.8)
@@ -266,12 +272,10 @@ async def test_overwrites_keep_the_ttl(harness: Harness) -> None:
 
 async def test_full_memory_store_refuses_new_keys() -> None:
     small = MemoryStore(max_keys=2)
-    p = plan("quota", Identity("acme", "alpha"), datetime.now(UTC), GRACE)
-    fills = [UsageFill(c.usage_key, 0, c.expires_at) for c in p.candidates[:2]]
+    p = KeyCodec("quota", GRACE).plan(ALPHA, datetime.now(UTC))
+    fills = [UsageFill(c.usage_key, 0, c.expires_at) for c in p.checks[:2]]
     with pytest.raises(StoreFull):
-        await small.fill(
-            p, {"api_key:alpha:day": 1, "api_key:alpha:month": 1}, fills, policy_ttl=60
-        )
+        await small.fill(p, fields({KEY_DAY: 1, KEY_MONTH: 1}), fills, policy_ttl=60)
     # Nothing partial was written: the request is refused, never allowed untracked.
     assert (await small.preflight(p)).missing_policy
 
@@ -279,8 +283,8 @@ async def test_full_memory_store_refuses_new_keys() -> None:
 @pytest.mark.parametrize("big", [2**53 - 7, 2**53 + 1, 9 * 10**17])
 async def test_amounts_near_2_pow_53_stay_exact(harness: Harness, big: int) -> None:
     p = keys_for(harness)
-    await warm(harness, p, {"api_key:alpha:day": big + 300_000_001}, settled=big)
-    day = usage_key(p, "api_key:alpha:day")
+    await warm(harness, p, {KEY_DAY: big + 300_000_001}, settled=big)
+    day = usage_key(p, KEY_DAY)
     await harness.store.postflight("r1", 300_000_000, [day])
     assert await harness.store.read_usage([day]) == {day: big + 300_000_000}
     pf = await harness.store.preflight(p)
@@ -294,13 +298,12 @@ async def test_hostile_ids_do_not_share_keys(harness: Harness) -> None:
     seen: set[str] = set()
     for n, raw in enumerate(ids):
         p = keys_for(harness, team=raw, key=raw)
-        for cand in p.candidates:
+        for cand in p.checks:
             assert cand.usage_key not in seen
             seen.add(cand.usage_key)
             assert cand.usage_key.count("{") == 1 and cand.usage_key.count("}") == 1
             assert "\n" not in cand.usage_key and len(cand.usage_key) < 300
-        enc = Identity(raw, raw).api_key
-        await warm(harness, p, {f"api_key:{enc}:day": 1000}, settled=n)
+        await warm(harness, p, {key_limit(Identity(raw, raw), Period.DAY): 1000}, settled=n)
     for n, raw in enumerate(ids):  # each id still reads back only its own usage
         p = keys_for(harness, team=raw, key=raw)
         pf = await harness.store.preflight(p)
@@ -309,15 +312,14 @@ async def test_hostile_ids_do_not_share_keys(harness: Harness) -> None:
 
 async def test_balance_denies_once_nothing_is_left(harness: Harness) -> None:
     p = keys_for(harness)
-    bal = next(c for c in p.candidates if c.field == "balance")
-    await harness.store.fill(
-        p, {"balance": 1}, [UsageFill(bal.usage_key, 60, bal.expires_at, limit=100)], policy_ttl=60
-    )
+    bal = p.find(BALANCE)
+    fill = UsageFill(bal.usage_key, 60, bal.expires_at, limit=100)
+    await harness.store.fill(p, fields({BALANCE: 1}), [fill], policy_ttl=60)
     pf = await harness.store.preflight(p)
     assert pf.outcome is Outcome.ALLOW and (pf.limits[-1].limit, pf.limits[-1].used) == (100, 60)
     await harness.store.postflight("r1", 40, [bal.usage_key])
     pf = await harness.store.preflight(p)
-    assert pf.outcome is Outcome.DENY and pf.denied is not None and pf.denied.candidate is bal
+    assert pf.outcome is Outcome.DENY and pf.denied is not None and pf.denied.check is bal
     # A top-up raises t; settlement raises s and drops the marker.
     await harness.store.refresh([RefreshEntry(bal.usage_key, 100, ("r1",), limit=150)])
     pf = await harness.store.preflight(p)
@@ -326,9 +328,9 @@ async def test_balance_denies_once_nothing_is_left(harness: Harness) -> None:
 
 async def test_pending_records_lists_the_markers_of_existing_keys(harness: Harness) -> None:
     p = keys_for(harness)
-    await warm(harness, p, {"api_key:alpha:day": 1000, "team:month": 1000})
-    day, month = usage_key(p, "api_key:alpha:day"), usage_key(p, "team:month")
-    absent = usage_key(p, "api_key:alpha:month")
+    await warm(harness, p, {KEY_DAY: 1000, TEAM_MONTH: 1000})
+    day, month = usage_key(p, KEY_DAY), usage_key(p, TEAM_MONTH)
+    absent = usage_key(p, KEY_MONTH)
     await harness.store.postflight("r1", 5, [day, month])
     await harness.store.postflight("r2", 6, [day])
     got = await harness.store.pending_records([day, month, absent])

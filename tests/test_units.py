@@ -7,12 +7,12 @@ from datetime import UTC, datetime
 import anyio
 import pytest
 
+from spendguard.engine.singleflight import SingleFlight
 from spendguard.errors import ConfigurationError
 from spendguard.identity import Identity, encode_id
+from spendguard.limits import Period
 from spendguard.money import micros_to_usd, usd_to_micros
-from spendguard.periods import Period, period_end, period_id, seconds_to_reset
 from spendguard.settings import load_settings
-from spendguard.singleflight import SingleFlight
 
 
 @pytest.mark.parametrize(
@@ -77,11 +77,11 @@ def test_encoded_ids_are_safe_and_injective() -> None:
 
 def test_periods_are_utc_calendar_periods() -> None:
     t = datetime(2026, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
-    assert period_id(Period.DAY, t) == "20261231" and period_id(Period.MONTH, t) == "202612"
-    assert period_end(Period.MONTH, t) == datetime(2027, 1, 1, tzinfo=UTC)
-    assert seconds_to_reset(Period.DAY, t) == 1
+    assert Period.DAY.bucket(t) == "20261231" and Period.MONTH.bucket(t) == "202612"
+    assert Period.MONTH.end(t) == datetime(2027, 1, 1, tzinfo=UTC)
+    assert Period.DAY.seconds_to_reset(t) == 1
     with pytest.raises(ValueError):
-        period_id(Period.DAY, datetime(2026, 1, 1))  # naive: ambiguous, refused
+        Period.DAY.bucket(datetime(2026, 1, 1))  # naive: ambiguous, refused
 
 
 def test_money_is_exact() -> None:

@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 
 from spendguard import Identity, Settings, SpendGuard
-from spendguard.keys import plan
-from spendguard.periods import Period
+from spendguard.engine.costing import Coster
+from spendguard.engine.pricing import PriceTable
+from spendguard.engine.worker import SettlementWorker
+from spendguard.limits import Period, Policy, key_limit
+from spendguard.settings import UnknownModel
+from spendguard.store import Store
 from spendguard.store.memory import MemoryStore
 from spendguard.usage import Usage
 from tests.support import Clock, write_unit_prices
@@ -31,23 +35,16 @@ async def guard(database_url: str, tmp_path: Path) -> AsyncIterator[SpendGuard]:
 
 
 ALPHA = Identity("acme", "alpha")
+KEY_DAY = key_limit(ALPHA, Period.DAY)
 
 
 async def set_limit(g: SpendGuard, limit: int) -> None:
-    await g.ledger.set_policy(
-        team="acme",
-        team_id="acme",
-        api_key="alpha",
-        api_key_id="alpha",
-        period=Period.DAY,
-        limit_micros=limit,
-        now=g.clock(),
-    )
+    """The ledger only, as another process would: this cache learns of it from a pass."""
+    await g.ledger.set_policy(Policy(KEY_DAY, limit, "acme", "alpha"), now=g.clock())
 
 
 def day_key(g: SpendGuard) -> str:
-    p = plan("quota", ALPHA, g.clock(), timedelta(days=2))
-    return next(c.usage_key for c in p.candidates if c.field == "api_key:alpha:day")
+    return g.codec.check(KEY_DAY, g.clock()).usage_key
 
 
 async def spend(g: SpendGuard, tokens: int, *, reported: bool = True) -> str:
@@ -64,18 +61,15 @@ async def cached(g: SpendGuard) -> int | None:
     return (await g.store.read_usage([day_key(g)]))[day_key(g)]
 
 
-def double_prices(g: SpendGuard) -> None:
-    """Settlement prices at twice the estimate's rate, so exact charges differ from estimates
+def doubled_worker(g: SpendGuard, store: Store | None = None) -> SettlementWorker:
+    """A worker pricing at twice the estimate's rate, so exact charges differ from estimates
     and a test can tell "estimate replaced by charge" from "charge added on top"."""
-    from spendguard.costing import Coster
-    from spendguard.pricing import PriceTable
-    from spendguard.settings import UnknownModel
-
     doubled_path = Path(str(g.settings.prices))
     text = doubled_path.read_text().replace('"1"', '"2"')
     doubled_path.with_name("double.json").write_text(text)
     doubled = PriceTable.load(doubled_path.with_name("double.json"))
-    g.worker._coster = Coster(doubled, UnknownModel.DEFAULT_PRICE)
+    coster = Coster(doubled, UnknownModel.DEFAULT_PRICE)
+    return SettlementWorker(g.ledger, store, coster, g.codec, clock=g.clock)
 
 
 async def test_cache_is_settled_plus_pending_through_settlement(guard: SpendGuard) -> None:
@@ -86,12 +80,12 @@ async def test_cache_is_settled_plus_pending_through_settlement(guard: SpendGuar
     await guard.recorder.flush()
     # A finished inference whose record has not reached the ledger yet: only its marker.
     assert await guard.store.postflight("in-flight", 7, [day_key(guard)]) == 1
-    double_prices(guard)
-    result = await guard.worker.run_once()
+    worker = doubled_worker(guard, guard.store)
+    result = await worker.run_once()
     assert result.settled == 2 and result.total_micros == 260
     # Settled 260 (exact) + pending 7: estimates replaced, not added, and no gap.
     assert await cached(guard) == 267
-    await guard.worker.run_once()
+    await worker.run_once()
     assert await cached(guard) == 267
     assert await guard.ledger.charges_total() == 260
 
@@ -100,7 +94,7 @@ async def test_refresh_lost_to_a_crash_heals_on_the_next_pass(guard: SpendGuard)
     await set_limit(guard, 10_000)
     await spend(guard, 50)
     await guard.recorder.flush()
-    double_prices(guard)
+    worker = doubled_worker(guard, guard.store)
     real_refresh = guard.store.refresh
 
     async def crash(*args: object) -> None:
@@ -108,7 +102,7 @@ async def test_refresh_lost_to_a_crash_heals_on_the_next_pass(guard: SpendGuard)
 
     guard.store.refresh = crash  # type: ignore[method-assign]
     with pytest.raises(RuntimeError):
-        await guard.worker.run_once()
+        await worker.run_once()
     guard.store.refresh = real_refresh  # type: ignore[method-assign]
     assert await guard.ledger.charges_total() == 100  # the DB committed (exact: 2x)
     assert await cached(guard) == 50  # the estimate is still there: not lost
@@ -128,9 +122,7 @@ async def test_records_settled_by_another_process_leave_this_cache(
         store=MemoryStore(),
     )
     await other.start(worker=False)
-    other.worker._store = None
-    double_prices(other)
-    assert (await other.worker.run_once()).settled == 1
+    assert (await doubled_worker(other, store=None).run_once()).settled == 1
     await other.stop()
     assert await cached(guard) == 40
     await guard.worker.run_once()  # this process's sync drops the marker, takes the aggregate
@@ -175,7 +167,7 @@ async def test_second_sqlite_worker_says_so_and_does_not_settle(
         async with anyio.create_task_group() as tg:
             await tg.start(first.worker.run, 60.0)
             await tg.start(second.worker.run, 60.0)
-            assert first.worker._settle and not second.worker._settle
+            assert first.worker.settling and not second.worker.settling
             tg.cancel_scope.cancel()
         assert "SQLite supports a single worker" in caplog.text
     finally:
@@ -186,12 +178,14 @@ async def test_second_sqlite_worker_says_so_and_does_not_settle(
 KILLER = """
 import os, signal, sys, anyio
 from spendguard import Settings
-from spendguard.costing import Coster
+from spendguard.engine.costing import Coster
 from spendguard.ledger import Ledger
-from spendguard.pricing import PriceTable
+from spendguard.engine.pricing import PriceTable
 from spendguard.settings import UnknownModel
 from spendguard.store.redis import RedisStore
-from spendguard.worker import SettlementWorker
+from spendguard.engine.worker import SettlementWorker
+from spendguard.limits import KeyCodec
+from datetime import timedelta
 
 async def main():
     ledger = Ledger(sys.argv[1])
@@ -201,7 +195,7 @@ async def main():
         os.kill(os.getpid(), signal.SIGKILL)
     store.refresh = die
     coster = Coster(PriceTable.load(sys.argv[3]), UnknownModel.DEFAULT_PRICE)
-    worker = SettlementWorker(ledger, store, coster, key_prefix="quota")
+    worker = SettlementWorker(ledger, store, coster, KeyCodec("quota", timedelta(days=2)))
     await worker.run_once()
 
 anyio.run(main)
@@ -249,8 +243,6 @@ async def test_worker_process_killed_between_commit_and_refresh_heals(
 async def test_a_fresh_worker_drops_estimates_of_records_settled_long_before(
     guard: SpendGuard, database_url: str, tmp_path: Path
 ) -> None:
-    from spendguard.worker import SettlementWorker
-
     await set_limit(guard, 10_000)
     await spend(guard, 40)
     await guard.recorder.flush()
@@ -260,7 +252,7 @@ async def test_a_fresh_worker_drops_estimates_of_records_settled_long_before(
     assert await cached(guard) == 40
     guard.clock.now += timedelta(hours=1)  # type: ignore[attr-defined]
     fresh = SettlementWorker(
-        guard.ledger, guard.store, guard.coster, key_prefix="quota", clock=guard.clock
+        guard.ledger, guard.store, guard.coster, guard.codec, clock=guard.clock
     )
     await fresh.run_once()
     assert await cached(guard) == 80  # exact charge, estimate gone, not doubled

@@ -78,6 +78,11 @@ class SettlementWorker:
         self._policy_mark = to_micros(clock())
         self._evicted: dict[str, int] = {}  # team -> time of the change last evicted
 
+    @property
+    def settling(self) -> bool:
+        """Whether this worker settles records (False: it only keeps its cache in sync)."""
+        return self._settle
+
     def _price(self, rec: RecordRow) -> int:
         usage = Usage(
             input_tokens=rec.input_tokens,

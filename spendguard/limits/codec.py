@@ -83,6 +83,13 @@ class KeyPlan:
     policy_key: str
     checks: tuple[Check, ...]  # in check order
 
+    def find(self, target: Target) -> Check:
+        """The check of ``target``; KeyError when it does not apply to this request."""
+        for check in self.checks:
+            if check.target == target:
+                return check
+        raise KeyError(target)
+
 
 class KeyCodec:
     """Key names under one prefix. ``grace`` is how long a usage key outlives its window."""
