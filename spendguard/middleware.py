@@ -17,7 +17,6 @@ from starlette.datastructures import MutableHeaders
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .decoding import BodyObserver, observer_for
 from .guard import Decision, SpendGuard, Verdict
 from .identity import IdentityResolver, resolve
 from .ledger import Ledger
@@ -27,7 +26,7 @@ from .responses import limit_message, send_error
 from .routes import Dialect, RouteTable
 from .settings import MissingIdentity, Settings, load_settings
 from .store.base import Store
-from .usage import estimate_usage
+from .usage import BodyObserver, estimate_usage, observer_for
 
 log = logging.getLogger("spendguard")
 

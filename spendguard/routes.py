@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from enum import StrEnum
 
 from starlette.types import Scope
 
-
-class Dialect(StrEnum):
-    OPENAI = "openai"
-    ANTHROPIC = "anthropic"
+from .usage import Dialect as Dialect  # defined with the formats it names; re-exported here
 
 
 class RouteTable:

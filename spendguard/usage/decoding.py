@@ -1,4 +1,4 @@
-"""Reading usage from compressed responses.
+"""Reading usage from compressed responses: the observer for a ``Content-Encoding``.
 
 A gateway that relays the provider's bytes may pass gzip or deflate bodies through. They are
 decompressed on the side, as they pass, with bounded output per chunk and in total, so usage
@@ -9,9 +9,11 @@ is estimated generously from the body size: an unreadable response must not be n
 from __future__ import annotations
 
 import zlib
-from typing import Protocol
+from collections.abc import Callable
+from typing import Final, Protocol
 
-from .usage import Usage, UsageObserver
+from .observer import UsageObserver
+from .types import Dialect, Usage
 
 # Decoded bytes handed to the observer per step, and in total (a zip bomb stops decoding).
 _STEP = 64 * 1024
@@ -21,6 +23,8 @@ _CHARS_PER_UNREADABLE_BYTE = 4
 
 
 class BodyObserver(Protocol):
+    """What the middleware feeds a response body to and reads usage from afterwards."""
+
     def feed(self, chunk: bytes) -> None: ...
     def result(self) -> Usage | None: ...
     @property
@@ -67,6 +71,8 @@ class _Inflating:
 
 
 class _Unreadable:
+    """An encoding not decoded here: only the body size is counted."""
+
     def __init__(self) -> None:
         self._raw = 0
 
@@ -85,11 +91,35 @@ class _Unreadable:
         return None
 
 
-def observer_for(dialect: str, content_type: str | None, encoding: str) -> BodyObserver:
-    """The observer for a response body with this ``Content-Encoding``."""
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity"):
-        return UsageObserver(dialect, content_type)  # type: ignore[arg-type]
-    if encoding in ("gzip", "x-gzip", "deflate"):
-        return _Inflating(UsageObserver(dialect, content_type))  # type: ignore[arg-type]
+def _plain(dialect: Dialect, content_type: str | None) -> BodyObserver:
+    return UsageObserver(dialect, content_type)
+
+
+def _inflating(dialect: Dialect, content_type: str | None) -> BodyObserver:
+    return _Inflating(UsageObserver(dialect, content_type))
+
+
+def _unreadable(dialect: Dialect, content_type: str | None) -> BodyObserver:
     return _Unreadable()
+
+
+# Content-Encoding (lower case) -> observer factory. Anything else is unreadable.
+_DECODERS: Final[dict[str, Callable[[Dialect, str | None], BodyObserver]]] = {
+    "": _plain,
+    "identity": _plain,
+    "gzip": _inflating,
+    "x-gzip": _inflating,
+    "deflate": _inflating,
+}
+
+
+def observer_for(dialect: str, content_type: str | None, encoding: str) -> BodyObserver:
+    """The observer for a response body with this ``Content-Encoding``.
+
+    ``dialect`` is a :class:`Dialect` or its value; anything but ``"anthropic"`` reads as
+    OpenAI's format.
+    """
+    factory = _DECODERS.get(encoding.strip().lower(), _unreadable)
+    return factory(
+        Dialect.ANTHROPIC if dialect == Dialect.ANTHROPIC else Dialect.OPENAI, content_type
+    )
