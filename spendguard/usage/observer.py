@@ -1,0 +1,205 @@
+"""Watching a response body chunk by chunk and reporting the usage the provider billed.
+
+The middleware sees the body as a sequence of ASGI ``http.response.body`` chunks and must not
+delay or alter them. :class:`UsageObserver` watches those chunks on the side and, once the body
+is over, reports the provider's token usage as a :class:`Usage`. It only routes bytes: SSE
+bodies through :mod:`.sse`, JSON bodies into a bounded :mod:`.tail` buffer, and the parsed
+events or body to the dialect's module (:mod:`.openai`, :mod:`.anthropic`).
+
+Design constraints, because this runs on every proxied request:
+
+* ``feed`` never raises: a parsing problem must never break the client's response.
+* Memory is bounded whatever the body size: JSON bodies are buffered up to ``max_buffer`` and
+  only a bounded tail is kept past that; SSE keeps one partial line and one event at a time.
+* Total work is O(body size): each byte is split into lines and parsed once; nothing re-scans
+  the whole buffer per chunk.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final, Literal, Protocol
+
+from . import anthropic, openai
+from .sse import Event, SSEDecoder
+from .tail import HEAD_BYTES, TailBuffer, recover_model, recover_usage
+from .types import Dialect, Usage, valid_model
+
+# ``max_buffer`` is raised to at least this, so the tail can always hold a usage object.
+_MIN_BUFFER: Final = 4096
+
+
+class _Stream(Protocol):
+    """A dialect's record of what its stream events reported so far."""
+
+    output_chars: int
+    model: str | None
+
+    def apply(self, obj: dict[str, Any], kind: str) -> None: ...
+    def apply_usage(self, usage: dict[str, Any]) -> None: ...
+    def result(self) -> Usage | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Format:
+    """What the observer needs from a dialect's module."""
+
+    normalise: Callable[[dict[str, Any]], Usage | None]
+    output_chars: Callable[[dict[str, Any]], int]
+    stream: Callable[[], _Stream]
+
+
+_FORMATS: Final[dict[str, _Format]] = {
+    Dialect.OPENAI: _Format(openai.normalise, openai.output_chars, openai.OpenAIStream),
+    Dialect.ANTHROPIC: _Format(
+        anthropic.normalise, anthropic.output_chars, anthropic.AnthropicStream
+    ),
+}
+
+
+class UsageObserver:
+    """Watches a response body chunk by chunk and extracts the usage the provider reported.
+
+    ``feed`` every body chunk in order, then call :meth:`result`. Neither ever raises.
+    """
+
+    __slots__ = ("_body", "_failed", "_format", "_json_cache", "_sse", "_stream")
+
+    def __init__(
+        self,
+        dialect: Dialect | Literal["openai", "anthropic"],
+        content_type: str | None,
+        *,
+        max_buffer: int = 8 * 1024 * 1024,
+    ) -> None:
+        # A string naming no dialect reads as OpenAI's format rather than failing the response.
+        self._format = _FORMATS.get(dialect, _FORMATS[Dialect.OPENAI])
+        max_buffer = max(max_buffer, _MIN_BUFFER)
+        self._failed = False
+        self._sse: SSEDecoder | None = None
+        if (content_type or "").strip().lower().startswith("text/event-stream"):
+            self._sse = SSEDecoder(max_buffer)
+        self._stream = self._format.stream()
+        self._body = TailBuffer(max_buffer, HEAD_BYTES)  # JSON mode
+        self._json_cache: tuple[Usage | None, int, str | None] | None = None
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def feed(self, chunk: bytes) -> None:
+        """Observe the next body chunk. Never raises, whatever the bytes."""
+        if self._failed:
+            return
+        try:
+            data = chunk if isinstance(chunk, bytes) else bytes(chunk)
+            if not data:
+                return
+            if self._sse is not None:
+                for event in self._sse.decode(data):
+                    _apply_event(self._stream, event)
+            else:
+                self._json_cache = None
+                self._body.append(data)
+        except Exception:
+            # A bug here must never break the proxied response; stop observing instead. The
+            # caller then sees no (or partial SSE) usage and falls back to estimation.
+            self._failed = True
+
+    def result(self) -> Usage | None:
+        """Usage the provider reported, or None if the body had none or was unparseable."""
+        try:
+            if self._sse is not None:
+                return self._snapshot(self._sse).result()
+            return self._json_result()[0]
+        except Exception:
+            return None
+
+    @property
+    def output_chars(self) -> int:
+        """Characters of generated text seen so far, for estimation when usage is missing."""
+        try:
+            if self._sse is not None:
+                return self._snapshot(self._sse).output_chars
+            return self._json_result()[1]
+        except Exception:
+            return 0
+
+    @property
+    def model(self) -> str | None:
+        """Model name the response reported, if any."""
+        try:
+            if self._sse is not None:
+                return self._snapshot(self._sse).model
+            return self._json_result()[2]
+        except Exception:
+            return None
+
+    def _buffered_size(self) -> int:
+        """Bytes currently held (for tests asserting that memory stays bounded)."""
+        if self._sse is not None:
+            return self._sse.buffered
+        return self._body.size
+
+    # -- JSON ----------------------------------------------------------------------------------
+
+    def _json_result(self) -> tuple[Usage | None, int, str | None]:
+        if self._json_cache is None:
+            self._json_cache = self._parse_json()
+        return self._json_cache
+
+    def _parse_json(self) -> tuple[Usage | None, int, str | None]:
+        if self._failed:
+            return None, 0, None
+        body = self._body
+        normalise = self._format.normalise
+        if body.overflowed:
+            # Too big to parse whole (e.g. a large embeddings batch): only the tail is left.
+            recovered = recover_usage(body.data)
+            usage = normalise(recovered) if recovered is not None else None
+            return usage, 0, recover_model(body.head, body.data)
+        try:
+            obj = json.loads(body.data)
+        except (ValueError, RecursionError):
+            return None, 0, None
+        if not isinstance(obj, dict):
+            return None, 0, None
+        raw_usage = obj.get("usage")
+        usage = normalise(raw_usage) if isinstance(raw_usage, dict) else None
+        return usage, self._format.output_chars(obj), valid_model(obj.get("model"))
+
+    # -- SSE -----------------------------------------------------------------------------------
+
+    def _snapshot(self, sse: SSEDecoder) -> _Stream:
+        """Stream state including an event the stream has not terminated yet (no final blank
+        line), without consuming it: ``feed`` may still continue that event afterwards."""
+        event = sse.pending()
+        if event is None:
+            return self._stream
+        stream = copy.copy(self._stream)
+        _apply_event(stream, event)
+        return stream
+
+
+def _apply_event(stream: _Stream, event: Event) -> None:
+    """Update ``stream`` from one SSE event's data."""
+    data, truncated, name = event
+    if truncated:
+        # Only the tail of an event larger than max_buffer was kept (e.g. a Responses
+        # ``response.completed`` echoing a huge output): usage sits at its end.
+        recovered = recover_usage(data)
+        if recovered is not None:
+            stream.apply_usage(recovered)
+        return
+    payload = data.strip()
+    if not payload or payload == b"[DONE]":
+        return
+    try:
+        obj = json.loads(payload)
+    except (ValueError, RecursionError):  # includes UnicodeDecodeError
+        return
+    if not isinstance(obj, dict):
+        return
+    kind = obj.get("type")
+    stream.apply(obj, kind if isinstance(kind, str) else name)

@@ -1,0 +1,142 @@
+"""Tests for spendguard.usage.tail: bounded buffering and usage/model recovery past the limit."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable
+from typing import Literal
+
+from spendguard.usage import Usage, UsageObserver
+from spendguard.usage.tail import TailBuffer, recover_model, recover_usage
+
+JSON = "application/json"
+
+
+def observe(
+    dialect: Literal["openai", "anthropic"], chunks: Iterable[bytes], max_buffer: int
+) -> UsageObserver:
+    observer = UsageObserver(dialect, JSON, max_buffer=max_buffer)
+    for chunk in chunks:
+        observer.feed(chunk)
+    return observer
+
+
+def random_chunks(data: bytes, seed: int, max_size: int) -> list[bytes]:
+    rng = random.Random(seed)
+    chunks = []
+    pos = 0
+    while pos < len(data):
+        size = rng.randint(1, max_size)
+        chunks.append(data[pos : pos + size])
+        pos += size
+    return chunks
+
+
+def huge_embeddings_body(size: int, usage: bytes, trailer: bytes = b"") -> bytes:
+    rng = random.Random(1)
+    values = b",".join(b"%.9f" % rng.uniform(-1, 1) for _ in range(4096))
+    row = b'{"object":"embedding","index":0,"embedding":[' + values + b"]}"
+    rows = b",".join([row] * (size // len(row) + 1))
+    return (
+        b'{"object":"list","data":[' + rows + b'],"model":"text-embedding-3-small",'
+        b'"usage":' + usage + trailer + b"}\n"
+    )
+
+
+# --- through the observer -------------------------------------------------------------------
+
+
+def test_huge_json_body_keeps_bounded_buffer_and_finds_usage_at_the_end() -> None:
+    body = huge_embeddings_body(20 * 1024 * 1024, b'{"prompt_tokens":123456,"total_tokens":123456}')
+    max_buffer = 8 * 1024 * 1024
+    observer = UsageObserver("openai", JSON, max_buffer=max_buffer)
+    largest = 0
+    for chunk in random_chunks(body, 11, max_size=200_000):
+        observer.feed(chunk)
+        largest = max(largest, observer._buffered_size())
+    assert largest <= max_buffer + 4096
+    assert observer._buffered_size() <= 1024 * 1024  # only a tail is kept past the limit
+    assert observer.result() == Usage(input_tokens=123456, output_tokens=0)
+    assert observer.model == "text-embedding-3-small"
+
+
+def test_huge_json_body_in_one_chunk() -> None:
+    body = huge_embeddings_body(2 * 1024 * 1024, b'{"prompt_tokens":77,"total_tokens":77}')
+    observer = observe("openai", [body], max_buffer=64 * 1024)
+    assert observer._buffered_size() <= 64 * 1024 + 4096
+    assert observer.result() == Usage(input_tokens=77)
+
+
+def test_tail_recovery_ignores_usage_inside_strings_and_braces_in_strings() -> None:
+    usage = b'{"prompt_tokens":5,"note":"} { \\" }","total_tokens":5}'
+    decoy = b',"x":"\\"usage\\": {\\"prompt_tokens\\": 999}"'
+    body = huge_embeddings_body(1024 * 1024, usage, trailer=decoy)
+    json.loads(body)  # the test body itself is valid JSON
+    assert observe("openai", random_chunks(body, 5, 50_000), max_buffer=64 * 1024).result() == (
+        Usage(input_tokens=5)
+    )
+
+
+def test_huge_json_without_usage_or_truncated_gives_none() -> None:
+    body = huge_embeddings_body(1024 * 1024, b'{"prompt_tokens":5,"total_tokens":5}')
+    without_usage = body[: body.index(b',"usage"')] + b"}"
+    assert observe("openai", [without_usage], max_buffer=64 * 1024).result() is None
+    truncated = body[: body.index(b'"total_tokens"')]
+    assert observe("openai", [truncated], max_buffer=64 * 1024).result() is None
+
+
+def test_anthropic_huge_json_tail_recovery() -> None:
+    text = "word " * 400_000
+    body = json.dumps(
+        {
+            "model": "claude-x",
+            "content": [{"type": "text", "text": text}],
+            "usage": {"input_tokens": 3, "cache_read_input_tokens": 8, "output_tokens": 500},
+        }
+    ).encode()
+    observer = observe("anthropic", random_chunks(body, 2, 30_000), max_buffer=64 * 1024)
+    assert observer.result() == Usage(input_tokens=3, output_tokens=500, cached_input_tokens=8)
+    assert observer.model == "claude-x"
+
+
+# --- the pieces themselves ------------------------------------------------------------------
+
+
+def test_tail_buffer_keeps_everything_up_to_its_limit() -> None:
+    buffer = TailBuffer(10, 4)
+    assert buffer.empty
+    buffer.append(b"0123456789")
+    assert not buffer.overflowed
+    assert bytes(buffer.data) == b"0123456789"
+    assert buffer.head == b"0123"
+
+
+def test_tail_buffer_past_its_limit_keeps_head_and_recent_tail() -> None:
+    buffer = TailBuffer(8, 4)  # tail: 8 // 2 = 4 bytes, trimmed lazily at twice that
+    for byte in b"abcdefghijklmnop":
+        buffer.append(bytes([byte]))
+        assert buffer.size <= 8 + 4
+    assert buffer.overflowed
+    assert not buffer.empty
+    assert buffer.head == b"abcd"
+    assert bytes(buffer.data).endswith(b"mnop")
+    buffer.append(b"0123456789")  # a chunk longer than the tail replaces it
+    assert bytes(buffer.data) == b"6789"
+    buffer.clear()
+    assert buffer.empty
+    assert buffer.size == 0
+
+
+def test_recover_usage_takes_the_last_complete_object() -> None:
+    fragment = b'ng", "usage": {"a": 1}, "x": 2, "usage": {"b": {"c": "}"}}, "usage": {"d"'
+    assert recover_usage(fragment) == {"b": {"c": "}"}}
+    assert recover_usage(b'"usage": {"unterminated": 1') is None
+    assert recover_usage(b"no usage here") is None
+
+
+def test_recover_model_reads_the_first_fragment_that_names_one() -> None:
+    assert recover_model(b'{"id":"x"', b'"model": "gpt-x", "model": "other"') == "gpt-x"
+    assert recover_model(b'"model":"head-model"', b'"model":"tail-model"') == "head-model"
+    assert recover_model(b'"model": "\x01bad"') is None
+    assert recover_model(b"nothing") is None
