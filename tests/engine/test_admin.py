@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from spendguard import Settings, SpendGuard
+from spendguard.clock import utcnow
 from spendguard.identity import Identity
 from spendguard.limits import Period, key_limit, team_limit
 from spendguard.store.redis import RedisStore
@@ -105,11 +106,14 @@ async def test_on_redis_a_change_reaches_every_replica_at_once(
     tmp_path: Path, redis_url: str
 ) -> None:
     stores = [RedisStore.from_url(redis_url, timeout=2.0) for _ in range(2)]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
     db = f"sqlite:///{tmp_path / 'shared.db'}"
     try:
         async with (
-            Gateway(tmp_path / "a", store=stores[0], database_url=db) as a,
-            Gateway(tmp_path / "b", store=stores[1], database_url=db) as b,
+            # Redis keeps real time: so must the gateways' clocks.
+            Gateway(tmp_path / "a", utcnow, store=stores[0], database_url=db) as a,
+            Gateway(tmp_path / "b", utcnow, store=stores[1], database_url=db) as b,
         ):
             assert await post(a) == await post(b) == 200  # both cached "no policy"
             await a.guard.admin.set_policy("acme", "alpha", window="month", limit_usd=0)
@@ -131,11 +135,15 @@ async def test_readme_admin_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyP
             with anyio.fail_after(10):
                 r = await c.put("/admin/teams/acme/limits/day?usd=5&api_key=alpha")
         assert r.status_code == 200
-        [(window, amount, remaining, resets_at)] = r.json()["limits"]
+        # The key's new day limit, beside the team's spend (no limit) of the day and month.
+        limited = [row for row in r.json()["limits"] if row[1] is not None]
+        [(window, amount, remaining, resets_at)] = limited
         assert (window, amount, remaining) == ("day", 5_000_000, 5_000_000)
         assert datetime.fromisoformat(resets_at) == Period.DAY.end(datetime.now(UTC))
         policies = await example.guard.admin.list_policies("acme")
-        assert [(p.limit, p.amount) for p in policies] == [(key_limit(ALPHA, Period.DAY), 5_000_000)]
+        assert [(p.limit, p.amount) for p in policies] == [
+            (key_limit(ALPHA, Period.DAY), 5_000_000)
+        ]
 
 
 def test_admin_is_exported() -> None:
