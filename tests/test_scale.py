@@ -1,9 +1,9 @@
-"""Issue acceptance at scale: 3 worker processes and 2 gateway processes on PostgreSQL and
+"""At scale: 3 worker processes and 2 gateway processes on PostgreSQL and
 Redis, 20,000 records across 50 teams crossing a UTC midnight that is also a month end.
 
 After quiescence: every aggregate equals an independent SQL recomputation from the charges,
 every cached value of the current periods equals its aggregate (closed periods are updated in
-the ledger only, R7.5), and every balance equals top-ups minus charges.
+the ledger only), and every balance equals top-ups minus charges.
 """
 
 from __future__ import annotations
