@@ -7,10 +7,13 @@ were recorded in the ledger as usual, and settlement brings the store's cache up
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from .. import metrics
 from ..identity import Identity
+
+log = logging.getLogger("spendguard")
 
 
 @dataclass(slots=True)
@@ -46,7 +49,17 @@ class OutageTracker:
         return (0, 0) if entry is None else (entry.requests, entry.micros)
 
     def clear(self) -> None:
+        """The store answers again: say what the outage let through, then forget it."""
         if self._spend:
+            requests = sum(e.requests for e in self._spend.values())
+            micros = sum(e.micros for e in self._spend.values())
+            log.warning(
+                "spendguard store is back: %d requests of %d identities were allowed while it "
+                "was unavailable, estimated %d micro-USD; settlement brings the cache up to date",
+                requests,
+                len(self._spend),
+                micros,
+            )
             self._spend.clear()
             metrics.FAIL_OPEN_TRACKED.set(0)
 
