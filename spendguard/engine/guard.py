@@ -270,7 +270,7 @@ class SpendGuard:
         record_id = uuid.uuid4().hex
         plan = self.codec.plan(identity, t0)
 
-        def decide(
+        def conclude(
             verdict: Verdict,
             pf: Preflight | None = None,
             *,
@@ -301,33 +301,33 @@ class SpendGuard:
                 if len(self.outage):
                     self.outage.clear()  # the store answers again
                 if pf.outcome is Outcome.ALLOW:
-                    return decide(Verdict.ALLOW, pf)
+                    return conclude(Verdict.ALLOW, pf)
                 if pf.outcome is Outcome.DENY:
-                    return decide(Verdict.DENY, pf)
+                    return conclude(Verdict.DENY, pf)
                 await self.filler.fill(plan, pf)
         except StoreFull as exc:
             log.error("spendguard store full, refusing: %s", exc)
             metrics.STORE_UNAVAILABLE.labels("deny").inc()
-            return decide(Verdict.UNAVAILABLE, unavailable=Unavailable.STORE_FULL)
+            return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.STORE_FULL)
         except StoreUnavailable as exc:
             # Fail closed (503), or fail open into the bounded local tracker.
             if self.settings.fail_mode is FailMode.OPEN and self.outage.admit(identity):
                 log.warning("spendguard store unavailable, allowing (fail open): %s", exc)
                 metrics.STORE_UNAVAILABLE.labels("allow").inc()
-                return decide(Verdict.ALLOW, fail_open=True)
+                return conclude(Verdict.ALLOW, fail_open=True)
             log.warning("spendguard store unavailable, refusing: %s", exc)
             metrics.STORE_UNAVAILABLE.labels("deny").inc()
-            return decide(Verdict.UNAVAILABLE, unavailable=Unavailable.STORE)
+            return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.STORE)
         except (LedgerUnavailable, TimeoutError) as exc:
             log.warning("spendguard ledger read failed on a cache miss: %r", exc)
-            return decide(Verdict.UNAVAILABLE, unavailable=Unavailable.LEDGER)
+            return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.LEDGER)
         log.warning(
             "spendguard cache still missing %s after %d fills for team %s",
             "the policy" if pf.missing_policy else [c.field for c in pf.missing_usage],
             _MAX_FILL_ROUNDS,
             identity.team,
         )
-        return decide(Verdict.UNAVAILABLE, unavailable=Unavailable.VANISHED)
+        return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.VANISHED)
 
     # -- postflight -----------------------------------------------------------------------
     async def postflight(
