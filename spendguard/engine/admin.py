@@ -1,4 +1,5 @@
-"""The admin API: policies, balances and usage, kept in sync with the cache.
+"""The admin API: policies, balances and usage, kept in sync with the cache (design.md,
+"Admin changes").
 
 This is what the ``spendguard`` CLI sits on, and what a gateway's own admin endpoints call::
 

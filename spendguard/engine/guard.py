@@ -1,4 +1,5 @@
-"""The engine: it owns each inference, from admission to its record, with no ASGI in sight.
+"""The engine: it owns each inference, from admission to its record, with no ASGI in sight
+(design.md, "One inference").
 
 :class:`SpendGuard` is what the middleware drives; any gateway can drive it the same way::
 

@@ -1,4 +1,5 @@
-"""Settlement: exact charges into the ledger, then the cache refreshed from it.
+"""Settlement: exact charges into the ledger, then the cache refreshed from it (design.md,
+"Settlement").
 
 ``run_once()`` is one deterministic pass (tests, ``spendguard settle``); ``run()`` loops it
 every interval, subtracting the pass's own time from the sleep.
