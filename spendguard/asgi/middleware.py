@@ -11,7 +11,7 @@ copies as they pass. Per-request state lives in the closures of ``_inference``.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import anyio
@@ -19,7 +19,6 @@ from starlette.datastructures import MutableHeaders
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..clock import as_utc
 from ..engine.decision import Admission, InferenceRequest, Verdict
 from ..engine.guard import SpendGuard
 from ..ledger import Ledger
@@ -95,7 +94,6 @@ class SpendGuardMiddleware:
         route: str,
         dialect: Dialect,
     ) -> None:
-        now = guard.clock()
         state: dict[str, Any] = scope.setdefault("state", {})
         identity = await resolve(self.resolve_identity, HTTPConnection(scope))
         body = b""
@@ -111,7 +109,7 @@ class SpendGuardMiddleware:
                 await send_error(send, dialect, exc.status, code, exc.message)
                 return
 
-        t0, inference_id = self._retry_of(state, now)
+        t0, inference_id = self._retry_of(state)
         admission = await guard.admit(
             identity, request, route=route, dialect=dialect, t0=t0, inference_id=inference_id
         )
@@ -200,14 +198,11 @@ class SpendGuardMiddleware:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _retry_of(self, state: dict[str, Any], now: datetime) -> tuple[datetime, str | None]:
-        """A retry or fallback the host app marked keeps the original id and ``t0``."""
+    @staticmethod
+    def _retry_of(state: dict[str, Any]) -> tuple[datetime | None, str | None]:
+        """What the host app marked as the original inference of a retry or fallback (the
+        engine decides whether to honour it)."""
         t0, inference_id = state.get(STATE_T0), state.get(STATE_INFERENCE_ID)
-        if not isinstance(inference_id, str) or not isinstance(t0, datetime) or t0.tzinfo is None:
-            return now, None
-        t0 = as_utc(t0)
-        # A t0 from the future or from beyond the cache's grace would address keys that must
-        # not exist; such a marker is ignored rather than trusted.
-        if t0 > now or now - t0 > timedelta(seconds=self.settings.key_grace / 2):
-            return now, None
-        return t0, inference_id[:64]
+        if not isinstance(inference_id, str) or not isinstance(t0, datetime):
+            return None, None
+        return t0, inference_id

@@ -27,7 +27,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from .. import metrics
-from ..clock import utcnow
+from ..clock import as_utc, utcnow
 from ..errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnavailable
 from ..identity import Identity
 from ..ledger import Ledger
@@ -220,10 +220,24 @@ class SpendGuard:
         if self.coster.rejects_unknown and not self.coster.is_priced(request.model):
             message = f"Model {request.model!r} has no price."
             return Admission(Verdict.UNPRICED, route, dialect, request, message=message)
-        decision = await self.preflight(
-            identity, t0 if t0 is not None else self.clock(), inference_id=inference_id
-        )
+        t0, inference_id = self._continued(t0, inference_id)
+        decision = await self.preflight(identity, t0, inference_id=inference_id)
         return Admission(decision.verdict, route, dialect, request, decision)
+
+    def _continued(
+        self, t0: datetime | None, inference_id: str | None
+    ) -> tuple[datetime, str | None]:
+        """The start time and id an inference counts under: a retry or fallback keeps its
+        original's, unless the mark can't be trusted."""
+        now = self.clock()
+        if t0 is None or inference_id is None or t0.tzinfo is None:
+            return now, None
+        t0 = as_utc(t0)
+        # A t0 from the future or from beyond the cache's grace would address keys that must
+        # not exist; such a mark is ignored rather than trusted.
+        if t0 > now or now - t0 > timedelta(seconds=self.settings.key_grace / 2):
+            return now, None
+        return t0, inference_id[:64]
 
     def observe(
         self,
