@@ -91,14 +91,27 @@ class KeyPlan:
         raise KeyError(target)
 
 
+@dataclass(frozen=True, slots=True)
+class _Stems:
+    """What a plan of one identity shares with every other plan of it."""
+
+    policy_key: str
+    entries: tuple[tuple[Target, str, str], ...]  # target, field, usage key (without bucket)
+
+
 class KeyCodec:
     """Key names under one prefix. ``grace`` is how long a usage key outlives its window."""
 
-    __slots__ = ("grace", "prefix")
+    __slots__ = ("_stems", "grace", "prefix")
+
+    # The per-identity part of a plan (targets, fields, key names up to the bucket) is kept
+    # for this many identities: a request then only computes its window buckets.
+    MAX_CACHED_IDENTITIES = 10_000
 
     def __init__(self, prefix: str, grace: timedelta) -> None:
         self.prefix = prefix
         self.grace = grace
+        self._stems: dict[tuple[str, str | None], _Stems] = {}
 
     def policy_key(self, team: str) -> str:
         return f"{self.prefix}:{{{team}}}:spend:policy"
@@ -106,11 +119,14 @@ class KeyCodec:
     def balance_key(self, team: str) -> str:
         return f"{self.prefix}:{{{team}}}:spend:balance"
 
+    def _usage_stem(self, target: Limit) -> str:
+        return f"{self.prefix}:{{{target.team}}}:spend:usage:{field_of(target)}:"
+
     def usage_key(self, target: Target, bucket: str) -> str:
         """The key holding ``target``'s usage in window ``bucket`` (the balance has one)."""
         if isinstance(target, Balance):
             return self.balance_key(target.team)
-        return f"{self.prefix}:{{{target.team}}}:spend:usage:{field_of(target)}:{bucket}"
+        return self._usage_stem(target) + bucket
 
     def check(self, target: Target, t0: datetime) -> Check:
         if isinstance(target, Balance):
@@ -128,11 +144,38 @@ class KeyCodec:
 
     def plan(self, identity: Identity, t0: datetime) -> KeyPlan:
         """Every check that may apply to ``identity`` at ``t0`` (the store skips unset ones)."""
-        return KeyPlan(
-            team=identity.team,
-            policy_key=self.policy_key(identity.team),
-            checks=tuple(self.check(target, t0) for target in applicable(identity)),
+        stems = self._stems.get((identity.team, identity.api_key))
+        if stems is None:
+            stems = self._remember(identity)
+        windows: dict[Window, tuple[str, datetime]] = {}
+        checks = []
+        for target, field, stem in stems.entries:
+            if isinstance(target, Balance):
+                checks.append(Check(target, "", field, stem, t0 + self.grace))
+                continue
+            window = target.window
+            at = windows.get(window)
+            if at is None:
+                at = windows[window] = (window.bucket(t0), window.end(t0) + self.grace)
+            checks.append(Check(target, at[0], field, stem + at[0], at[1]))
+        return KeyPlan(identity.team, stems.policy_key, tuple(checks))
+
+    def _remember(self, identity: Identity) -> _Stems:
+        if len(self._stems) >= self.MAX_CACHED_IDENTITIES:
+            self._stems.clear()  # a bound, not an LRU: rebuilding is cheap, growing is not
+        entries = tuple(
+            (
+                target,
+                field_of(target),
+                self.balance_key(target.team)
+                if isinstance(target, Balance)
+                else self._usage_stem(target),
+            )
+            for target in applicable(identity)
         )
+        stems = _Stems(self.policy_key(identity.team), entries)
+        self._stems[(identity.team, identity.api_key)] = stems
+        return stems
 
     @staticmethod
     def policy_fields(policies: Iterable[Policy], *, balance: bool) -> dict[str, int]:
