@@ -1,25 +1,25 @@
-"""Shared fixtures: real SQLite files and a fresh PostgreSQL database per test session.
+"""Shared fixtures: real SQLite files, a fresh PostgreSQL database per test session, private
+redis-server processes (never the machine's shared Redis on 6379).
 
 PostgreSQL comes from ``SPENDGUARD_TEST_POSTGRES_URL`` (default: the local server as user
-``postgres``). Each run creates its own database and drops it afterwards. Without a server the
-PostgreSQL tests skip locally but FAIL under ``CI=true``.
+``postgres``). Each run creates its own database and drops it afterwards. Without a server (or
+without ``redis-server``) those tests skip locally but FAIL under ``CI=true``.
+
+The launchers and helpers behind these fixtures are in ``tests/support/`` (shared with the
+benchmarks).
 """
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from spendguard.ledger import Ledger
-
-PG_ADMIN_URL = os.environ.get(
-    "SPENDGUARD_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
-IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+from tests.support.postgres import TemporaryDatabase, truncate_spendguard_tables
+from tests.support.redis import RedisCluster, RedisServer
+from tests.support.services import created_database, started_cluster, started_redis
 
 
 @pytest.fixture
@@ -27,35 +27,29 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _pg_server_url() -> str:
-    return PG_ADMIN_URL.rsplit("/", 1)[0]
+# -- SQL ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
-    import asyncio
-
-    import asyncpg
-
-    name = f"spendguard_test_{uuid.uuid4().hex[:12]}"
-
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(PG_ADMIN_URL, timeout=5)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
+    """A database of this session's own on the PostgreSQL server (dropped at the end)."""
+    db = created_database(TemporaryDatabase())
     try:
-        asyncio.run(admin(f'CREATE DATABASE "{name}"'))
-    except (OSError, asyncpg.PostgresError) as exc:
-        if IN_CI:
-            pytest.fail(f"PostgreSQL is required under CI=true: {exc!r}")
-        pytest.skip(f"no PostgreSQL server: {exc!r}")
-    try:
-        yield f"{_pg_server_url()}/{name}"
+        yield db.url
     finally:
-        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        db.drop()
+
+
+@pytest.fixture
+def clean_postgres_url(postgres_url: str) -> str:
+    """The session's PostgreSQL database, emptied for this test."""
+    truncate_spendguard_tables(postgres_url)
+    return postgres_url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'ledger.db'}"
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -63,40 +57,8 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh, empty ledger database on each backend."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'ledger.db'}"
-    base: str = request.getfixturevalue("postgres_url")
-    _truncate_pg(base)
-    return base
-
-
-def _truncate_pg(url: str) -> None:
-    import asyncio
-
-    import asyncpg
-
-    async def run() -> None:
-        conn = await asyncpg.connect(url, timeout=5)
-        try:
-            await conn.execute(
-                "DO $$ DECLARE t text; BEGIN FOR t IN SELECT tablename FROM pg_tables "
-                "WHERE schemaname = 'public' AND tablename LIKE 'spendguard_%' LOOP "
-                "EXECUTE 'TRUNCATE ' || quote_ident(t); END LOOP; END $$"
-            )
-        finally:
-            await conn.close()
-
-    asyncio.run(run())
-
-
-@pytest.fixture
-def clean_postgres_url(postgres_url: str) -> str:
-    """The session's PostgreSQL database, emptied for this test."""
-    _truncate_pg(postgres_url)
-    return postgres_url
-
-
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'ledger.db'}"
+    url: str = request.getfixturevalue("clean_postgres_url")
+    return url
 
 
 @pytest.fixture
@@ -110,6 +72,45 @@ async def ledger(database_url: str) -> AsyncIterator[Ledger]:
         await led.disconnect()
 
 
-# Private redis-server processes (never the shared 6379 one): redis_url, redis_server,
-# shared_redis, redis_cluster.
-from tests.redis_servers import *  # noqa: E402, F403
+# -- Redis ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A fresh private server for one test; the test may kill, restart or pause it."""
+    server = started_redis(RedisServer())
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_redis() -> Iterator[RedisServer]:
+    """One private server for the whole session. Do not kill or pause it: use redis_server."""
+    server = started_redis(RedisServer())
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(shared_redis: RedisServer) -> str:
+    """URL of the session's private server, emptied (FLUSHALL) before the test."""
+    if not shared_redis.running:
+        # A test broke the rule above; bring the server back so later tests are unaffected.
+        started_redis(shared_redis)
+    shared_redis.resume()
+    shared_redis.cli("FLUSHALL")  # only ever our own port, never the shared 6379 server
+    return shared_redis.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """One 3-master cluster for the session (``.url`` is spendguard's redis+cluster:// URL)."""
+    cluster = started_cluster(RedisCluster())
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

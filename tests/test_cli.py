@@ -79,3 +79,13 @@ def test_bad_settings_exit_2(
     monkeypatch.setenv("SPENDGUARD_DATABASE_URL", "mysql://nope")
     assert main(["policy", "ls"]) == 2
     assert "SPENDGUARD_DATABASE_URL" in capsys.readouterr().err
+
+
+def test_cli_balance_topup_and_show(db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "balance", "show", "--team", "acme", "--json")[0] == 1  # no account yet
+    topped = run_json(capsys, "balance", "topup", "--team", "acme", "--usd", "100")
+    assert topped["balance_micros"] == 100_000_000
+    run_json(capsys, "balance", "topup", "--team", "acme", "--usd", "0.5")
+    shown = run_json(capsys, "balance", "show", "--team", "acme")
+    assert shown["topped_up_micros"] == 100_500_000 and shown["charged_micros"] == 0
+    assert main(["balance", "topup", "--team", "acme", "--usd", "-1"]) == 2

@@ -1,9 +1,9 @@
-"""The middleware end to end on the embedded store and real SQLite: raw ASGI and httpx."""
+"""The ASGI adapter end to end (tests/support/gateway.py): the embedded store and real SQLite,
+driven through httpx and by hand (raw ASGI messages)."""
 
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -11,150 +11,38 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
 import pytest
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 from starlette.types import ASGIApp, Message
 
-from spendguard import Settings, SpendGuard, SpendGuardMiddleware
+from spendguard import Settings, SpendGuardMiddleware
+from spendguard.errors import LedgerUnavailable
 from spendguard.identity import Identity
-from spendguard.ledger import Ledger
-from spendguard.limits import Limit, Period, key_limit, team_limit
-from spendguard.money import micros_to_usd
-from spendguard.store import Store
+from spendguard.limits import Period, key_limit, team_limit
 from spendguard.store.memory import MemoryStore
-from tests.support import Clock, Counting, Exploding, StateAuth, lifespan, write_unit_prices
+from tests.support import (
+    Clock,
+    Exploding,
+    Gateway,
+    StateAuth,
+    chat_body,
+    client,
+    http_scope,
+    lifespan,
+    upstream,
+    write_unit_prices,
+)
 
 pytestmark = pytest.mark.anyio
 
-MODEL = "unit-model"  # 1 micro-USD per token (tests/support.py)
 ALPHA = Identity("acme", "alpha")
 KEY_DAY, TEAM_MONTH = key_limit(ALPHA, Period.DAY), team_limit(ALPHA, Period.MONTH)
-
-
-async def chat(request: Request) -> Response:
-    if request.method == "GET":
-        return JSONResponse({"object": "list"})
-    body = await request.json()
-    status = int(body.get("x_status", 200))
-    if status != 200:
-        return JSONResponse({"error": {"message": "upstream broke"}}, status_code=status)
-    usage = {"prompt_tokens": body.get("x_in", 10), "completion_tokens": body.get("x_out", 5)}
-    if not body.get("stream"):
-        payload = {
-            "object": "chat.completion",
-            "model": body["model"],
-            "choices": [],
-            "usage": usage,
-        }
-        if body.get("x_encoding") == "gzip":
-            raw = gzip.compress(json.dumps(payload).encode())
-            headers = {"content-encoding": "gzip"}
-            return Response(raw, media_type="application/json", headers=headers)
-        if body.get("x_encoding") == "br":  # undecodable here: pretend-compressed bytes
-            headers = {"content-encoding": "br"}
-            return Response(b"\x00" * 100, media_type="application/json", headers=headers)
-        return JSONResponse(payload)
-
-    async def events() -> AsyncIterator[bytes]:
-        for i in range(int(body.get("x_chunks", 3))):
-            if body.get("x_fail_at") == i:
-                raise RuntimeError("upstream died mid-stream")
-            if body.get("x_stall_at") == i:
-                await anyio.sleep_forever()
-            delta = {"choices": [{"index": 0, "delta": {"content": "word "}}]}
-            yield f"data: {json.dumps(delta)}\n\n".encode()
-        if body.get("stream_options", {}).get("include_usage"):
-            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-async def other(request: Request) -> Response:
-    return JSONResponse({"ok": True})
-
-
-def upstream() -> Starlette:
-    return Starlette(
-        routes=[
-            Route("/v1/chat/completions", chat, methods=["POST", "GET"]),
-            Route("/v1/messages", chat, methods=["POST"]),
-            Route("/health", other, methods=["GET", "POST"]),
-        ]
-    )
-
-
-class Gateway:
-    def __init__(
-        self,
-        tmp_path: Path,
-        clock: Any = None,
-        *,
-        store: Store | None = None,
-        database_url: str | None = None,
-        **settings: Any,
-    ) -> None:
-        self.clock = clock or Clock()
-        self.settings = Settings(
-            database_url=database_url or f"sqlite:///{tmp_path / 'ledger.db'}",
-            prices=write_unit_prices(tmp_path),
-            **settings,
-        )
-        # Every store and ledger call is counted: tests show what a request never reaches.
-        self.store: Any = Counting(store if store is not None else MemoryStore(clock=self.clock))
-        url = self.settings.database_url.get_secret_value()
-        self.ledger: Any = Counting(Ledger(url))
-        self.guard = SpendGuard(
-            self.settings, store=self.store, ledger=self.ledger, clock=self.clock
-        )
-        self.inner = upstream()
-        self.app: ASGIApp = StateAuth(SpendGuardMiddleware(self.inner, guard=self.guard))
-        self.postflights = 0
-        real = self.guard.postflight
-
-        async def counting(*args: Any, **kwargs: Any) -> Any:
-            self.postflights += 1
-            return await real(*args, **kwargs)
-
-        self.guard.postflight = counting  # type: ignore[method-assign]
-
-    async def __aenter__(self) -> Gateway:
-        # The record writer runs; settlement only when a test calls settle() (deterministic).
-        await self.guard.start(worker=False)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.guard.stop()
-
-    def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://gw")
-
-    async def policy(self, period: Period, usd_micros: int, key: str | None = "alpha") -> None:
-        """Set a limit through the admin API, which also drops the cached policy."""
-        await self.guard.admin.set_policy(
-            "acme", key, window=period, limit_usd=micros_to_usd(usd_micros)
-        )
-
-    async def settle(self) -> None:
-        await self.guard.recorder.flush()
-        await self.guard.worker.run_once()
-
-    async def aggregates(self) -> dict[tuple[Limit, str], int]:
-        return {(a.limit, a.bucket): a.settled for a in await self.guard.ledger.aggregates()}
 
 
 @pytest.fixture
 async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
     async with Gateway(tmp_path) as gateway:
         yield gateway
-
-
-def chat_body(**extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
 
 
 async def test_key_day_under_limit_but_team_month_exhausted_is_429(gw: Gateway) -> None:
@@ -195,19 +83,11 @@ async def test_limit_zero_blocks_and_anthropic_routes_get_their_envelope(gw: Gat
 
 
 async def test_no_policy_means_no_usage_lookups(gw: Gateway) -> None:
-    loads = 0
-    real = gw.guard.ledger.load_aggregates
-
-    async def counting(*args: Any) -> Any:
-        nonlocal loads
-        loads += 1
-        return await real(*args)
-
-    gw.guard.ledger.load_aggregates = counting  # type: ignore[method-assign]
     async with gw.client() as c:
         for _ in range(5):
             assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
-    assert loads == 0
+    assert gw.ledger.calls["load_limits"] == 1  # "no policy", cached after the first miss
+    assert gw.ledger.calls["load_aggregates"] == 0
     # No usage key was made (or looked up to be filled): only the "no policy" hash is cached.
     keys = [c.usage_key for c in gw.guard.codec.plan(ALPHA, gw.clock()).checks]
     assert await gw.store.read_usage(keys) == dict.fromkeys(keys)
@@ -327,20 +207,9 @@ async def raw_call(
             raise OSError("client went away")
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("gw", 80),
-    }
+    scope = http_scope(
+        "POST", "/v1/chat/completions", [(b"content-type", b"application/json")], body
+    )
     with contextlib.suppress(OSError):
         await app(scope, receive, send)
     return sent
@@ -401,7 +270,7 @@ async def test_non_inference_routes_touch_nothing(tmp_path: Path) -> None:
         database_url=f"sqlite:///{tmp_path / 'x.db'}", prices=write_unit_prices(tmp_path)
     )
     app = StateAuth(SpendGuardMiddleware(upstream(), settings, store=store, ledger=ledger))  # type: ignore[arg-type]
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+    async with client(app) as c:
         assert (await c.get("/health")).status_code == 200
         assert (await c.post("/health", json={})).status_code == 200
         r = await c.get("/v1/chat/completions")  # an inference path, but not a POST
@@ -415,7 +284,7 @@ async def test_disabled_is_a_strict_no_op(tmp_path: Path) -> None:
     app = StateAuth(SpendGuardMiddleware(upstream(), settings))
     async with (
         lifespan(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c,
+        client(app) as c,
     ):
         r = await c.post("/v1/chat/completions", json=chat_body())
     assert r.status_code == 200
@@ -455,7 +324,7 @@ async def test_missing_identity_is_401_and_headers_are_not_identity(tmp_path: Pa
     app = SpendGuardMiddleware(upstream(), guard=gateway.guard)  # no auth in front
     async with (
         gateway,
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c,
+        client(app) as c,
     ):
         r = await c.post(
             "/v1/chat/completions",
@@ -475,9 +344,7 @@ async def test_resolver_sync_and_async(tmp_path: Path) -> None:
         await gateway.policy(Period.DAY, 0, key="blocked")
         for resolver in (lambda conn: ("acme", "blocked"), _async_resolver):
             app = SpendGuardMiddleware(upstream(), guard=gateway.guard, resolve_identity=resolver)
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url="http://g"
-            ) as c:
+            async with client(app) as c:
                 assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 429
     finally:
         await gateway.__aexit__()
@@ -489,8 +356,7 @@ async def test_resolver_that_raises_is_a_401_not_a_500(tmp_path: Path) -> None:
 
     async with Gateway(tmp_path) as gateway:
         app = SpendGuardMiddleware(upstream(), guard=gateway.guard, resolve_identity=broken)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://g") as c:
+        async with client(app) as c:
             r = await c.post("/v1/chat/completions", json=chat_body())
     assert r.status_code == 401
 
@@ -503,35 +369,10 @@ async def test_trailing_slash_and_mount_prefix_match(gw: Gateway) -> None:
     await gw.policy(Period.DAY, 0)
     mounted = Starlette()
     mounted.mount("/gw", gw.app)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=mounted), base_url="http://x"
-    ) as c:
+    async with client(mounted) as c:
         assert (await c.post("/gw/v1/chat/completions", json=chat_body())).status_code == 429
     async with gw.client() as c:
         assert (await c.post("/v1/chat/completions/", json=chat_body())).status_code == 429
-
-
-async def test_lifespan_starts_and_stops_the_background_tasks(tmp_path: Path) -> None:
-    settings = Settings(
-        database_url=f"sqlite:///{tmp_path / 'l.db'}",
-        prices=write_unit_prices(tmp_path),
-        settle_interval=0.05,
-    )
-    middleware = SpendGuardMiddleware(upstream(), settings)
-    app = StateAuth(middleware)
-    guard = middleware.guard
-    assert guard is not None
-    async with lifespan(app):
-        assert guard.running
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://g"
-        ) as c:
-            assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
-        with anyio.fail_after(5):
-            while not await guard.ledger.charges_total():  # the in-app worker settles it
-                await anyio.sleep(0.05)
-    assert not guard.running
-    assert guard.recorder.pending == 0
 
 
 async def test_retry_marked_by_the_host_keeps_t0_and_inference_id(gw: Gateway) -> None:
@@ -551,7 +392,7 @@ async def test_retry_marked_by_the_host_keeps_t0_and_inference_id(gw: Gateway) -
 
     gw.clock.now = first_t0.replace(hour=13)
     app = RetryMarker(gw.app)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as c:
+    async with client(app) as c:
         r = await c.post("/v1/chat/completions", json=chat_body())
     assert r.headers["x-spendguard-inference-id"] == "inf-1"
     assert seen[0]["spendguard_t0"] == first_t0
@@ -559,8 +400,6 @@ async def test_retry_marked_by_the_host_keeps_t0_and_inference_id(gw: Gateway) -
 
 async def test_ledger_failure_on_a_cache_miss_is_503_with_retry_after(gw: Gateway) -> None:
     async def down(*args: Any) -> Any:
-        from spendguard.errors import LedgerUnavailable
-
         raise LedgerUnavailable("connection refused")
 
     gw.guard.ledger.load_limits = down  # type: ignore[method-assign]
@@ -591,35 +430,3 @@ async def test_unknown_model_can_be_rejected_before_the_provider(tmp_path: Path)
         ok = await c.post("/v1/chat/completions", json=chat_body())
     assert r.status_code == 400 and "mystery-model" in r.json()["error"]["message"]
     assert ok.status_code == 200
-
-
-@pytest.mark.parametrize("behaviour", ["raises", "returns"])
-async def test_app_without_lifespan_support_still_gets_the_worker(
-    tmp_path: Path, behaviour: str
-) -> None:
-    inner = upstream()
-
-    async def bare(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            if behaviour == "raises":
-                raise RuntimeError("lifespan? never heard of it")
-            return
-        await inner(scope, receive, send)
-
-    settings = Settings(
-        database_url=f"sqlite:///{tmp_path / 'l.db'}",
-        prices=write_unit_prices(tmp_path),
-        settle_interval=0.05,
-    )
-    middleware = SpendGuardMiddleware(bare, settings)
-    app = StateAuth(middleware)
-    assert middleware.guard is not None
-    async with lifespan(app):
-        assert middleware.guard.running
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://g") as c:
-            assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
-        with anyio.fail_after(5):
-            while not await middleware.guard.ledger.charges_total():
-                await anyio.sleep(0.05)
-    assert not middleware.guard.running

@@ -16,8 +16,7 @@ from spendguard.clock import utcnow
 from spendguard.identity import Identity
 from spendguard.limits import Period, key_limit, team_limit
 from spendguard.store.redis import RedisStore
-from tests.support import lifespan
-from tests.test_middleware import Gateway, chat_body
+from tests.support import Gateway, chat_body, lifespan
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,7 @@ from spendguard.settings import UnknownModel
 from spendguard.store import Store
 from spendguard.store.memory import MemoryStore
 from spendguard.usage import Usage
-from tests.support import Clock, write_unit_prices
+from tests.support import Clock, Override, write_unit_prices
 
 pytestmark = pytest.mark.anyio
 
@@ -94,16 +94,13 @@ async def test_refresh_lost_to_a_crash_heals_on_the_next_pass(guard: SpendGuard)
     await set_limit(guard, 10_000)
     await spend(guard, 50)
     await guard.recorder.flush()
-    worker = doubled_worker(guard, guard.store)
-    real_refresh = guard.store.refresh
 
     async def crash(*args: object) -> None:
         raise RuntimeError("worker died between DB commit and cache refresh")
 
-    guard.store.refresh = crash  # type: ignore[method-assign]
+    worker = doubled_worker(guard, Override(guard.store, refresh=crash))
     with pytest.raises(RuntimeError):
         await worker.run_once()
-    guard.store.refresh = real_refresh  # type: ignore[method-assign]
     assert await guard.ledger.charges_total() == 100  # the DB committed (exact: 2x)
     assert await cached(guard) == 50  # the estimate is still there: not lost
     await guard.worker.run_once()  # nothing new to settle; the refresh heals
@@ -190,10 +187,16 @@ from datetime import timedelta
 async def main():
     ledger = Ledger(sys.argv[1])
     await ledger.connect()
-    store = RedisStore.from_url(sys.argv[2])
-    async def die(entries):  # the DB transaction has committed; the refresh never happens
-        os.kill(os.getpid(), signal.SIGKILL)
-    store.refresh = die
+    real = RedisStore.from_url(sys.argv[2])
+
+    class Dying:  # the DB transaction has committed; the refresh never happens
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        async def refresh(self, entries):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    store = Dying()
     coster = Coster(PriceTable.load(sys.argv[3]), UnknownModel.DEFAULT_PRICE)
     worker = SettlementWorker(ledger, store, coster, KeyCodec("quota", timedelta(days=2)))
     await worker.run_once()

@@ -1,4 +1,5 @@
-"""The SQL ledger against real SQLite and PostgreSQL."""
+"""Tests for spendguard.ledger.policies: policies set, changed and removed; what a cache miss
+loads; the aggregates of active limits."""
 
 from __future__ import annotations
 
@@ -6,63 +7,12 @@ from datetime import UTC, datetime
 
 import pytest
 
-from spendguard.identity import Identity
-from spendguard.ledger import Account, Aggregate, Ledger, RecordRow, SettledRecord, SpendRow
-from spendguard.limits import Balance, Limit, Period, Policy, Subject, limit_for
-from spendguard.record import InferenceRecord, PostflightStatus
-from spendguard.usage import Usage
-from tests.support import topups_total
+from spendguard.ledger import Account, Aggregate, Ledger
+from spendguard.limits import Limit, Period, Policy, Subject
+from tests.ledger.helpers import ACME, ALPHA, OCT1, SEP30_LATE, policy, set_policy
+from tests.support import make_record, unit_price
 
 pytestmark = pytest.mark.anyio
-
-SEP30_LATE = datetime(2026, 9, 30, 23, 59, 59, 999000, tzinfo=UTC)
-OCT1 = datetime(2026, 10, 1, 0, 0, 5, tzinfo=UTC)
-
-ACME = Subject("acme")
-ALPHA = Subject("acme", "alpha")
-
-
-def record(
-    rid: str,
-    t0: datetime,
-    tokens: int,
-    team: str = "acme",
-    key: str | None = "alpha",
-    postflight: PostflightStatus = PostflightStatus.APPLIED,
-) -> InferenceRecord:
-    return InferenceRecord(
-        id=rid,
-        inference_id=rid,
-        identity=Identity(team, key),
-        model="m",
-        route="/v1/chat/completions",
-        t0=t0,
-        status_code=200,
-        usage=Usage(input_tokens=tokens),
-        estimate_micros=tokens,
-        postflight=postflight,
-    )
-
-
-def price(rec: RecordRow) -> int:
-    return rec.input_tokens  # one micro-USD per token keeps expectations obvious
-
-
-def policy(period: Period, amount: int, key: str | None = "alpha", team: str = "acme") -> Policy:
-    ident = Identity(team, key)
-    return Policy(limit_for(ident, period), amount, team_id=team, api_key_id=key)
-
-
-async def set_policy(
-    led: Ledger, period: Period, amount: int, key: str | None = "alpha", now: datetime = SEP30_LATE
-) -> Policy:
-    return await led.set_policy(policy(period, amount, key), now=now)
-
-
-async def test_schema_init_is_idempotent(ledger: Ledger) -> None:
-    await ledger.init_schema()
-    await ledger.init_schema()
-    assert await ledger.list_policies() == []
 
 
 async def test_policy_set_change_list_remove(ledger: Ledger) -> None:
@@ -106,66 +56,26 @@ async def test_load_limits_is_what_a_cache_miss_needs(ledger: Ledger) -> None:
     )
 
 
-async def test_records_are_written_once(ledger: Ledger) -> None:
-    rec = record("r1", SEP30_LATE, 10)
-    await ledger.insert_records([rec])
-    await ledger.insert_records([rec])  # a re-send after an unknown outcome
-    assert await ledger.unsettled() == (1, 10)
-    assert await ledger.unsettled("acme") == (1, 10)
-    assert await ledger.unsettled("other") == (0, 0)
-
-
-async def test_settlement_lands_in_t0_periods_and_only_policy_scopes(ledger: Ledger) -> None:
-    await set_policy(ledger, Period.DAY, 1_000)
-    await set_policy(ledger, Period.MONTH, 1_000, key=None)
-    await ledger.insert_records([record("late", SEP30_LATE, 7), record("next", OCT1, 11)])
-    done = await ledger.settle(100, price, now=OCT1)
-    assert done.charged == 2 and done.total_micros == 18
-    # 23:59:59.999 on Sep 30, settled on Oct 1 → Sep 30 and September; no api_key month policy.
-    assert set(await ledger.aggregates("acme")) == {
-        Aggregate(Limit(ALPHA, Period.DAY), "20260930", 7),
-        Aggregate(Limit(ALPHA, Period.DAY), "20261001", 11),
-        Aggregate(Limit(ACME, Period.MONTH), "202609", 7),
-        Aggregate(Limit(ACME, Period.MONTH), "202610", 11),
-    }
-    assert await ledger.aggregates("other") == []
-    assert len(await ledger.aggregates()) == 4
-    assert await ledger.unsettled() == (0, 0)
-    assert (await ledger.settle(100, price, now=OCT1)).charged == 0  # nothing twice
-    assert await ledger.charges_total("acme") == 18
-    assert await ledger.charges_total() == 18
-
-
-async def test_one_update_per_aggregate_row_sums_a_batch(ledger: Ledger) -> None:
-    await set_policy(ledger, Period.MONTH, 10**12, key=None, now=OCT1)
-    await ledger.insert_records([record(f"r{i}", OCT1, i) for i in range(1, 301)])
-    done = await ledger.settle(1000, price, now=OCT1)
-    assert done.charged == 300
-    assert await ledger.aggregates("acme") == [
-        Aggregate(Limit(ACME, Period.MONTH), "202610", sum(range(1, 301)))
-    ]
-
-
 async def test_new_policy_folds_in_the_periods_existing_charges(ledger: Ledger) -> None:
-    await ledger.insert_records([record("a", OCT1, 40), record("b", OCT1, 2)])
-    await ledger.settle(100, price, now=OCT1)  # no policy yet: charges, no aggregates
+    await ledger.insert_records([make_record("a", OCT1, 40), make_record("b", OCT1, 2)])
+    await ledger.settle(100, unit_price, now=OCT1)  # no policy yet: charges, no aggregates
     assert await ledger.aggregates("acme") == []
     await set_policy(ledger, Period.DAY, 1_000, now=OCT1)
     wanted = (Limit(ALPHA, Period.DAY), "20261001")
     assert await ledger.load_aggregates("acme", [wanted]) == {wanted: 42}
     await set_policy(ledger, Period.DAY, 2_000, now=OCT1)  # amount change keeps the aggregate
-    await ledger.insert_records([record("c", OCT1, 8)])
-    await ledger.settle(100, price, now=OCT1)
+    await ledger.insert_records([make_record("c", OCT1, 8)])
+    await ledger.settle(100, unit_price, now=OCT1)
     assert await ledger.load_aggregates("acme", [wanted]) == {wanted: 50}
 
 
 async def test_removed_policy_stops_counting(ledger: Ledger) -> None:
     await set_policy(ledger, Period.DAY, 1_000, now=OCT1)
-    await ledger.insert_records([record("a", OCT1, 5)])
-    await ledger.settle(100, price, now=OCT1)
+    await ledger.insert_records([make_record("a", OCT1, 5)])
+    await ledger.settle(100, unit_price, now=OCT1)
     await ledger.remove_policy(Limit(ALPHA, Period.DAY))
-    await ledger.insert_records([record("b", OCT1, 6)])
-    await ledger.settle(100, price, now=OCT1)
+    await ledger.insert_records([make_record("b", OCT1, 6)])
+    await ledger.settle(100, unit_price, now=OCT1)
     wanted = (Limit(ALPHA, Period.DAY), "20261001")
     assert await ledger.load_aggregates("acme", [wanted]) == {wanted: 5}
     assert await ledger.charges_total("acme") == 11
@@ -180,8 +90,8 @@ async def test_missing_aggregate_loads_as_zero(ledger: Ledger) -> None:
 async def test_load_aggregates_reads_several_limits_and_buckets_at_once(ledger: Ledger) -> None:
     await set_policy(ledger, Period.DAY, 1_000)
     await set_policy(ledger, Period.MONTH, 1_000, key=None)
-    await ledger.insert_records([record("late", SEP30_LATE, 7), record("next", OCT1, 11)])
-    await ledger.settle(100, price, now=OCT1)
+    await ledger.insert_records([make_record("late", SEP30_LATE, 7), make_record("next", OCT1, 11)])
+    await ledger.settle(100, unit_price, now=OCT1)
     wanted = [
         (Limit(ALPHA, Period.DAY), "20260930"),
         (Limit(ALPHA, Period.DAY), "20261001"),
@@ -200,12 +110,16 @@ async def test_policy_aggregates_reports_each_active_limits_current_bucket(ledge
     await set_policy(ledger, Period.MONTH, 1_000)  # removed below: not reported
     await ledger.set_policy(policy(Period.DAY, 5, key=None, team="other"))
     await ledger.insert_records(
-        [record("late", SEP30_LATE, 7), record("next", OCT1, 11), record("o", OCT1, 3, "other")]
+        [
+            make_record("late", SEP30_LATE, 7),
+            make_record("next", OCT1, 11),
+            make_record("o", OCT1, 3, "other"),
+        ]
     )
-    await ledger.settle(100, price, now=OCT1)
+    await ledger.settle(100, unit_price, now=OCT1)
     await ledger.remove_policy(Limit(ALPHA, Period.MONTH))
-    await ledger.insert_records([record("nokey", OCT1, 2, team="nopolicy", key=None)])
-    await ledger.settle(100, price, now=OCT1)
+    await ledger.insert_records([make_record("nokey", OCT1, 2, team="nopolicy", key=None)])
+    await ledger.settle(100, unit_price, now=OCT1)
 
     got = await ledger.policy_aggregates(OCT1)
     assert got.keys() == {"acme", "other"}  # teams with active policies only
@@ -226,99 +140,6 @@ async def test_policy_aggregates_reports_each_active_limits_current_bucket(ledge
     nov = await ledger.policy_aggregates(datetime(2026, 11, 2, tzinfo=UTC), teams=["other"])
     assert nov == {"other": [Aggregate(Limit(Subject("other"), Period.DAY), "20261102", 0)]}
     assert await ledger.policy_aggregates(OCT1, teams=[]) == {}
-
-
-async def test_settled_records_say_what_they_count_toward(ledger: Ledger) -> None:
-    await ledger.insert_records(
-        [
-            record("late", SEP30_LATE, 7),
-            record("lost", OCT1, 11, key="beta", postflight=PostflightStatus.UNKNOWN),
-            record("bare", OCT1, 1, key=None),
-        ]
-    )
-    done = await ledger.settle(100, price, now=OCT1)
-    from_batch = {r.id: r for r in done.records["acme"]}
-    from_charges = await ledger.settled_records(["late", "lost", "bare", "never", "late"])
-    assert from_charges == from_batch  # the same answer, now or on a later pass
-    assert from_charges["late"] == SettledRecord("late", "acme", "alpha", SEP30_LATE, False)
-    assert from_charges["lost"].unknown and not from_charges["bare"].unknown
-    assert from_charges["bare"].api_key is None
-
-    late, lost, bare = from_charges["late"], from_charges["lost"], from_charges["bare"]
-    # A balance takes every record of its team.
-    assert all(r.counts_toward(Balance("acme"), "") for r in (late, lost, bare))
-    assert not late.counts_toward(Balance("other"), "")
-    # A team limit: every key of the team, in the bucket of the record's t0.
-    assert late.counts_toward(Limit(ACME, Period.DAY), "20260930")
-    assert not late.counts_toward(Limit(ACME, Period.DAY), "20261001")  # settled Oct 1
-    assert late.counts_toward(Limit(ACME, Period.MONTH), "202609")
-    assert bare.counts_toward(Limit(ACME, Period.MONTH), "202610")
-    assert not late.counts_toward(Limit(Subject("other"), Period.DAY), "20260930")
-    # A key limit: only that key's records.
-    assert late.counts_toward(Limit(ALPHA, Period.DAY), "20260930")
-    assert not lost.counts_toward(Limit(ALPHA, Period.DAY), "20261001")
-    assert lost.counts_toward(Limit(Subject("acme", "beta"), Period.MONTH), "202610")
-    assert not bare.counts_toward(Limit(ALPHA, Period.MONTH), "202610")
-
-
-async def test_spend_reports_keys_and_team_per_window(ledger: Ledger) -> None:
-    assert await ledger.spend("acme", OCT1) == [
-        SpendRow(Limit(ACME, Period.DAY), None, "20261001", 0),
-        SpendRow(Limit(ACME, Period.MONTH), None, "202610", 0),
-    ]
-    await ledger.insert_records(
-        [
-            record("late", SEP30_LATE, 7),  # September only
-            record("a", OCT1, 11),
-            record("b", OCT1, 5, key="b\u00e9ta"),  # raw id differs from the encoded one
-            record("c", OCT1, 2, key=None),
-            record("x", OCT1, 100, team="other"),
-        ]
-    )
-    await ledger.settle(100, price, now=OCT1)
-    beta = Identity("acme", "b\u00e9ta").api_key
-    assert beta is not None and beta != "b\u00e9ta"
-    rows = await ledger.spend("acme", datetime(2026, 10, 20, tzinfo=UTC))
-    assert rows == [
-        SpendRow(Limit(ACME, Period.DAY), None, "20261020", 0),
-        SpendRow(Limit(ALPHA, Period.MONTH), "alpha", "202610", 11),
-        SpendRow(Limit(Subject("acme", beta), Period.MONTH), "b\u00e9ta", "202610", 5),
-        SpendRow(Limit(ACME, Period.MONTH), None, "202610", 18),
-    ]
-    sep = await ledger.spend("acme", SEP30_LATE)
-    assert sep == [
-        SpendRow(Limit(ALPHA, Period.DAY), "alpha", "20260930", 7),
-        SpendRow(Limit(ACME, Period.DAY), None, "20260930", 7),
-        SpendRow(Limit(ALPHA, Period.MONTH), "alpha", "202609", 7),
-        SpendRow(Limit(ACME, Period.MONTH), None, "202609", 7),
-    ]
-
-
-async def test_unreachable_database_raises_ledger_unavailable() -> None:
-    from spendguard.errors import LedgerUnavailable
-
-    led = Ledger("postgresql://nobody@127.0.0.1:1/none")
-    with pytest.raises(LedgerUnavailable):
-        await led.connect()
-
-
-async def test_settlement_debits_balances_in_the_same_transaction(ledger: Ledger) -> None:
-    assert await ledger.load_balance("acme") is None
-    opened = await ledger.topup(team="acme", team_id="acme", micros=1_000)
-    assert opened == Account("acme", 1_000, 0) and opened.balance == 1_000
-    assert await ledger.load_limits("acme") == ([], opened)  # an account, no policy
-    await ledger.insert_records(
-        [record("a", OCT1, 7), record("b", OCT1, 8), record("c", OCT1, 9, team="other")]
-    )
-    await ledger.settle(100, price, now=OCT1)
-    assert await ledger.load_balance("acme") == Account("acme", 1_000, 15)
-    assert await ledger.load_balance("other") is None  # no account: not debited, not created
-    account = await ledger.topup(team="acme", team_id="acme", micros=500)
-    assert account == Account("acme", 1_500, 15) and account.balance == 1_485
-    assert await ledger.balance_accounts() == {"acme": account}
-    assert await topups_total(ledger.url, "acme") == 1_500
-    with pytest.raises(ValueError):
-        await ledger.topup(team="acme", team_id="acme", micros=0)
 
 
 async def test_policies_changed_since_sees_policies_and_new_accounts(ledger: Ledger) -> None:

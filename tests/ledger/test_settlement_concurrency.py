@@ -7,14 +7,11 @@ from datetime import UTC, datetime, timedelta
 
 import anyio
 import pytest
-import sqlalchemy as sa
 
-from spendguard.identity import Identity
-from spendguard.ledger import Aggregate, Ledger, RecordRow
-from spendguard.ledger.schema import charges
+from spendguard.ledger import Aggregate, Ledger
 from spendguard.limits import Limit, Period, Policy, Subject
-from spendguard.record import InferenceRecord, PostflightStatus
-from spendguard.usage import Usage
+from spendguard.record import InferenceRecord
+from tests.support import charges_in_month, make_record, unit_price
 
 pytestmark = pytest.mark.anyio
 
@@ -22,32 +19,7 @@ T0 = datetime(2026, 11, 10, 12, tzinfo=UTC)
 
 
 def rec(i: int, team: str) -> InferenceRecord:
-    return InferenceRecord(
-        id=f"r{i}",
-        inference_id=f"r{i}",
-        identity=Identity(team, f"k{i % 3}"),
-        model="m",
-        route="/v1/chat/completions",
-        t0=T0 + timedelta(seconds=i),
-        status_code=200,
-        usage=Usage(input_tokens=1 + i % 97),
-        estimate_micros=1 + i % 97,
-        postflight=PostflightStatus.APPLIED,
-    )
-
-
-def price(r: RecordRow) -> int:
-    return r.input_tokens
-
-
-async def recompute(led: Ledger, team: str, month: str) -> int:
-    return int(
-        await led._db.fetch_val(
-            sa.select(sa.func.coalesce(sa.func.sum(charges.c.amount_micros), 0)).where(
-                charges.c.team == team, charges.c.month_id == month
-            )
-        )
-    )
+    return make_record(f"r{i}", T0 + timedelta(seconds=i), 1 + i % 97, team=team, key=f"k{i % 3}")
 
 
 async def test_policy_added_mid_period_while_traffic_and_workers_run(
@@ -75,7 +47,7 @@ async def test_policy_added_mid_period_while_traffic_and_workers_run(
     async def settle(led: Ledger) -> None:
         nonlocal settled
         while True:
-            batch = await led.settle(97, price, now=T0)
+            batch = await led.settle(97, unit_price, now=T0)
             settled += batch.charged
             if not batch.charged:
                 if done.is_set() and (await led.unsettled())[0] == 0:
@@ -100,7 +72,9 @@ async def test_policy_added_mid_period_while_traffic_and_workers_run(
     for team in teams:
         # Folded in exactly once, whichever side of each settlement the activation fell on.
         limit = Limit(Subject(team), Period.MONTH)
-        expected = Aggregate(limit, "202611", await recompute(producer, team, "202611"))
+        expected = Aggregate(
+            limit, "202611", await charges_in_month(clean_postgres_url, team, "202611")
+        )
         assert await producer.aggregates(team) == [expected]
         assert (await producer.policy_aggregates(T0, [team]))[team] == [expected]
     for led in ledgers:

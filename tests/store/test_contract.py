@@ -20,6 +20,7 @@ from spendguard.limits.codec import field_of
 from spendguard.store import Outcome, RefreshEntry, Store, UsageFill
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
+from tests.support import Clock
 
 pytestmark = pytest.mark.anyio
 
@@ -33,14 +34,6 @@ BALANCE = Balance(ALPHA.team)
 def fields(limits: dict[Target, int]) -> dict[str, int]:
     """A team's policy hash, as the engine writes it (through the codec)."""
     return {field_of(target): amount for target, amount in limits.items()}
-
-
-class Clock:
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
 
 
 @dataclass

@@ -7,20 +7,15 @@ ones break); ``up()`` listens again on the same port.
 from __future__ import annotations
 
 import contextlib
-import socket
 
 import anyio
 from anyio.abc import SocketStream, TaskGroup
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .ports import HOST, free_port
 
 
 class TcpProxy:
-    def __init__(self, target_port: int, *, target_host: str = "127.0.0.1") -> None:
+    def __init__(self, target_port: int, *, target_host: str = HOST) -> None:
         self.target = (target_host, target_port)
         self.port = free_port()
         self._scope: anyio.CancelScope | None = None
@@ -39,7 +34,7 @@ class TcpProxy:
     async def up(self) -> None:
         assert self._tg is not None
         listener = await anyio.create_tcp_listener(
-            local_host="127.0.0.1", local_port=self.port, reuse_port=False
+            local_host=HOST, local_port=self.port, reuse_port=False
         )
         scope = anyio.CancelScope()
         self._scope = scope

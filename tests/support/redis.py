@@ -1,4 +1,4 @@
-"""Real, private Redis servers on loopback for the Redis-store tests.
+"""Real, private Redis servers on loopback for the Redis-store tests and the benchmarks.
 
 Every server here is a ``redis-server`` child process on its own free 127.0.0.1 port with its
 own temp dir. The machine's shared Redis on 6379 is never touched: nothing here connects to a
@@ -8,47 +8,34 @@ Cleanup is layered so that no process outlives the test run:
 
 * fixtures stop their servers in ``finally`` blocks (also when a test fails);
 * an ``atexit`` hook kills any child that is still alive when the interpreter exits;
-* on Linux each child gets ``PR_SET_PDEATHSIG`` = SIGKILL, so even a SIGKILLed pytest (a CI
-  timeout) does not leave servers holding ports.
+* on Linux each child gets ``PR_SET_PDEATHSIG`` = SIGKILL (:func:`die_with_parent`), so even a
+  SIGKILLed pytest (a CI timeout) does not leave servers holding ports.
 
-Without ``redis-server`` the fixtures skip locally but FAIL under ``CI=true`` (like the
-PostgreSQL fixtures in conftest.py), so CI can never go green by silently skipping.
-
-Import the fixtures into conftest.py with ``from redis_servers import *``.
+The pytest fixtures built on these (``redis_url``, ``redis_server``, ``shared_redis``,
+``redis_cluster``) are in ``tests/conftest.py``; the benchmarks start their server from here too.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import NoReturn, Self
+from typing import Self
 
-import pytest
+from .ports import HOST, free_port
+from .processes import die_with_parent
 
-__all__ = [
-    "RedisCluster",
-    "RedisServer",
-    "RedisServerError",
-    "redis_cluster",
-    "redis_server",
-    "redis_url",
-    "shared_redis",
-]
+__all__ = ["RedisCluster", "RedisServer", "RedisServerError", "ping", "redis_version"]
 
-HOST = "127.0.0.1"
 START_TIMEOUT = 10.0
 CLUSTER_TIMEOUT = 30.0
 STOP_TIMEOUT = 5.0
@@ -56,8 +43,6 @@ CLI_TIMEOUT = 10.0
 # An auto-picked port can be grabbed by another process between our probe and the server's
 # bind(); a handful of fresh picks makes that race irrelevant.
 PORT_ATTEMPTS = 5
-
-IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 # Every server that may still own a process or a temp dir, for the atexit backstop.
 _LIVE: set[RedisServer] = set()
@@ -68,42 +53,7 @@ class RedisServerError(RuntimeError):
     """A redis-server process could not be started (or a cluster could not be formed)."""
 
 
-def _free_port() -> int:
-    # The kernel hands out an unused port for port 0; we release it immediately and let
-    # redis-server bind it. Losing the race is handled by retrying in RedisServer.start().
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that SIGKILLs the child when this process dies, or None where unsafe.
-
-    PDEATHSIG fires when the *thread* that forked exits, so it is only used from the main
-    thread; a server started from a worker thread would otherwise die with that thread.
-    """
-    if not sys.platform.startswith("linux") or threading.current_thread() is not (
-        threading.main_thread()
-    ):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)  # resolved before fork: no dlopen in the child
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGKILL)
-        if os.getppid() != parent:  # parent already died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-def _ping(port: int, timeout: float = 0.5) -> bool:
+def ping(port: int, timeout: float = 0.5) -> bool:
     """True if a server on ``port`` answers PING (raw RESP, so no client library or fork)."""
     try:
         with socket.create_connection((HOST, port), timeout=timeout) as sock:
@@ -120,7 +70,7 @@ class RedisServer:
         # port=None: pick a free port (and re-pick if it is lost to a race). An explicit port
         # is used as is and a clash is an error.
         self._auto_port = port is None
-        self._port = port if port is not None else _free_port()
+        self._port = port if port is not None else free_port()
         self.extra_args = list(extra_args)
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: Path | None = None
@@ -180,7 +130,7 @@ class RedisServer:
                     raise RedisServerError(
                         f"port {self._port} is in use; redis-server could not bind it"
                     ) from None
-                self._port = _free_port()
+                self._port = free_port()
         raise AssertionError("unreachable")
 
     def stop(self) -> None:
@@ -302,7 +252,7 @@ class RedisServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent(),
+                preexec_fn=die_with_parent(),
             )
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
@@ -313,7 +263,7 @@ class RedisServer:
                     log_path.unlink(missing_ok=True)
                     raise _PortInUse
                 raise RedisServerError(f"redis-server exited during startup:\n{text[-2000:]}")
-            if _ping(self._port):
+            if ping(self._port):
                 return
             time.sleep(0.02)
         self.kill()
@@ -362,7 +312,7 @@ class RedisCluster:
                         # The bus port defaults to port+10000, which may be taken or > 65535
                         # for a high ephemeral port; pin it to a port we know was free.
                         "--cluster-port",
-                        str(_free_port()),
+                        str(free_port()),
                     ]
                 )
                 self.servers.append(node)
@@ -440,73 +390,11 @@ def _kill_leftovers() -> None:
             server.stop()
 
 
-# -- pytest fixtures ------------------------------------------------------------------------
-
-
-def _unavailable(reason: str) -> NoReturn:
-    # Locally a missing redis-server is a skip; in CI it must be a failure so the Redis-store
-    # tests cannot silently stop running.
-    if IN_CI:
-        pytest.fail(f"Redis is required under CI=true: {reason}")
-    pytest.skip(f"no usable redis-server: {reason}")
-
-
-def require_redis_server() -> None:
-    """Skip (fail under CI) a test that builds its own RedisServer when there is no binary."""
-    for tool in ("redis-server", "redis-cli"):
-        if shutil.which(tool) is None:
-            _unavailable(f"{tool} is not on PATH")
-
-
-def _started(server: RedisServer) -> RedisServer:
-    try:
-        return server.start()
-    except (RedisServerError, OSError) as exc:
-        server.stop()
-        _unavailable(str(exc))
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    """A fresh private server for one test; the test may kill, restart or pause it."""
-    server = _started(RedisServer())
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="session")
-def shared_redis() -> Iterator[RedisServer]:
-    """One private server for the whole session. Do not kill or pause it: use redis_server."""
-    server = _started(RedisServer())
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def redis_url(shared_redis: RedisServer) -> str:
-    """URL of the session's private server, emptied (FLUSHALL) before the test."""
-    if not shared_redis.running:
-        # A test broke the rule above; bring the server back so later tests are unaffected.
-        _started(shared_redis)
-    shared_redis.resume()
-    shared_redis.cli("FLUSHALL")  # only ever our own port, never the shared 6379 server
-    return shared_redis.url
-
-
-@pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[RedisCluster]:
-    """One 3-master cluster for the session (``.url`` is spendguard's redis+cluster:// URL)."""
-    cluster = RedisCluster()
-    try:
-        cluster.start()
-    except (RedisServerError, OSError, subprocess.SubprocessError) as exc:
-        cluster.stop()
-        _unavailable(str(exc))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+def redis_version() -> str:
+    """The version of the ``redis-server`` on PATH (``7.2.4``), or its raw ``--version`` text."""
+    exe = shutil.which("redis-server") or "redis-server"
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False)
+    for part in out.stdout.split():
+        if part.startswith("v="):
+            return part[2:]
+    return out.stdout.strip()

@@ -12,7 +12,8 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from tests.redis_servers import RedisCluster, RedisServer, RedisServerError, require_redis_server
+from tests.support import RedisCluster, RedisServer, RedisServerError
+from tests.support.services import require_redis_server
 
 pytestmark = pytest.mark.anyio
 

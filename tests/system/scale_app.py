@@ -1,5 +1,8 @@
 """Processes for the scale test: a gateway app and a settlement worker on an injected clock.
 
+Run from the repository root: ``uvicorn tests.system.scale_app:make_app --factory`` for a
+gateway, ``python -m tests.system.scale_app`` for a worker.
+
 The clock is shared across processes: ``SCALE_T0`` (ISO time) is what the clock reads at the
 real instant ``SCALE_REF`` (epoch seconds); it then runs at real speed. Tests start it just
 before a UTC midnight that is also a month end.
@@ -8,7 +11,6 @@ before a UTC midnight that is also a month end.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from datetime import datetime, timedelta
 
@@ -22,9 +24,7 @@ from spendguard.ledger import Ledger
 from spendguard.limits import KeyCodec
 from spendguard.store.redis import RedisStore
 from spendguard.testing import fake_upstream
-
-sys.path.insert(0, os.path.dirname(__file__))
-from support import StateAuth
+from tests.support import StateAuth
 
 
 def injected_clock() -> datetime:

@@ -1,21 +1,19 @@
-"""Prepaid balances end to end, on both stores."""
+"""Prepaid balances end to end through a gateway, on both stores: a balance runs out, a top-up
+reopens it, the cache and the ledger agree."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from spendguard.cli import main as cli_main
+from spendguard.clock import utcnow
 from spendguard.ledger import Account
 from spendguard.limits import Balance
 from spendguard.money import micros_to_usd
 from spendguard.store.redis import RedisStore
-from tests.support import topups_total
-from tests.test_middleware import Gateway, chat_body
+from tests.support import Gateway, chat_body, topups_total
 
 pytestmark = pytest.mark.anyio
 
@@ -28,18 +26,14 @@ BALANCE_429 = {
 }
 
 
-def utc_now() -> datetime:
-    return datetime.now(UTC)
-
-
 @pytest.fixture(params=["memory", "redis"])
 async def gw(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Gateway]:
     if request.param == "memory":
-        async with Gateway(tmp_path, utc_now) as gateway:
+        async with Gateway(tmp_path, utcnow) as gateway:
             yield gateway
     else:
         store = RedisStore.from_url(request.getfixturevalue("redis_url"), timeout=1.0)
-        async with Gateway(tmp_path, utc_now, store=store) as gateway:
+        async with Gateway(tmp_path, utcnow, store=store) as gateway:
             yield gateway
         await store.aclose()
 
@@ -94,24 +88,3 @@ async def test_cached_balance_is_settled_plus_pending(gw: Gateway) -> None:
     await gw.settle()
     assert (await gw.store.read_usage([key]))[key] == 30  # now settled charges, not doubled
     assert await gw.guard.ledger.load_balance("acme") == Account("acme", 1_000, 30)
-
-
-def test_cli_balance_topup_and_show(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    import json
-
-    monkeypatch.setenv("SPENDGUARD_DATABASE_URL", f"sqlite:///{tmp_path / 'b.db'}")
-
-    def run(*argv: str) -> tuple[int, Any]:
-        code = cli_main([*argv, "--json"])
-        out = capsys.readouterr().out
-        return code, json.loads(out) if out.strip() else None
-
-    assert run("balance", "show", "--team", "acme")[0] == 1  # no account yet
-    code, data = run("balance", "topup", "--team", "acme", "--usd", "100")
-    assert code == 0 and data["balance_micros"] == 100_000_000
-    run("balance", "topup", "--team", "acme", "--usd", "0.5")
-    code, data = run("balance", "show", "--team", "acme")
-    assert code == 0 and data["topped_up_micros"] == 100_500_000 and data["charged_micros"] == 0
-    assert cli_main(["balance", "topup", "--team", "acme", "--usd", "-1"]) == 2

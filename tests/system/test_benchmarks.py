@@ -8,8 +8,6 @@ locally and FAILS under CI=true.
 
 from __future__ import annotations
 
-import asyncio
-import importlib.util
 import json
 import math
 import os
@@ -21,11 +19,9 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
-PG_ADMIN_URL = os.environ.get(
-    "SPENDGUARD_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
+from tests.support import ROOT, TemporaryDatabase
+from tests.support.services import created_database, require_modules, unavailable
+
 SECTIONS = (
     "machine",
     "inprocess",
@@ -38,33 +34,12 @@ SECTIONS = (
     "run",
 )
 
-if str(ROOT) not in sys.path:  # the benchmarks package lives next to tests/, uninstalled
-    sys.path.insert(0, str(ROOT))
-
-
-def _missing(reason: str) -> None:
-    if IN_CI:
-        pytest.fail(f"required under CI=true: {reason}")
-    pytest.skip(reason)
-
 
 def _require_services() -> None:
-    for module in ("slowapi", "matplotlib"):
-        if importlib.util.find_spec(module) is None:
-            _missing(f"{module} is not installed (the benchmarks' peer and chart need it)")
+    require_modules("slowapi", "matplotlib")  # the benchmarks' peer limiter and chart
     if shutil.which("redis-server") is None:
-        _missing("redis-server is not on PATH")
-
-    async def ping() -> None:
-        import asyncpg
-
-        conn = await asyncpg.connect(PG_ADMIN_URL, timeout=5)
-        await conn.close()
-
-    try:
-        asyncio.run(ping())
-    except Exception as exc:
-        _missing(f"no PostgreSQL server at {PG_ADMIN_URL}: {exc!r}")
+        unavailable("redis-server is not on PATH")
+    created_database(TemporaryDatabase()).drop()  # the server is there and lets us create one
 
 
 def _figures(node: Any, path: str = "") -> list[tuple[str, Any]]:
@@ -93,6 +68,7 @@ def _numbers(node: Any) -> list[float]:
     return []
 
 
+@pytest.mark.timeout(300)
 def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
     _require_services()
     out = tmp_path / "results"
@@ -111,10 +87,10 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
             "asyncio",
         ],
         cwd=ROOT,
-        env=dict(os.environ),
+        env=dict(os.environ),  # SPENDGUARD_TEST_POSTGRES_URL names the server to use
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=240,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]

@@ -12,14 +12,14 @@ import anyio
 import pytest
 
 from spendguard.limits import Period
-from tests.tcp_proxy import TcpProxy
-from tests.test_middleware import Gateway, chat_body
+from tests.support import Gateway, TcpProxy, chat_body
 
 pytestmark = pytest.mark.anyio
 
 OUTAGE_SECONDS = float(os.environ.get("SPENDGUARD_TEST_OUTAGE_SECONDS", "30"))
 
 
+@pytest.mark.timeout(300)
 async def test_database_down_for_30s_under_traffic(clean_postgres_url: str, tmp_path: Path) -> None:
     server, db = clean_postgres_url.rsplit("/", 1)
     async with TcpProxy(int(server.rsplit(":", 1)[1])) as proxy:

@@ -6,25 +6,19 @@ embedded store, and the CLI as a separate process sharing only the database.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 
 from spendguard.engine.pricing import PriceTable
 from spendguard.testing import expected_usage
+from tests.support import clean_env, free_port, run_cli, stop, uvicorn, wait_healthy
 
-ROOT = Path(__file__).resolve().parent.parent
 R52_KEY_DAY = {
     "error": {
         "type": "insufficient_quota",
@@ -34,74 +28,31 @@ R52_KEY_DAY = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if not k.startswith("SPENDGUARD_")}
-    out.update(
+    return clean_env(
         SPENDGUARD_DATABASE_URL=f"sqlite:///{tmp_path / 'demo.db'}",
         SPENDGUARD_SETTLE_INTERVAL="0.3",
-        PYTHONPATH=str(ROOT),
     )
-    return out
 
 
 @pytest.fixture
 def gateway(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    log = (tmp_path / "gateway.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "examples.gateway:app", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    port, log = free_port(), tmp_path / "gateway.log"
+    proc = uvicorn("examples.gateway:app", port, env, log)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(base, proc, tmp_path / "gateway.log")
+        wait_healthy(base, proc, log)
         yield base
     finally:
-        proc.terminate()
-        proc.wait(timeout=15)
-        log.close()
+        stop([proc], timeout=15)
     # Graceful shutdown ran the middleware's lifespan to the end (records flushed).
-    assert "Application shutdown complete" in (tmp_path / "gateway.log").read_text()
+    assert "Application shutdown complete" in log.read_text()
 
 
-def wait_healthy(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError(log.read_text())
-        time.sleep(0.1)
-
-
-def cli(env: dict[str, str], *args: str) -> Any:
-    done = subprocess.run(
-        [sys.executable, "-m", "spendguard.cli", *args, "--json"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
-
-
+@pytest.mark.timeout(300)
 def test_demo_gateway_acceptance(gateway: str, env: dict[str, str]) -> None:
-    cli(
+    run_cli(
         env,
         "policy",
         "set",
@@ -177,8 +128,8 @@ def test_demo_gateway_acceptance(gateway: str, env: dict[str, str]) -> None:
     # Records reach the ledger a moment after the responses; settle until all are in.
     deadline = time.monotonic() + 20
     while True:
-        cli(env, "settle")
-        usage = cli(env, "usage", "--team", "acme")
+        run_cli(env, "settle")
+        usage = run_cli(env, "usage", "--team", "acme")
         if usage["unsettled_records"] == 0 and usage["charges_total_micros"] > expected:
             break
         assert time.monotonic() < deadline, usage

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -28,10 +26,8 @@ from spendguard.ledger import Ledger
 from spendguard.ledger.schema import aggregates, charges, policies, records
 from spendguard.limits import Balance, KeyCodec, Limit, Period, Policy, Subject, window_of
 from spendguard.store.redis import RedisStore
-from tests.support import topups_total
-from tests.test_demo_gateway import free_port
+from tests.support import clean_env, free_port, spawn, stop, topups_total, uvicorn
 
-HERE = Path(__file__).resolve().parent
 RECORDS = int(os.environ.get("SPENDGUARD_TEST_SCALE_RECORDS", "20000"))
 TEAMS = [f"team{n:02d}" for n in range(50)]
 # 40 s before the end of November 30th, UTC: the run crosses midnight and the month end. The
@@ -42,8 +38,7 @@ T0 = datetime(2026, 11, 30, 23, 59, 20, tzinfo=UTC)
 
 @pytest.fixture
 def env(clean_postgres_url: str, redis_url: str) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if not k.startswith("SPENDGUARD_")}
-    out.update(
+    return clean_env(
         SPENDGUARD_DATABASE_URL=clean_postgres_url,
         SPENDGUARD_REDIS_URL=redis_url,
         SPENDGUARD_RUN_WORKER="false",  # the gateways only sync; three workers settle
@@ -52,13 +47,7 @@ def env(clean_postgres_url: str, redis_url: str) -> dict[str, str]:
         SPENDGUARD_POLICY_TTL="5",
         SCALE_T0=T0.isoformat(),
         SCALE_REF=str(time.time()),
-        PYTHONPATH=f"{HERE.parent}:{HERE}",
     )
-    return out
-
-
-def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, cwd=HERE, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 @pytest.fixture
@@ -67,23 +56,12 @@ def fleet(env: dict[str, str], tmp_path: Path) -> Iterator[tuple[list[str], list
     try:
         for n in range(2):
             port = free_port()
-            cmd = [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "scale_app:make_app",
-                "--factory",
-                "--port",
-                str(port),
-                "--log-level",
-                "warning",
-                "--timeout-keep-alive",
-                "300",
-            ]
-            gateways.append(_spawn(cmd, env, tmp_path / f"gw{n}.log"))
+            options = ["--factory", "--log-level", "warning", "--timeout-keep-alive", "300"]
+            app, log = "tests.system.scale_app:make_app", tmp_path / f"gw{n}.log"
+            gateways.append(uvicorn(app, port, env, log, *options))
             bases.append(f"http://127.0.0.1:{port}")
         for n in range(3):
-            workers.append(_spawn([sys.executable, "scale_app.py"], env, tmp_path / f"w{n}.log"))
+            workers.append(spawn(["-m", "tests.system.scale_app"], env, tmp_path / f"w{n}.log"))
         deadline = time.monotonic() + 30
         for base, n in zip(bases, range(2), strict=True):
             while True:
@@ -96,10 +74,7 @@ def fleet(env: dict[str, str], tmp_path: Path) -> Iterator[tuple[list[str], list
                 time.sleep(0.1)
         yield bases, [gateways, workers]
     finally:
-        for proc in gateways + workers:
-            proc.terminate()
-        for proc in gateways + workers:
-            proc.wait(timeout=30)
+        stop(gateways + workers)
 
 
 async def _setup(ledger: Ledger) -> None:
@@ -144,6 +119,7 @@ async def _traffic(bases: list[str]) -> int:
     return ok
 
 
+@pytest.mark.timeout(900)  # 3-8 minutes on a loaded 2-core machine
 def test_three_workers_two_gateways_across_midnight_and_month_end(
     fleet: tuple[list[str], list[Any]], env: dict[str, str]
 ) -> None:

@@ -6,9 +6,6 @@ exact charges after it, to the micro-USD.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -22,56 +19,41 @@ from spendguard import Identity
 from spendguard.ledger import Ledger
 from spendguard.limits import KeyCodec, Period, key_limit, team_limit
 from spendguard.store.redis import RedisStore
-from tests.conftest import _truncate_pg
-from tests.test_demo_gateway import ROOT, cli, free_port, wait_healthy
+from tests.support import clean_env, free_port, run_cli, stop, uvicorn, wait_healthy
 
 
 @pytest.fixture
-def env(postgres_url: str, redis_url: str) -> dict[str, str]:
-    _truncate_pg(postgres_url)
-    out = {k: v for k, v in os.environ.items() if not k.startswith("SPENDGUARD_")}
-    out.update(
-        SPENDGUARD_DATABASE_URL=postgres_url,
+def env(clean_postgres_url: str, redis_url: str) -> dict[str, str]:
+    return clean_env(
+        SPENDGUARD_DATABASE_URL=clean_postgres_url,
         SPENDGUARD_REDIS_URL=redis_url,
         SPENDGUARD_RUN_WORKER="false",  # settle only when the test says so
         SPENDGUARD_SETTLE_INTERVAL="3600",
         SPENDGUARD_REDIS_TIMEOUT="2",
-        PYTHONPATH=str(ROOT),
     )
-    return out
 
 
 @pytest.fixture
 def gateways(env: dict[str, str], tmp_path: Path) -> Iterator[list[str]]:
-    procs, bases = [], []
+    procs, bases, logs = [], [], []
     try:
         for n in range(2):
-            port = free_port()
-            log = (tmp_path / f"gw{n}.log").open("w")
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "uvicorn", "examples.gateway:app", "--port", str(port)],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+            port, log = free_port(), tmp_path / f"gw{n}.log"
+            procs.append(uvicorn("examples.gateway:app", port, env, log))
             bases.append(f"http://127.0.0.1:{port}")
-        for base, proc, n in zip(bases, procs, range(2), strict=True):
-            wait_healthy(base, proc, tmp_path / f"gw{n}.log")
+            logs.append(log)
+        for base, proc, log in zip(bases, procs, logs, strict=True):
+            wait_healthy(base, proc, log)
         yield bases
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=20)  # graceful: each flushes its record buffer
+        stop(procs, timeout=20)  # graceful: each flushes its record buffer
 
 
+@pytest.mark.timeout(300)
 def test_two_gateways_200_concurrent_requests_one_key(
-    gateways: list[str], env: dict[str, str], postgres_url: str, redis_url: str
+    gateways: list[str], env: dict[str, str], clean_postgres_url: str, redis_url: str
 ) -> None:
-    cli(
+    run_cli(
         env,
         "policy",
         "set",
@@ -84,7 +66,7 @@ def test_two_gateways_200_concurrent_requests_one_key(
         "--limit-usd",
         "1000",
     )
-    cli(env, "policy", "set", "--team", "acme", "--period", "month", "--limit-usd", "1000")
+    run_cli(env, "policy", "set", "--team", "acme", "--period", "month", "--limit-usd", "1000")
 
     async def fire() -> list[int]:
         statuses: list[int] = []
@@ -116,7 +98,7 @@ def test_two_gateways_200_concurrent_requests_one_key(
 
     async def check() -> None:
         store = RedisStore.from_url(redis_url, timeout=2)
-        ledger = Ledger(postgres_url)
+        ledger = Ledger(clean_postgres_url)
         await ledger.connect()
         alpha = Identity("acme", "alpha")
         p = KeyCodec("quota", timedelta(days=2)).plan(alpha, datetime.now(UTC))
@@ -131,7 +113,7 @@ def test_two_gateways_200_concurrent_requests_one_key(
             cached = await store.read_usage(keys)
             assert set(cached.values()) == {estimates}  # before settlement: sum of estimates
 
-            result = cli(env, "settle")
+            result = run_cli(env, "settle")
             assert result["settled"] == 200
             charges = await ledger.charges_total("acme")
             cached = await store.read_usage(keys)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, Final
 
 import anthropic
@@ -17,8 +16,9 @@ import openai
 from starlette.types import ASGIApp
 
 from spendguard.testing import ROUTES
+from tests.support.bodies import WIRE
 
-RECORDED: Final = Path(__file__).parent.parent / "fixtures" / "wire"
+RECORDED: Final = WIRE
 """Bodies and streams recorded from the real providers."""
 
 TIME_LIMIT: Final = 10.0

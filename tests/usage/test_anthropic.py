@@ -3,29 +3,19 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from spendguard.usage import Usage, UsageObserver
 from spendguard.usage.anthropic import normalise
-
-WIRE = Path(__file__).parent.parent / "fixtures" / "wire"
-SSE = "text/event-stream; charset=utf-8"
-JSON = "application/json"
+from tests.support import bodies
+from tests.support.bodies import JSON, SSE, load, sse
 
 BAD_COUNTS = ["12", -5, 12.0, True, 10**12, None, [], {}, 10**100]
 
 
 def observe(ctype: str, body: bytes) -> UsageObserver:
-    observer = UsageObserver("anthropic", ctype)
-    observer.feed(body)
-    return observer
-
-
-def sse(*events: object) -> bytes:
-    """An SSE body from JSON-able events."""
-    return "".join(f"data: {json.dumps(event)}\n\n" for event in events).encode()
+    return bodies.observe("anthropic", ctype, [body])
 
 
 # --- streams --------------------------------------------------------------------------------
@@ -65,13 +55,11 @@ def test_anthropic_message_delta_with_only_output_keeps_message_start_counts() -
 
 
 def test_anthropic_stream_cut_before_message_delta_is_estimated() -> None:
-    data = (WIRE / "anthropic-messages-stream-cache-read.sse").read_bytes()
+    data = load("anthropic-messages-stream-cache-read.sse")
     cut = data[: data.index(b"event: message_delta")]
     observer = observe(SSE, cut)
     # Same prompt and max_tokens as the JSON recording: the same 100-token text.
-    text = json.loads((WIRE / "anthropic-messages-cache-read.json").read_bytes())["content"][0][
-        "text"
-    ]
+    text = json.loads(load("anthropic-messages-cache-read.json"))["content"][0]["text"]
     # Input and cache counts are message_start's (final); output is estimated from the text.
     assert observer.result() == Usage(
         input_tokens=11,

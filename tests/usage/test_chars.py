@@ -3,55 +3,19 @@
 from __future__ import annotations
 
 import json
-import random
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Literal
 
 import pytest
 
-from spendguard.usage import UsageObserver
 from spendguard.usage.chars import (
     anthropic_content_chars,
     choices_chars,
     message_chars,
     responses_output_chars,
 )
-
-WIRE = Path(__file__).parent.parent / "fixtures" / "wire"
-SSE = "text/event-stream; charset=utf-8"
-JSON = "application/json"
+from tests.support.bodies import JSON, SSE, load, observe, random_chunks, sse
 
 DialectName = Literal["openai", "anthropic"]
-
-
-def load(name: str) -> bytes:
-    return (WIRE / name).read_bytes()
-
-
-def observe(dialect: DialectName, ctype: str | None, chunks: Iterable[bytes]) -> UsageObserver:
-    observer = UsageObserver(dialect, ctype)
-    for chunk in chunks:
-        observer.feed(chunk)
-    return observer
-
-
-def random_chunks(data: bytes, seed: int, max_size: int = 97) -> list[bytes]:
-    rng = random.Random(seed)
-    chunks = []
-    pos = 0
-    while pos < len(data):
-        size = rng.randint(1, max_size)
-        chunks.append(data[pos : pos + size])
-        pos += size
-    return chunks
-
-
-def sse(*events: object) -> bytes:
-    """An SSE body from JSON-able events (or raw strings used as the data verbatim)."""
-    return "".join(
-        f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n" for event in events
-    ).encode()
 
 
 STREAM_TEXT: dict[str, tuple[DialectName, str]] = {

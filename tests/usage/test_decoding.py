@@ -9,9 +9,8 @@ import zlib
 import pytest
 
 from spendguard.usage import Usage, UsageObserver, decoding, observer_for
+from tests.support.bodies import JSON, SSE
 
-SSE = "text/event-stream; charset=utf-8"
-JSON = "application/json"
 CHAT = {
     "model": "gpt-x",
     "choices": [{"index": 0, "message": {"content": "hello there"}}],

@@ -7,8 +7,9 @@ import time
 
 from spendguard.usage import Usage, UsageObserver
 from spendguard.usage.lines import LineDecoder, LongLine
+from tests.support import bodies
+from tests.support.bodies import SSE, retained_bytes, sse
 
-SSE = "text/event-stream; charset=utf-8"
 BOM = "\ufeff".encode()
 
 
@@ -17,15 +18,8 @@ def decode_all(chunks: list[bytes], max_line: int = 1024) -> list[bytes | LongLi
     return [line for chunk in chunks for line in decoder.decode(chunk)]
 
 
-def sse(*events: object) -> bytes:
-    return "".join(f"data: {json.dumps(event)}\n\n" for event in events).encode()
-
-
 def observe(chunks: list[bytes]) -> UsageObserver:
-    observer = UsageObserver("openai", SSE)
-    for chunk in chunks:
-        observer.feed(chunk)
-    return observer
+    return bodies.observe("openai", SSE, chunks)
 
 
 # --- the decoder itself ---------------------------------------------------------------------
@@ -117,10 +111,10 @@ def test_sse_absurdly_long_line_is_bounded_and_parsing_resumes() -> None:
     observer.feed(b"data: ")
     for _ in range(20 * 16):  # a 20 MB line without a newline
         observer.feed(b"x" * 65536)
-        assert observer._buffered_size() <= max_buffer + 64
+        assert retained_bytes(observer) <= max_buffer + 64
     observer.feed(b"\n\n" + sse({"choices": [], "usage": {"prompt_tokens": 2}}))
     assert observer.result() == Usage(input_tokens=2)
-    assert observer._buffered_size() == 0
+    assert retained_bytes(observer) == 0
 
 
 def test_feeding_is_linear_in_body_size() -> None:

@@ -6,17 +6,12 @@ Expected values come from the table "Usage values in each file" in fixtures/wire
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Literal
 
 import pytest
 
 from spendguard.usage import Dialect, Usage, UsageObserver, estimate_usage
-
-WIRE = Path(__file__).parent.parent / "fixtures" / "wire"
-SSE = "text/event-stream; charset=utf-8"
-JSON = "application/json"
+from tests.support.bodies import JSON, SSE, byte_by_byte, load, observe, random_chunks
 
 DialectName = Literal["openai", "anthropic"]
 
@@ -85,36 +80,8 @@ EXPECTED: dict[str, tuple[DialectName, Usage | None, str | None]] = {
 FIXTURES = sorted(EXPECTED)
 
 
-def load(name: str) -> bytes:
-    return (WIRE / name).read_bytes()
-
-
 def content_type(name: str) -> str:
     return SSE if name.endswith(".sse") else JSON
-
-
-def observe(
-    dialect: DialectName, ctype: str | None, chunks: Iterable[bytes], **kw: int
-) -> UsageObserver:
-    observer = UsageObserver(dialect, ctype, **kw)
-    for chunk in chunks:
-        observer.feed(chunk)
-    return observer
-
-
-def random_chunks(data: bytes, seed: int, max_size: int = 97) -> list[bytes]:
-    rng = random.Random(seed)
-    chunks = []
-    pos = 0
-    while pos < len(data):
-        size = rng.randint(1, max_size)
-        chunks.append(data[pos : pos + size])
-        pos += size
-    return chunks
-
-
-def byte_by_byte(data: bytes) -> list[bytes]:
-    return [data[i : i + 1] for i in range(len(data))]
 
 
 # --- real provider recordings ---------------------------------------------------------------

@@ -3,45 +3,20 @@
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterable
-from pathlib import Path
 
 import pytest
 
 from spendguard.usage import Usage, UsageObserver
 from spendguard.usage.openai import normalise
-
-WIRE = Path(__file__).parent.parent / "fixtures" / "wire"
-SSE = "text/event-stream; charset=utf-8"
-JSON = "application/json"
+from tests.support import bodies
+from tests.support.bodies import JSON, SSE, WIRE, random_chunks, sse
 
 BAD_COUNTS = ["12", -5, 12.0, True, 10**12, None, [], {}, 10**100]
 
 
 def observe(ctype: str, chunks: Iterable[bytes]) -> UsageObserver:
-    observer = UsageObserver("openai", ctype)
-    for chunk in chunks:
-        observer.feed(chunk)
-    return observer
-
-
-def random_chunks(data: bytes, seed: int, max_size: int = 97) -> list[bytes]:
-    rng = random.Random(seed)
-    chunks = []
-    pos = 0
-    while pos < len(data):
-        size = rng.randint(1, max_size)
-        chunks.append(data[pos : pos + size])
-        pos += size
-    return chunks
-
-
-def sse(*events: object) -> bytes:
-    """An SSE body from JSON-able events (or raw strings used as the data verbatim)."""
-    return "".join(
-        f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n" for event in events
-    ).encode()
+    return bodies.observe("openai", ctype, chunks)
 
 
 # --- streams --------------------------------------------------------------------------------

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import random
 from collections.abc import Iterable
 from typing import Literal
 
 from spendguard.usage import Usage, UsageObserver
 from spendguard.usage.sse import SSEDecoder
-
-SSE = "text/event-stream; charset=utf-8"
+from tests.support import bodies
+from tests.support.bodies import SSE, byte_by_byte, random_chunks, sse
 
 
 def observe(
@@ -19,32 +17,7 @@ def observe(
     *,
     max_buffer: int = 8 * 1024 * 1024,
 ) -> UsageObserver:
-    observer = UsageObserver(dialect, SSE, max_buffer=max_buffer)
-    for chunk in chunks:
-        observer.feed(chunk)
-    return observer
-
-
-def random_chunks(data: bytes, seed: int, max_size: int = 97) -> list[bytes]:
-    rng = random.Random(seed)
-    chunks = []
-    pos = 0
-    while pos < len(data):
-        size = rng.randint(1, max_size)
-        chunks.append(data[pos : pos + size])
-        pos += size
-    return chunks
-
-
-def byte_by_byte(data: bytes) -> list[bytes]:
-    return [data[i : i + 1] for i in range(len(data))]
-
-
-def sse(*events: object) -> bytes:
-    """An SSE body from JSON-able events (or raw strings used as the data verbatim)."""
-    return "".join(
-        f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n" for event in events
-    ).encode()
+    return bodies.observe(dialect, SSE, chunks, max_buffer=max_buffer)
 
 
 # --- through the observer -------------------------------------------------------------------

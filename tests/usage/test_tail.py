@@ -9,28 +9,14 @@ from typing import Literal
 
 from spendguard.usage import Usage, UsageObserver
 from spendguard.usage.tail import TailBuffer, recover_model, recover_usage
-
-JSON = "application/json"
+from tests.support import bodies
+from tests.support.bodies import JSON, random_chunks, retained_bytes
 
 
 def observe(
     dialect: Literal["openai", "anthropic"], chunks: Iterable[bytes], max_buffer: int
 ) -> UsageObserver:
-    observer = UsageObserver(dialect, JSON, max_buffer=max_buffer)
-    for chunk in chunks:
-        observer.feed(chunk)
-    return observer
-
-
-def random_chunks(data: bytes, seed: int, max_size: int) -> list[bytes]:
-    rng = random.Random(seed)
-    chunks = []
-    pos = 0
-    while pos < len(data):
-        size = rng.randint(1, max_size)
-        chunks.append(data[pos : pos + size])
-        pos += size
-    return chunks
+    return bodies.observe(dialect, JSON, chunks, max_buffer=max_buffer)
 
 
 def huge_embeddings_body(size: int, usage: bytes, trailer: bytes = b"") -> bytes:
@@ -54,9 +40,9 @@ def test_huge_json_body_keeps_bounded_buffer_and_finds_usage_at_the_end() -> Non
     largest = 0
     for chunk in random_chunks(body, 11, max_size=200_000):
         observer.feed(chunk)
-        largest = max(largest, observer._buffered_size())
+        largest = max(largest, retained_bytes(observer))
     assert largest <= max_buffer + 4096
-    assert observer._buffered_size() <= 1024 * 1024  # only a tail is kept past the limit
+    assert retained_bytes(observer) <= 1024 * 1024  # only a tail is kept past the limit
     assert observer.result() == Usage(input_tokens=123456, output_tokens=0)
     assert observer.model == "text-embedding-3-small"
 
@@ -64,7 +50,7 @@ def test_huge_json_body_keeps_bounded_buffer_and_finds_usage_at_the_end() -> Non
 def test_huge_json_body_in_one_chunk() -> None:
     body = huge_embeddings_body(2 * 1024 * 1024, b'{"prompt_tokens":77,"total_tokens":77}')
     observer = observe("openai", [body], max_buffer=64 * 1024)
-    assert observer._buffered_size() <= 64 * 1024 + 4096
+    assert retained_bytes(observer) <= 64 * 1024 + 4096
     assert observer.result() == Usage(input_tokens=77)
 
 

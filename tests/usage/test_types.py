@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from spendguard.asgi.routes import Dialect as RouteDialect
 
+from spendguard.asgi.routes import Dialect as RouteDialect
 from spendguard.usage import Dialect, Usage, estimate_usage
 from spendguard.usage.types import token_count, valid_model
 
