@@ -5,60 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.types import ASGIApp, Message
 
+# The lifespan driver and the request scope are the tests' own (tests/support/asgi.py).
+from tests.support.asgi import http_scope, lifespan
 
-@asynccontextmanager
-async def lifespan(app: ASGIApp) -> AsyncIterator[None]:
-    """Run ``app``'s lifespan around a block (startup before, shutdown after)."""
-    to_app: asyncio.Queue[Message] = asyncio.Queue()
-    from_app: asyncio.Queue[Message] = asyncio.Queue()
-    scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
-
-    async def run() -> None:
-        await app(scope, to_app.get, from_app.put)
-
-    task = asyncio.create_task(run())
-    await to_app.put({"type": "lifespan.startup"})
-    started = await from_app.get()
-    if started["type"] != "lifespan.startup.complete":
-        task.cancel()
-        raise RuntimeError(f"app startup failed: {started}")
-    try:
-        yield
-    finally:
-        await to_app.put({"type": "lifespan.shutdown"})
-        done = await from_app.get()
-        if done["type"] != "lifespan.shutdown.complete":
-            raise RuntimeError(f"app shutdown failed: {done}")
-        await task
-
-
-def http_scope(
-    method: str, path: str, headers: Sequence[tuple[bytes, bytes]], body: bytes = b""
-) -> dict[str, Any]:
-    """What uvicorn hands an app for one request (ASGI spec 2.3, like uvicorn's h11 server)."""
-    raw = [(k.lower(), v) for k, v in headers]
-    if body:
-        raw.append((b"content-length", str(len(body)).encode()))
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "server": ("127.0.0.1", 8000),
-        "client": ("127.0.0.1", 50000),
-        "scheme": "http",
-        "method": method,
-        "root_path": "",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": raw,
-    }
+__all__ = ["Call", "http_scope", "lifespan"]
 
 
 class Call:

@@ -5,7 +5,9 @@ key, sent three ways:
 
 * ``spendguard``: ``RedisStore.preflight`` as shipped (redis-py asyncio, a timeout scope, the
   decision on the reply);
-* ``redis-py``: redis-py's ``Script`` call alone, what the store wraps;
+* ``redis-py``: redis-py's ``Script`` call alone, what the store wraps (the script text is the
+  store's own ``spendguard/store/lua/preflight.lua``, so it has the same SHA; the client has
+  the store's kind of pool);
 * ``minimal``: a ~60-line asyncio protocol speaking RESP2 on one connection, which writes every
   call issued in the same event-loop turn in one ``write`` (automatic pipelining).
 
@@ -21,8 +23,11 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
+from importlib import resources
 from typing import Any
 from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
 
 from spendguard import Identity
 from spendguard.limits import KeyCodec
@@ -155,12 +160,32 @@ async def _timed(
     }
 
 
+def _preflight_lua() -> str:
+    """The store's preflight script, read from the package as the store reads it."""
+    lua = resources.files("spendguard.store") / "lua" / "preflight.lua"
+    return lua.read_text("utf-8")
+
+
+def _client(url: str, timeout: float) -> aioredis.Redis:
+    """A redis-py client like the store's: a blocking pool, decoded replies, one timeout."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=512,
+        timeout=timeout,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        decode_responses=True,
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
 async def _measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]:
     identity = Identity("client-path", "key")
     store = RedisStore.from_url(redis_url, timeout=5.0)
     await _warm(store, identity)
     keys = KeyCodec("quota", timedelta(days=2)).plan(identity, datetime.now(UTC))
-    script = store._scripts["preflight"]  # the registered script: same SHA, same Lua
+    client = _client(redis_url, timeout=5.0)
+    script = client.register_script(_preflight_lua())  # same Lua, so the store's SHA
     redis_keys = [keys.policy_key, *(c.usage_key for c in keys.checks)]
     args = [c.field for c in keys.checks]
     packed = _pack("EVALSHA", script.sha, str(len(redis_keys)), *redis_keys, *args)
@@ -187,6 +212,7 @@ async def _measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]
                         entry.setdefault(stat, []).append(value)
     finally:
         minimal.close()
+        await client.aclose()
         await store.aclose()
     return {
         label: {stat: summary(values) for stat, values in stats.items()}

@@ -7,209 +7,59 @@ child process on a free port, and the database is created for the run and droppe
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import ctypes
-import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
-HOST = "127.0.0.1"
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+from tests.support import (
+    HOST,
+    ROOT,
+    RedisServer,
+    RedisServerError,
+    TemporaryDatabase,
+    clean_env,
+    die_with_parent,
+    free_port,
+    redis_version,
+)
 
 
 class ServiceError(RuntimeError):
     """A service the benchmarks need is missing or would not start."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that SIGKILLs the child if this process dies (Linux, main thread only), so a
-    killed benchmark run never leaves servers holding ports."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not (
-        threading.main_thread()
-    ):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
-
-
-def _ping_redis(port: int) -> bool:
-    try:
-        with socket.create_connection((HOST, port), timeout=0.5) as sock:
-            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-class PrivateRedis:
-    """A ``redis-server`` child on a free loopback port, persisting nothing."""
-
-    def __init__(self) -> None:
-        self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._dir: Path | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+class PrivateRedis(RedisServer):
+    """A ``redis-server`` child on a free loopback port, persisting nothing (the tests'
+    launcher; it never touches a machine's shared Redis)."""
 
     def start(self) -> Self:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise ServiceError("redis-server is not on PATH (install Redis)")
-        self._dir = Path(tempfile.mkdtemp(prefix="spendguard-bench-redis-"))
-        for _ in range(5):  # a free port can be taken between the probe and bind()
-            self.port = free_port()
-            log = (self._dir / "redis.log").open("ab")
-            self._proc = subprocess.Popen(
-                [
-                    exe,
-                    "--port",
-                    str(self.port),
-                    "--bind",
-                    HOST,
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    str(self._dir),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent(),
-            )
-            log.close()
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and self._proc.poll() is None:
-                if _ping_redis(self.port):
-                    return self
-                time.sleep(0.02)
-            self._kill()
-        raise ServiceError("redis-server did not start: " + self._log_tail())
+        try:
+            return super().start()
+        except RedisServerError as exc:
+            raise ServiceError(f"redis-server did not start: {exc}") from exc
 
     def version(self) -> str:
-        exe = shutil.which("redis-server") or "redis-server"
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False)
-        for part in out.stdout.split():
-            if part.startswith("v="):
-                return part[2:]
-        return out.stdout.strip()
-
-    def _log_tail(self) -> str:
-        if self._dir is None:
-            return ""
-        path = self._dir / "redis.log"
-        return path.read_text(errors="replace")[-1000:] if path.exists() else ""
-
-    def _kill(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self._proc = None
-
-    def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._kill()
-        self._proc = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        return redis_version()
 
 
-class PrivatePostgres:
+class PrivatePostgres(TemporaryDatabase):
     """A database of its own (``spendguard_bench_<random>``) on an existing server, dropped at
     the end with ``WITH (FORCE)`` so a gateway still connected cannot keep it alive."""
 
     def __init__(self, admin_url: str | None = None) -> None:
-        self.admin_url = admin_url or os.environ.get(
-            "SPENDGUARD_TEST_POSTGRES_URL", DEFAULT_PG_ADMIN_URL
-        )
-        self.name = f"spendguard_bench_{uuid.uuid4().hex[:12]}"
-        self.created = False
-        self.server_version = ""
+        super().__init__(admin_url, prefix="spendguard_bench")
 
-    @property
-    def url(self) -> str:
-        return f"{self.admin_url.rsplit('/', 1)[0]}/{self.name}"
-
-    async def _admin(self, sql: str) -> str:
-        import asyncpg  # type: ignore[import-untyped]
-
-        conn = await asyncpg.connect(self.admin_url, timeout=5)
+    def create(self) -> Self:
         try:
-            await conn.execute(sql)
-            return str(await conn.fetchval("SHOW server_version"))
-        finally:
-            await conn.close()
-
-    def start(self) -> Self:
-        try:
-            self.server_version = asyncio.run(self._admin(f'CREATE DATABASE "{self.name}"'))
+            return super().create()
         except Exception as exc:
             raise ServiceError(f"PostgreSQL is not reachable at {self.admin_url}: {exc}") from exc
-        self.created = True
-        return self
-
-    def stop(self) -> None:
-        if self.created:
-            asyncio.run(self._admin(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)'))
-            self.created = False
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 class GatewayServer:
@@ -231,10 +81,7 @@ class GatewayServer:
         return self._proc.pid if self._proc is not None else None
 
     def start(self) -> Self:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPENDGUARD_")}
-        env.update(self._env)
-        env["BENCH_GATEWAY_VARIANT"] = self.variant
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env = clean_env(**self._env, BENCH_GATEWAY_VARIANT=self.variant)
         with self._log_path.open("ab") as log:
             self._proc = subprocess.Popen(
                 [
@@ -260,7 +107,7 @@ class GatewayServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent(),
+                preexec_fn=die_with_parent(),
             )
         return self
 

@@ -104,23 +104,26 @@ async def _write_cpu(ledger: Ledger, records: list[InferenceRecord], batch: int)
     return (time.process_time() - start) / len(records) * 1e6
 
 
-async def _executemany(url: str, records: list[InferenceRecord]) -> float:
-    """Records/s writing ``records`` with asyncpg executemany, one transaction per 500."""
+async def _executemany(ledger: Ledger, url: str, records: list[InferenceRecord]) -> float:
+    """Records/s writing ``records`` with asyncpg executemany, one transaction per 500.
+
+    The rows are the ledger's own: written once through the ledger and read back (untimed),
+    then deleted and written again by the timed executemany."""
     import asyncpg  # type: ignore[import-untyped]
 
-    from spendguard.clock import to_micros
-    from spendguard.ledger.records import _record_values  # the ledger's own row mapping
-
-    now_us = to_micros(datetime.now(UTC))
-    rows = [_record_values(r, now_us) for r in records]
-    columns = list(rows[0])
-    sql = (
-        f"INSERT INTO spendguard_records ({', '.join(columns)}) "
-        f"VALUES ({', '.join(f'${i + 1}' for i in range(len(columns)))}) "
-        "ON CONFLICT (id) DO NOTHING"
-    )
+    await ledger.insert_records(records)
+    ids = [r.id for r in records]
+    where = "WHERE id = ANY($1::text[])"
     conn = await asyncpg.connect(url)
     try:
+        rows = [dict(r) for r in await conn.fetch(f"SELECT * FROM spendguard_records {where}", ids)]
+        await conn.execute(f"DELETE FROM spendguard_records {where}", ids)
+        columns = list(rows[0])
+        sql = (
+            f"INSERT INTO spendguard_records ({', '.join(columns)}) "
+            f"VALUES ({', '.join(f'${i + 1}' for i in range(len(columns)))}) "
+            "ON CONFLICT (id) DO NOTHING"
+        )
         start = time.perf_counter()
         statement = await conn.prepare(sql)
         for i in range(0, len(rows), WRITE_BATCH):
@@ -155,7 +158,7 @@ async def _settlement(
                 await SettlementWorker(ledger, None, coster, CODEC).run_once()
                 if backend == "postgresql":
                     records = _records(sizes.settle_records, identities, datetime.now(UTC))
-                    raw_writes.append(await _executemany(url, records))
+                    raw_writes.append(await _executemany(ledger, url, records))
                     await SettlementWorker(ledger, None, coster, CODEC).run_once()
                 for batch in sizes.settle_batches:
                     n = max(sizes.settle_records, batch)
