@@ -239,16 +239,6 @@ async def test_cluster_gateway_end_to_end(tmp_path: Path, redis_cluster: RedisCl
     await store.aclose()
 
 
-async def test_redis_url_switches_the_middleware_store(
-    monkeypatch: pytest.MonkeyPatch, redis_url: str, tmp_path: Path
-) -> None:
-    from spendguard import Settings, SpendGuard
-
-    guard = SpendGuard(Settings(redis_url=redis_url, database_url=f"sqlite:///{tmp_path}/x.db"))
-    assert isinstance(guard.store, RedisStore)
-    await guard.store.aclose()
-
-
 async def test_readded_policy_does_not_trust_a_stale_usage_key(
     redis_gw: Gateway, redis_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
