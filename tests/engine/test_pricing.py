@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import math
 import re
+import time
 from decimal import Decimal
 from fractions import Fraction
 from importlib import resources
@@ -218,12 +219,31 @@ def test_lookup_never_crashes(model: str) -> None:
     assert (model in shipped) == (price is not None)
 
 
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
-    "model",
-    ["-" * 50_000, "gpt-4o-" * 20_000, "a" * 200_000, "\x00\ud800", "gpt-4o-mini\n", "😀/😀"],
+    ("model", "entry"),
+    [
+        ("-" * 50_000, None),
+        ("gpt-4o-" * 20_000, "gpt-4o"),  # a dated-suffix shape: the family's price, no more
+        ("a" * 200_000, None),
+        ("\x00\ud800", None),
+        ("gpt-4o-mini\n", "gpt-4o-mini"),  # surrounding whitespace is not part of a name
+        ("😀/😀", None),
+    ],
+    ids=["dashes", "repeated-family", "long", "nul-surrogate", "newline", "emoji"],
 )
-def test_lookup_of_hostile_strings(model: str) -> None:
-    PriceTable.load().lookup(model)  # must simply return
+def test_lookup_of_hostile_strings(model: str, entry: str | None) -> None:
+    shipped = PriceTable.load()
+    started = time.perf_counter()
+    price = shipped.lookup(model)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 2.0, f"lookup took {elapsed:.2f} s: matching must stay linear"
+    # Never a price of its own: only the entry the name resolves to, or none at all.
+    assert shipped.resolve(model) == entry
+    if entry is None:
+        assert price is None and model not in shipped
+    else:
+        assert isinstance(price, Price) and price == shipped.lookup(entry)
 
 
 def test_lookup_of_non_string_is_none() -> None:
