@@ -11,7 +11,6 @@ import contextlib
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,14 +18,13 @@ from typing import Self
 
 from tests.support import (
     HOST,
-    ROOT,
     RedisServer,
     RedisServerError,
     TemporaryDatabase,
     clean_env,
-    die_with_parent,
     free_port,
     redis_version,
+    uvicorn,
 )
 
 
@@ -82,33 +80,22 @@ class GatewayServer:
 
     def start(self) -> Self:
         env = clean_env(**self._env, BENCH_GATEWAY_VARIANT=self.variant)
-        with self._log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "uvicorn",
-                    "benchmarks.apps:create_app",
-                    "--factory",
-                    "--host",
-                    HOST,
-                    "--port",
-                    str(self.port),
-                    "--workers",
-                    "1",
-                    # Logging every request would be the same cost for every variant, and is
-                    # not what a production gateway measures its limiter against.
-                    "--no-access-log",
-                    "--log-level",
-                    "warning",
-                ],
-                cwd=ROOT,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent(),
-            )
+        self._proc = uvicorn(
+            "benchmarks.apps:create_app",
+            self.port,
+            env,
+            self._log_path,
+            "--factory",
+            "--host",
+            HOST,
+            "--workers",
+            "1",
+            # Logging every request would be the same cost for every variant, and is not what
+            # a production gateway measures its limiter against.
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        )
         return self
 
     def wait_ready(self, timeout: float = 30.0) -> None:

@@ -10,6 +10,8 @@ import pytest
 
 from spendguard.cli import main
 
+ALPHA_DAY = ("--team", "acme", "--api-key", "alpha", "--period", "day")
+
 
 @pytest.fixture
 def db(monkeypatch: pytest.MonkeyPatch, database_url: str) -> str:
@@ -30,19 +32,7 @@ def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> Any:
 
 def test_policy_lifecycle(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(capsys, "db", "init")[0] == 0
-    code, out = run(
-        capsys,
-        "policy",
-        "set",
-        "--team",
-        "acme",
-        "--api-key",
-        "alpha",
-        "--period",
-        "day",
-        "--limit-usd",
-        "5.00",
-    )
+    code, out = run(capsys, "policy", "set", *ALPHA_DAY, "--limit-usd", "5.00")
     assert code == 0 and "limit $5.000000" in out
     run_json(capsys, "policy", "set", "--team", "acme", "--period", "month", "--limit-usd", "200")
     listed = run_json(capsys, "policy", "ls", "--team", "acme")

@@ -53,6 +53,21 @@ class RedisServerError(RuntimeError):
     """A redis-server process could not be started (or a cluster could not be formed)."""
 
 
+class _StoppedOnExit:
+    """``with server:`` starts it if needed (each class's ``__enter__``) and stops it after."""
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
 def ping(port: int, timeout: float = 0.5) -> bool:
     """True if a server on ``port`` answers PING (raw RESP, so no client library or fork)."""
     try:
@@ -63,7 +78,7 @@ def ping(port: int, timeout: float = 0.5) -> bool:
         return False
 
 
-class RedisServer:
+class RedisServer(_StoppedOnExit):
     """One private ``redis-server`` process on 127.0.0.1 that persists nothing to disk."""
 
     def __init__(self, port: int | None = None, extra_args: Sequence[str] = ()) -> None:
@@ -208,14 +223,6 @@ class RedisServer:
             self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     # -- internals --------------------------------------------------------------------------
 
     def _command(self) -> list[str]:
@@ -277,7 +284,7 @@ class _PortInUse(Exception):
     """Internal: the server could not bind its port (another process took it)."""
 
 
-class RedisCluster:
+class RedisCluster(_StoppedOnExit):
     """Three cluster-enabled masters on loopback, slots 0-16383 spread over them."""
 
     def __init__(self, masters: int = 3, node_timeout_ms: int = 5000) -> None:
@@ -369,14 +376,6 @@ class RedisCluster:
         if not self.servers:
             self.start()
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 @atexit.register

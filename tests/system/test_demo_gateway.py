@@ -28,6 +28,9 @@ R52_KEY_DAY = {
 }
 
 
+ALPHA_DAY = ("--team", "acme", "--api-key", "alpha", "--period", "day")
+
+
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
     return clean_env(
@@ -52,19 +55,7 @@ def gateway(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
 
 @pytest.mark.timeout(300)
 def test_demo_gateway_acceptance(gateway: str, env: dict[str, str]) -> None:
-    run_cli(
-        env,
-        "policy",
-        "set",
-        "--team",
-        "acme",
-        "--api-key",
-        "alpha",
-        "--period",
-        "day",
-        "--limit-usd",
-        "0",
-    )
+    run_cli(env, "policy", "set", *ALPHA_DAY, "--limit-usd", "0")
     alpha = openai.OpenAI(base_url=f"{gateway}/v1", api_key="sk-demo-alpha", max_retries=0)
     beta = openai.OpenAI(base_url=f"{gateway}/v1", api_key="sk-demo-beta", max_retries=0)
     messages = [{"role": "user", "content": "Say something about budgets."}]

@@ -21,6 +21,8 @@ from spendguard.limits import KeyCodec, Period, key_limit, team_limit
 from spendguard.store.redis import RedisStore
 from tests.support import clean_env, free_port, run_cli, stop, uvicorn, wait_healthy
 
+ALPHA_DAY = ("--team", "acme", "--api-key", "alpha", "--period", "day")
+
 
 @pytest.fixture
 def env(clean_postgres_url: str, redis_url: str) -> dict[str, str]:
@@ -53,19 +55,7 @@ def gateways(env: dict[str, str], tmp_path: Path) -> Iterator[list[str]]:
 def test_two_gateways_200_concurrent_requests_one_key(
     gateways: list[str], env: dict[str, str], clean_postgres_url: str, redis_url: str
 ) -> None:
-    run_cli(
-        env,
-        "policy",
-        "set",
-        "--team",
-        "acme",
-        "--api-key",
-        "alpha",
-        "--period",
-        "day",
-        "--limit-usd",
-        "1000",
-    )
+    run_cli(env, "policy", "set", *ALPHA_DAY, "--limit-usd", "1000")
     run_cli(env, "policy", "set", "--team", "acme", "--period", "month", "--limit-usd", "1000")
 
     async def fire() -> list[int]:
