@@ -34,7 +34,7 @@ from spendguard.limits import KeyCodec
 from spendguard.store.redis import RedisStore
 
 from .common import Sizes
-from .settlement import _warm
+from .settlement import warm_preflight_keys
 from .stats import percentile, summary
 
 Reply = Any
@@ -182,7 +182,7 @@ def _client(url: str, timeout: float) -> aioredis.Redis:
 async def _measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]:
     identity = Identity("client-path", "key")
     store = RedisStore.from_url(redis_url, timeout=5.0)
-    await _warm(store, identity)
+    await warm_preflight_keys(store, identity)
     keys = KeyCodec("quota", timedelta(days=2)).plan(identity, datetime.now(UTC))
     client = _client(redis_url, timeout=5.0)
     script = client.register_script(_preflight_lua())  # same Lua, so the store's SHA

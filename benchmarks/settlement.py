@@ -201,7 +201,7 @@ async def _preflight_load(
     return samples
 
 
-async def _warm(store: RedisStore, identity: Identity) -> None:
+async def warm_preflight_keys(store: RedisStore, identity: Identity) -> None:
     keys = CODEC.plan(identity, datetime.now(UTC))
     policies = [
         Policy(c.target, HIGH_LIMIT_MICROS, "bench")
@@ -225,7 +225,7 @@ async def _preflight(
     try:
         # Not one of the settling teams: the pass evicts their (just written) policies.
         probe = Identity("probe", "key")
-        await _warm(store, probe)
+        await warm_preflight_keys(store, probe)
         # Warm-up: the pool opens its connections and registers the script now.
         await _preflight_load(store, probe, 640, 64)
         for _ in range(repeats):
