@@ -142,8 +142,12 @@ class Settings(BaseSettings):
     @classmethod
     def _check_redis(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
+            # The store registry is the one list of schemes (imported here, not at the top:
+            # the stores themselves read these settings).
+            from .store import STORES
+
             scheme = value.get_secret_value().split("://", 1)[0]
-            if scheme not in {"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"}:
+            if scheme not in STORES or scheme == "memory":
                 raise ValueError("use redis://, rediss://, unix:// or redis+cluster://host:port")
         return value
 

@@ -257,7 +257,9 @@ class SpendGuard:
         """Charge an admitted inference once, however it ended (``status_code`` 0: no
         response started). Never raises: the response is already out."""
         decision, request = admission.decision, admission.request
-        if decision is None or request is None or not charged(status_code):
+        if not admission.allowed or decision is None or request is None:
+            return None  # refused or not checked: nothing reached the provider through us
+        if not charged(status_code):
             return None
         usage = observer.result() if observer is not None else None
         if usage is None:

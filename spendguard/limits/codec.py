@@ -113,6 +113,11 @@ class KeyCodec:
         self.grace = grace
         self._stems: dict[tuple[str, str | None], _Stems] = {}
 
+    @property
+    def remembered(self) -> int:
+        """How many identities' plan parts are kept (bounded by MAX_CACHED_IDENTITIES)."""
+        return len(self._stems)
+
     def policy_key(self, team: str) -> str:
         return f"{self.prefix}:{{{team}}}:spend:policy"
 

@@ -156,3 +156,31 @@ def test_policy_fields_is_the_teams_whole_hash() -> None:
     }
     assert KeyCodec.policy_fields([], balance=True) == {BALANCE_FIELD: 1}
     assert KeyCodec.policy_fields([], balance=False) == {}  # "no policy", cached as such
+
+
+@pytest.mark.parametrize(
+    "t0",
+    [
+        T0,
+        datetime(2026, 9, 30, 23, 59, 59, 999999, tzinfo=UTC),
+        datetime(2026, 10, 1, tzinfo=UTC),
+        datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC),
+    ],
+)
+def test_a_reused_plan_equals_one_built_from_scratch(t0: datetime) -> None:
+    # A plan reuses its identity's fields and key stems: across days, months and years it must
+    # still equal the checks built one by one for that t0.
+    codec = KeyCodec("quota", GRACE)
+    for identity in (ALPHA, Identity("acme"), Identity("a:b", "k{1}")):
+        codec.plan(identity, T0)  # remembered at another time
+        fresh = tuple(codec.check(target, t0) for target in applicable(identity))
+        assert codec.plan(identity, t0).checks == fresh
+
+
+def test_remembered_identities_are_bounded() -> None:
+    codec = KeyCodec("quota", GRACE)
+    bound = KeyCodec.MAX_CACHED_IDENTITIES
+    for n in range(bound + 5):
+        plan = codec.plan(Identity(f"team{n}", "k"), T0)
+        assert plan.policy_key == f"quota:{{team{n}}}:spend:policy"
+    assert 0 < codec.remembered <= bound
