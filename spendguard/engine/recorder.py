@@ -33,8 +33,10 @@ class Recorder:
         capacity: int,
         batch_size: int = 500,
         retry_max: float = 5.0,
+        linger: float = 0.01,
     ) -> None:
         self._ledger = ledger
+        self._linger = linger
         self._send, self._receive = anyio.create_memory_object_stream[InferenceRecord](capacity)
         self._batch: list[InferenceRecord] = []
         self._batch_size = batch_size
@@ -120,6 +122,11 @@ class Recorder:
             if not self._batch:
                 # Sleep until a record arrives, then take it into the batch.
                 self._batch.append(await self._receive.receive())
+                if self.pending < self._batch_size:
+                    # Linger a moment so a batch forms: a transaction per record costs about a
+                    # hundred times a row written in a batch. Shutdown's flush writes what is
+                    # queued if it cancels this wait.
+                    await anyio.sleep(self._linger)
             try:
                 # Shielded: a write cancelled half-way (at shutdown) would leak its pooled
                 # connection and leave the flush waiting for it; the timeout still bounds it.

@@ -5,13 +5,16 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
+import sqlalchemy as sa
 
+from spendguard.clock import to_micros
 from spendguard.identity import Identity
 from spendguard.ledger import Ledger
+from spendguard.ledger.schema import records
 from spendguard.record import InferenceRecord, PostflightStatus
 from spendguard.usage import Usage
 from tests.ledger.helpers import SEP30_LATE
-from tests.support import make_record
+from tests.support import make_record, sql_rows
 
 pytestmark = pytest.mark.anyio
 
@@ -40,3 +43,76 @@ async def test_hostile_display_text_is_stored(ledger: Ledger) -> None:
     )
     await ledger.insert_records([odd])
     assert await ledger.unsettled() == (1, 1)
+
+
+async def test_every_column_is_written_as_given(ledger: Ledger) -> None:
+    # The writer sends fixed statements straight to the driver: each column must land as the
+    # table defines it (booleans, big integers, NULL display ids), on both databases.
+    t0 = datetime(2026, 9, 30, 23, 59, 59, 999999, tzinfo=UTC)
+    big = 2**53 + 1
+    with_key = InferenceRecord(
+        id="r-key",
+        inference_id="inf-1",
+        identity=Identity("Team A", "key:1"),
+        model="gpt-4o-mini",
+        route="/v1/chat/completions",
+        t0=t0,
+        status_code=201,
+        usage=Usage(
+            input_tokens=big,
+            output_tokens=2,
+            cached_input_tokens=3,
+            cache_write_tokens=4,
+            estimated=True,
+        ),
+        estimate_micros=big,
+        postflight=PostflightStatus.UNKNOWN,
+    )
+    team_only = InferenceRecord(
+        id="r-team",
+        inference_id="r-team",
+        identity=Identity("acme"),
+        model="m",
+        route="/v1/messages",
+        t0=t0,
+        status_code=200,
+        usage=Usage(),
+        estimate_micros=0,
+        postflight=PostflightStatus.APPLIED,
+    )
+    await ledger.insert_records([with_key, team_only])
+    columns = [
+        records.c.id,
+        records.c.inference_id,
+        records.c.team,
+        records.c.api_key,
+        records.c.team_id,
+        records.c.api_key_id,
+        records.c.model,
+        records.c.route,
+        records.c.t0_us,
+        records.c.status_code,
+        records.c.input_tokens,
+        records.c.output_tokens,
+        records.c.cached_input_tokens,
+        records.c.cache_write_tokens,
+        records.c.usage_estimated,
+        records.c.estimate_micros,
+        records.c.postflight,
+        records.c.settled,
+    ]
+    rows = await sql_rows(ledger.url, sa.select(*columns).order_by(records.c.id))
+    t0_us = to_micros(t0)
+    assert [(r[0], *r[1:14], bool(r[14]), *r[15:17], bool(r[17])) for r in rows] == [
+        ("r-key", "inf-1", "Team%20A", "key%3A1", "Team A", "key:1", "gpt-4o-mini",
+         "/v1/chat/completions", t0_us, 201, big, 2, 3, 4, True, big, "unknown", False),
+        ("r-team", "r-team", "acme", "", "acme", None, "m",
+         "/v1/messages", t0_us, 200, 0, 0, 0, 0, False, 0, "applied", False),
+    ]  # fmt: skip
+
+
+async def test_a_large_batch_is_written_in_chunks_once(ledger: Ledger) -> None:
+    batch = [make_record(f"r{n}", SEP30_LATE, 1) for n in range(1_234)]
+    await ledger.insert_records(batch)
+    await ledger.insert_records(batch[600:700])  # re-sent: kept once
+    assert await ledger.unsettled() == (1_234, 1_234)
