@@ -49,6 +49,7 @@ async def test_usage_report_has_limit_remaining_and_reset(tmp_path: Path) -> Non
         await admin.set_policy("acme", window="month", limit_usd="1")
         for _ in range(2):
             assert await post(gw) == 200  # 15 micro-USD each (unit prices)
+        await gw.guard.recorder.flush()  # the records reach the ledger (the writer batches)
         report = await admin.usage("acme")
         rows = {(u.limit, u.bucket): u for u in report.limits}
         day = rows[(key_limit(ALPHA, Period.DAY), "20260930")]
