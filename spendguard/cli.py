@@ -171,7 +171,6 @@ async def cmd_balance_show(args: argparse.Namespace, ctx: Ctx) -> int:
         return 1
     account = report.account
     data = _balance_json(args.team, account.topped_up, account.charged)
-    count, _ = await ctx.ledger.unsettled(account.team)
     data["unsettled_estimate_micros"] = report.unsettled_estimate
     data["cached_micros"] = (
         None if report.cached_used is None else account.topped_up - report.cached_used
@@ -180,8 +179,9 @@ async def cmd_balance_show(args: argparse.Namespace, ctx: Ctx) -> int:
         args,
         data,
         f"team {args.team}: balance ${data['balance_usd']} (topped up "
-        f"${_usd(account.topped_up)}, charged ${_usd(account.charged)}; {count} records "
-        f"unsettled, estimated ${_usd(report.unsettled_estimate)})",
+        f"${_usd(account.topped_up)}, charged ${_usd(account.charged)}; "
+        f"{report.unsettled_records} records unsettled, "
+        f"estimated ${_usd(report.unsettled_estimate)})",
     )
     return 0
 

@@ -72,6 +72,7 @@ class UsageReport:
 class BalanceReport:
     team_id: str
     account: Account
+    unsettled_records: int
     unsettled_estimate: int
     cached_used: int | None  # charged + pending in the cache; None when not readable here
 
@@ -157,13 +158,13 @@ class Admin:
         account = await self.ledger.load_balance(identity.team)
         if account is None:
             return None
-        _, estimates = await self.ledger.unsettled(identity.team)
+        count, estimates = await self.ledger.unsettled(identity.team)
         cached = None
         if self.store is not None:
             key = self.codec.usage_key(Balance(identity.team), "")
             with contextlib.suppress(StoreUnavailable):
                 cached = (await self.store.read_usage([key]))[key]
-        return BalanceReport(identity.team_id, account, estimates, cached)
+        return BalanceReport(identity.team_id, account, count, estimates, cached)
 
     # -- usage ----------------------------------------------------------------------------
     async def usage(self, team_id: str, api_key_id: str | None = None) -> UsageReport:

@@ -255,12 +255,11 @@ class SpendGuard:
         self, admission: Admission, status_code: int, observer: BodyObserver | None
     ) -> InferenceRecord | None:
         """Charge an admitted inference once, however it ended (``status_code`` 0: no
-        response started). Never raises: the response is already out."""
+        response started; postflight applies the status rule). Never raises: the response
+        is already out."""
         decision, request = admission.decision, admission.request
         if not admission.allowed or decision is None or request is None:
             return None  # refused or not checked: nothing reached the provider through us
-        if not charged(status_code):
-            return None
         usage = observer.result() if observer is not None else None
         if usage is None:
             # The provider reported nothing (no usage in the stream, a disconnect): estimate

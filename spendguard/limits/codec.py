@@ -134,50 +134,44 @@ class KeyCodec:
         return self._usage_stem(target) + bucket
 
     def check(self, target: Target, t0: datetime) -> Check:
-        if isinstance(target, Balance):
-            # No window: the key is reloaded from the ledger now and then instead.
-            return Check(target, "", BALANCE_FIELD, self.balance_key(target.team), t0 + self.grace)
-        window = target.window
-        bucket = window.bucket(t0)
-        return Check(
-            target=target,
-            bucket=bucket,
-            field=field_of(target),
-            usage_key=self.usage_key(target, bucket),
-            expires_at=window.end(t0) + self.grace,
-        )
+        return self._located(target, *self._parts(target), t0, {})
 
     def plan(self, identity: Identity, t0: datetime) -> KeyPlan:
         """Every check that may apply to ``identity`` at ``t0`` (the store skips unset ones)."""
         stems = self._stems.get((identity.team, identity.api_key))
         if stems is None:
             stems = self._remember(identity)
-        windows: dict[Window, tuple[str, datetime]] = {}
-        checks = []
-        for target, field, stem in stems.entries:
-            if isinstance(target, Balance):
-                checks.append(Check(target, "", field, stem, t0 + self.grace))
-                continue
-            window = target.window
-            at = windows.get(window)
-            if at is None:
-                at = windows[window] = (window.bucket(t0), window.end(t0) + self.grace)
-            checks.append(Check(target, at[0], field, stem + at[0], at[1]))
-        return KeyPlan(identity.team, stems.policy_key, tuple(checks))
+        windows: dict[Window, tuple[str, datetime]] = {}  # each window's bucket computed once
+        checks = tuple(self._located(t, f, stem, t0, windows) for t, f, stem in stems.entries)
+        return KeyPlan(identity.team, stems.policy_key, checks)
+
+    def _parts(self, target: Target) -> tuple[str, str]:
+        """What does not depend on time: the field, and the key name up to the bucket."""
+        if isinstance(target, Balance):
+            return BALANCE_FIELD, self.balance_key(target.team)
+        return field_of(target), self._usage_stem(target)
+
+    def _located(
+        self,
+        target: Target,
+        field: str,
+        stem: str,
+        t0: datetime,
+        windows: dict[Window, tuple[str, datetime]],
+    ) -> Check:
+        if isinstance(target, Balance):
+            # No window: the key is reloaded from the ledger now and then instead.
+            return Check(target, "", field, stem, t0 + self.grace)
+        window = target.window
+        at = windows.get(window)
+        if at is None:
+            at = windows[window] = (window.bucket(t0), window.end(t0) + self.grace)
+        return Check(target, at[0], field, stem + at[0], at[1])
 
     def _remember(self, identity: Identity) -> _Stems:
         if len(self._stems) >= self.MAX_CACHED_IDENTITIES:
             self._stems.clear()  # a bound, not an LRU: rebuilding is cheap, growing is not
-        entries = tuple(
-            (
-                target,
-                field_of(target),
-                self.balance_key(target.team)
-                if isinstance(target, Balance)
-                else self._usage_stem(target),
-            )
-            for target in applicable(identity)
-        )
+        entries = tuple((t, *self._parts(t)) for t in applicable(identity))
         stems = _Stems(self.policy_key(identity.team), entries)
         self._stems[(identity.team, identity.api_key)] = stems
         return stems
