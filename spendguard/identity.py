@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 # Characters an encoded id may contain as themselves. Everything else (including `%`, `~`,
 # `{`, `}`, `:` and whitespace) is percent-encoded from its UTF-8 bytes, which keeps the
@@ -21,6 +22,8 @@ _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234567
 MAX_ENCODED_LEN = 96
 
 
+# Every request encodes its ids; a gateway sees the same few thousand again and again.
+@lru_cache(maxsize=16_384)
 def encode_id(raw: str) -> str:
     if not raw:
         raise ValueError("empty id")

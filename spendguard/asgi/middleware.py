@@ -15,7 +15,6 @@ from datetime import datetime
 from typing import Any
 
 import anyio
-from starlette.datastructures import MutableHeaders
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -37,6 +36,19 @@ STATE_INFERENCE_ID = "spendguard_inference_id"
 STATE_T0 = "spendguard_t0"
 STATE_RECORD_ID = "spendguard_record_id"
 HEADER_INFERENCE_ID = "x-spendguard-inference-id"
+_INFERENCE_ID_HEADER = HEADER_INFERENCE_ID.encode()
+
+
+def _content_headers(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, str | None]:
+    """Content-Type and Content-Encoding of a response, from its raw ASGI headers."""
+    content_type = content_encoding = None
+    for name, value in headers:
+        lname = name.lower()
+        if lname == b"content-type" and content_type is None:
+            content_type = value.decode("latin-1")
+        elif lname == b"content-encoding" and content_encoding is None:
+            content_encoding = value.decode("latin-1")
+    return content_type, content_encoding
 
 
 class _Disconnected(Exception):
@@ -152,18 +164,16 @@ class SpendGuardMiddleware:
 
         async def observed_send(message: Message) -> None:
             nonlocal status_code, observer
-            if message["type"] == "http.response.start":
+            kind = message["type"]
+            if kind == "http.response.body":
+                if observer is not None:
+                    observer.feed(message.get("body", b""))
+            elif kind == "http.response.start":
                 status_code = message["status"]
-                headers = MutableHeaders(scope=message)
-                observer = guard.observe(
-                    admission,
-                    status_code,
-                    headers.get("content-type"),
-                    headers.get("content-encoding"),
-                )
-                headers.raw.append((HEADER_INFERENCE_ID.encode(), inference_header))
-            elif observer is not None and message["type"] == "http.response.body":
-                observer.feed(message.get("body", b""))
+                headers = message["headers"] = list(message.get("headers", ()))
+                content_type, content_encoding = _content_headers(headers)
+                observer = guard.observe(admission, status_code, content_type, content_encoding)
+                headers.append((_INFERENCE_ID_HEADER, inference_header))
             await send(message)
 
         try:
@@ -171,7 +181,8 @@ class SpendGuardMiddleware:
         finally:
             # Exactly once, however the app ended: return, exception, disconnect or
             # cancellation; shielded so a cancelled request still settles its charge.
-            with anyio.CancelScope(shield=True), anyio.move_on_after(15):
+            # finish() is bounded by the store's own timeouts; no deadline of ours is needed.
+            with anyio.CancelScope(shield=True):
                 await guard.finish(admission, status_code, observer)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:

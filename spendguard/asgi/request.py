@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from functools import partial
 from typing import Any, Final, NoReturn
 
 from ..engine.decision import InferenceRequest
@@ -69,20 +71,21 @@ def parse_request(body: bytes) -> InferenceRequest:
         model=_model(obj),
         stream=_stream(obj),
         max_tokens=_max_tokens(obj),
-        estimated_input_tokens=_estimate_input_tokens(obj),
+        # Walked only if the provider reports no usage: one pass over the body otherwise.
+        estimate=partial(_estimate_input_tokens, obj),
     )
 
 
 def _load(body: bytes) -> Any:
     raw = bytes(body)  # no copy for bytes; accepts bytearray/memoryview too
-    if not raw.strip():
-        raise BadRequest("Request body is empty; expected a JSON object.")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadRequest(f"Request body is not valid UTF-8 (byte {exc.start}).") from None
+    if not text or text.isspace():
+        raise BadRequest("Request body is empty; expected a JSON object.")
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_parse_float)
+        return _DECODER.decode(text)
     except _NonFiniteNumber as exc:
         raise BadRequest(
             f"Request body contains a non-finite number ({exc}); JSON allows finite numbers only."
@@ -98,6 +101,11 @@ def _load(body: bytes) -> Any:
         raise BadRequest(f"Request body is not valid JSON: {exc}.") from None
 
 
+# One decoder for every request (json.loads with hooks would build a new one each time).
+_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_parse_float)
+_CONTROL_CHARACTER: Final = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _model(obj: dict[str, Any]) -> str:
     if "model" not in obj or obj["model"] is None:
         raise BadRequest("'model' is required.")
@@ -111,7 +119,7 @@ def _model(obj: dict[str, Any]) -> str:
             f"'model' is too long ({len(model)} characters, at most {MAX_MODEL_LENGTH})."
         )
     # The model name ends up in store keys, ledger rows and logs: no control characters.
-    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in model):
+    if _CONTROL_CHARACTER.search(model):
         raise BadRequest("'model' must not contain control characters.")
     return model
 

@@ -7,6 +7,7 @@ ASGI adapter renders without interpreting anything.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -66,16 +67,59 @@ class Decision:
         return denied is not None and denied.is_balance
 
 
-@dataclass(frozen=True, slots=True)
 class InferenceRequest:
-    """What spendguard needs from an inference request to check and charge it."""
+    """What spendguard needs from an inference request to check and charge it.
 
-    model: str
-    stream: bool
-    max_tokens: int | None
-    """Output cap from max_tokens / max_completion_tokens / max_output_tokens (largest wins)."""
-    estimated_input_tokens: int
-    """Rough prompt size: ceil(prompt characters / 4), at least 1."""
+    ``estimated_input_tokens`` is the rough prompt size, ceil(prompt characters / 4) and at
+    least 1. It is needed only when the provider reports no usage (a disconnect, a stream
+    without usage), so a parser may pass ``estimate`` instead, called on first use: most
+    requests never walk their prompt a second time.
+    """
+
+    __slots__ = ("_estimate", "_estimated", "max_tokens", "model", "stream")
+
+    def __init__(
+        self,
+        model: str,
+        stream: bool,
+        max_tokens: int | None,
+        estimated_input_tokens: int | None = None,
+        *,
+        estimate: Callable[[], int] | None = None,
+    ) -> None:
+        if (estimated_input_tokens is None) == (estimate is None):
+            raise TypeError("give estimated_input_tokens or estimate, not both or neither")
+        self.model = model
+        self.stream = stream
+        self.max_tokens = max_tokens  # output cap (the largest of the APIs' cap fields)
+        self._estimated = estimated_input_tokens
+        self._estimate = estimate
+
+    @property
+    def estimated_input_tokens(self) -> int:
+        if self._estimated is None:
+            assert self._estimate is not None
+            self._estimated = self._estimate()
+            self._estimate = None
+        return self._estimated
+
+    def _key(self) -> tuple[str, bool, int | None, int]:
+        return (self.model, self.stream, self.max_tokens, self.estimated_input_tokens)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, InferenceRequest):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (
+            f"InferenceRequest(model={self.model!r}, stream={self.stream!r}, "
+            f"max_tokens={self.max_tokens!r}, "
+            f"estimated_input_tokens={self.estimated_input_tokens!r})"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
 import sqlalchemy as sa
 
 from ..clock import from_micros, to_micros, utcnow
@@ -52,6 +53,11 @@ class RecordQueries(LedgerDatabase):
             return
         now_us = to_micros(utcnow())
         rows = [_record_row(r, now_us) for r in batch]
+        writer = self._batch_writer
+        if writer is not None:  # SQLite in a file: see SqliteBatchWriter
+            async with self._guard("record write"):
+                await anyio.to_thread.run_sync(writer.execute_many, _SQLITE_INSERT, rows)
+            return
         async with self._guard("record write"), self._db.transaction():
             # The transaction's own connection, below `databases`: the fixed statement goes
             # straight to the driver.
@@ -60,7 +66,7 @@ class RecordQueries(LedgerDatabase):
                 chunk = rows[start : start + ROWS_PER_STATEMENT]
                 if self.is_postgres:
                     await raw.execute(_PG_INSERT, *(list(col) for col in zip(*chunk, strict=True)))
-                else:
+                else:  # in-memory SQLite: only `databases`' own connection sees the tables
                     await raw.executemany(_SQLITE_INSERT, chunk)
 
     async def unsettled(self, team: str | None = None) -> tuple[int, int]:

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from ..identity import Identity
 from .model import Balance, Limit, Policy, Subject, SubjectKind, Target, applicable
 from .windows import Period, Window
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 # Marks a policy hash as loaded from the ledger, so a missing field means "no policy" (negative
 # caching) instead of "not loaded yet".
@@ -91,12 +93,21 @@ class KeyPlan:
         raise KeyError(target)
 
 
-@dataclass(frozen=True, slots=True)
 class _Stems:
-    """What a plan of one identity shares with every other plan of it."""
+    """What a plan of one identity shares with every other plan of it, and its latest plan.
 
-    policy_key: str
-    entries: tuple[tuple[Target, str, str], ...]  # target, field, usage key (without bucket)
+    All windows are UTC calendar windows, so a plan stays the same for every ``t0`` of one UTC
+    day: the last one built is kept with the span it holds for, and a request within that span
+    takes it as is (no bucket formatting, no allocation).
+    """
+
+    __slots__ = ("entries", "plan", "policy_key", "valid_from", "valid_until")
+
+    def __init__(self, policy_key: str, entries: tuple[tuple[Target, str, str], ...]) -> None:
+        self.policy_key = policy_key
+        self.entries = entries  # target, field, usage key without the bucket
+        self.plan: KeyPlan | None = None
+        self.valid_from = self.valid_until = _EPOCH
 
 
 class KeyCodec:
@@ -141,9 +152,20 @@ class KeyCodec:
         stems = self._stems.get((identity.team, identity.api_key))
         if stems is None:
             stems = self._remember(identity)
+        plan = stems.plan
+        if plan is not None and stems.valid_from <= t0 < stems.valid_until:
+            return plan
+        # The span this plan holds for: the UTC day of t0, narrowed by every window's own
+        # period (all of today's windows contain whole days).
+        valid_from, valid_until = Period.DAY.start(t0), Period.DAY.end(t0)
         windows: dict[Window, tuple[str, datetime]] = {}  # each window's bucket computed once
         checks = tuple(self._located(t, f, stem, t0, windows) for t, f, stem in stems.entries)
-        return KeyPlan(identity.team, stems.policy_key, checks)
+        for window in windows:
+            valid_from = max(valid_from, window.start(t0))
+            valid_until = min(valid_until, window.end(t0))
+        plan = KeyPlan(identity.team, stems.policy_key, checks)
+        stems.plan, stems.valid_from, stems.valid_until = plan, valid_from, valid_until
+        return plan
 
     def _parts(self, target: Target) -> tuple[str, str]:
         """What does not depend on time: the field, and the key name up to the bucket."""
@@ -160,8 +182,10 @@ class KeyCodec:
         windows: dict[Window, tuple[str, datetime]],
     ) -> Check:
         if isinstance(target, Balance):
-            # No window: the key is reloaded from the ledger now and then instead.
-            return Check(target, "", field, stem, t0 + self.grace)
+            # No window: the key is reloaded from the ledger now and then instead, at the
+            # latest a grace after the end of t0's UTC day (the span a cached plan holds for,
+            # so a key filled from that plan still lives at least a grace).
+            return Check(target, "", field, stem, Period.DAY.end(t0) + self.grace)
         window = target.window
         at = windows.get(window)
         if at is None:

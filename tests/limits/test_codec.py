@@ -84,9 +84,28 @@ def test_a_check_expires_a_grace_after_its_window() -> None:
     assert CODEC.check(TEAM_MONTH, datetime(2026, 12, 31, tzinfo=UTC)).expires_at == (
         datetime(2027, 1, 1, tzinfo=UTC) + GRACE
     )
-    balance = CODEC.check(Balance("acme"), T0)  # no window: reloaded now and then instead
-    assert (balance.bucket, balance.expires_at) == ("", T0 + GRACE)
+    # No window: reloaded now and then instead, at the latest a grace after t0's UTC day ends.
+    balance = CODEC.check(Balance("acme"), T0)
+    assert (balance.bucket, balance.expires_at) == ("", datetime(2026, 10, 1, tzinfo=UTC) + GRACE)
     assert balance.usage_key == CODEC.balance_key("acme")
+
+
+def test_a_plan_is_built_once_per_utc_day_and_identity() -> None:
+    codec = KeyCodec("q", GRACE)
+    morning = codec.plan(ALPHA, datetime(2026, 9, 30, 0, 0, tzinfo=UTC))
+    # The same day: the very same plan, nothing rebuilt.
+    assert codec.plan(ALPHA, datetime(2026, 9, 30, 23, 59, 59, 999999, tzinfo=UTC)) is morning
+    # Midnight: every day bucket moves on, the month's stays; the month's end moves the month.
+    after = codec.plan(ALPHA, datetime(2026, 10, 1, tzinfo=UTC))
+    assert after is not morning
+    assert [c.bucket for c in after.checks] == ["20261001", "202610", "20261001", "202610", ""]
+    assert [c.bucket for c in morning.checks] == ["20260930", "202609", "20260930", "202609", ""]
+    # A retry that keeps yesterday's t0 gets yesterday's keys, not the cached day's.
+    again = codec.plan(ALPHA, datetime(2026, 9, 30, 12, tzinfo=UTC))
+    assert again == morning
+    assert codec.plan(Identity("acme", "beta"), T0).checks[0].usage_key.endswith(
+        ":api_key:beta:day:20260930"
+    )
 
 
 def test_key_plan_find() -> None:
