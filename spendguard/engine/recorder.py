@@ -33,7 +33,7 @@ class Recorder:
         capacity: int,
         batch_size: int = 500,
         retry_max: float = 5.0,
-        linger: float = 0.01,
+        linger: float = 0.025,
     ) -> None:
         self._ledger = ledger
         self._linger = linger
