@@ -45,6 +45,18 @@ class LineDecoder:
         """Bytes held for the unterminated line."""
         return self._partial.size
 
+    def take_whole(self, data: bytes) -> bool:
+        """True (and the decoder's state moved past it) when ``data`` may bypass
+        :meth:`decode`: nothing is pending and ``data`` ends in LF, without any CR, so its
+        lines are exactly ``data.split(b"\n")`` with no line continued or left over."""
+        if self._skip_lf or not self._partial.empty or b"\r" in data or data[-1:] != b"\n":
+            return False
+        if self._at_start:
+            if data.startswith(_BOM):
+                return False
+            self._at_start = False
+        return True
+
     def decode(self, data: bytes) -> Sequence[bytes | LongLine]:
         """The lines ``data`` completes, in order; an unterminated rest waits for more."""
         if self._skip_lf:

@@ -196,7 +196,8 @@ def _apply_event(stream: _Stream, event: Event) -> None:
     if not payload or payload == b"[DONE]":
         return
     try:
-        obj = json.loads(payload)
+        # SSE is UTF-8 by definition: decoding it here spares json the encoding detection.
+        obj = json.loads(payload.decode("utf-8"))
     except (ValueError, RecursionError):  # includes UnicodeDecodeError
         return
     if not isinstance(obj, dict):

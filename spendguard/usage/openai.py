@@ -84,7 +84,9 @@ class OpenAIStream:
             return
         # Chat Completions / legacy Completions chunk. Usage is null on every chunk but the last
         # (and only present at all with stream_options.include_usage).
-        self.model = valid_model(obj.get("model")) or self.model
+        model = obj.get("model")
+        if model != self.model:  # every chunk repeats it; validate it once
+            self.model = valid_model(model) or self.model
         usage = obj.get("usage")
         if isinstance(usage, dict):
             self.apply_usage(usage)

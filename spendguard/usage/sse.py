@@ -47,6 +47,9 @@ class SSEDecoder:
 
     def decode(self, chunk: bytes) -> Sequence[Event]:
         """The events ``chunk`` completes (their blank line arrived), in order."""
+        whole = self._whole_event(chunk)
+        if whole is not None:
+            return whole
         lines = self._lines.decode(chunk)
         if not lines:
             return _NO_EVENTS
@@ -77,6 +80,24 @@ class SSEDecoder:
                     self._event = value[:_MAX_EVENT_NAME_LEN].decode("utf-8", "replace")
                 # ``id``, ``retry`` and unknown fields are irrelevant to usage.
         return events
+
+    def _whole_event(self, chunk: bytes) -> tuple[Event] | None:
+        """The shape nearly every provider sends, decoded without splitting lines: a chunk
+        that is exactly one ``data:`` line and its blank line, with nothing pending."""
+        if (
+            self._data_lines
+            or self._event
+            or chunk[:5] != b"data:"
+            or chunk[-2:] != b"\n\n"
+            or chunk.count(b"\n") != 2
+            or len(chunk) > self._max_event
+            or not self._lines.take_whole(chunk)
+        ):
+            return None
+        value = chunk[5:-2]
+        if value[:1] == b" ":
+            value = value[1:]
+        return ((value, False, ""),)
 
     def pending(self) -> Event | None:
         """The event the stream has not terminated yet (no blank line so far), including an

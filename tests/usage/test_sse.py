@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from spendguard.usage import Usage, UsageObserver
+from spendguard.usage.lines import LineDecoder
 from spendguard.usage.sse import SSEDecoder
 from tests.support import bodies
 from tests.support.bodies import SSE, byte_by_byte, random_chunks, sse
@@ -138,3 +143,44 @@ def test_over_long_event_keeps_only_a_bounded_tail() -> None:
     assert data.endswith(b"END")
     assert len(data) <= 4096
     assert decoder.buffered == 0
+
+
+# --- whole-event chunks ---------------------------------------------------------------------
+
+_FIELD = st.sampled_from([b"data: ", b"data:", b"event: ", b": ", b"id: ", b"data:  "])
+_VALUE = st.binary(max_size=12).filter(lambda b: b"\n" not in b and b"\r" not in b)
+_END = st.sampled_from([b"\n", b"\r\n", b"\r"])
+
+
+@st.composite
+def _streams(draw: st.DrawFn) -> list[bytes]:
+    """Streams as providers send them, one event per chunk (the decoder's fast path), mixed
+    with what defeats it: several lines per event, CR line ends, blank-only chunks, a BOM."""
+    chunks: list[bytes] = []
+    if draw(st.booleans()):
+        chunks.append(b"\xef\xbb\xbf")
+    for _ in range(draw(st.integers(0, 8))):
+        lines = draw(st.lists(st.tuples(_FIELD, _VALUE, _END), min_size=0, max_size=3))
+        end = draw(_END)
+        chunks.append(b"".join(f + v + e for f, v, e in lines) + end)
+    return chunks
+
+
+@settings(max_examples=300, deadline=None)
+@given(_streams())
+def test_whole_event_chunks_decode_as_byte_by_byte_does(chunks: list[bytes]) -> None:
+    def events(parts: Iterable[bytes]) -> list[tuple[bytes, bool, str]]:
+        decoder = SSEDecoder(1024)
+        return [event for part in parts for event in decoder.decode(part)]
+
+    whole = b"".join(chunks)
+    assert events(chunks) == events(byte_by_byte(whole))
+
+
+def test_a_whole_data_event_per_chunk_is_decoded_without_the_line_splitter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decoder = SSEDecoder(1024)
+    monkeypatch.setattr(LineDecoder, "decode", None)  # must not be needed
+    assert list(decoder.decode(b'data: {"a":1}\n\n')) == [(b'{"a":1}', False, "")]
+    assert list(decoder.decode(b"data:x\n\n")) == [(b"x", False, "")]
