@@ -114,7 +114,9 @@ class LedgerDatabase:
 
     async def ping(self) -> None:
         async with self._guard("ping"):
-            await self._db.fetch_val(sa.select(sa.literal(1)))
+            # Plain text: a bound literal would reach asyncpg as a text parameter it refuses
+            # to take an int for, and a failing ping reads as "database down".
+            await self._db.fetch_val("SELECT 1")
 
     async def init_schema(self) -> None:
         """Create the tables and indexes if they are missing (idempotent, safe at every start)."""

@@ -94,3 +94,24 @@ async def test_a_record_the_database_refuses_does_not_block_the_others(ledger: L
     await recorder.flush()
     assert recorder.pending == 0 and recorder.dropped == 1
     assert await ledger.unsettled() == (3, 1 + 3 + 4)
+
+
+async def test_a_record_the_real_database_refuses_is_dropped_and_the_rest_written(
+    ledger: Ledger,
+) -> None:
+    """No double: the real ledger refuses a record (an amount beyond BIGINT), and the real ping
+    must tell "this record" from "the database is down"."""
+    poison = make_record("poison", T0, 2**63)  # one past BIGINT's range, on both databases
+    recorder = Recorder(ledger, capacity=10)
+    for record in (rec(1), poison, rec(3)):
+        recorder.submit(record)
+    await recorder.flush()
+    assert recorder.pending == 0 and recorder.dropped == 1
+    assert await ledger.unsettled() == (2, 1 + 3)
+    recorder.submit(rec(4))  # and the writer goes on
+    await recorder.flush()
+    assert await ledger.unsettled() == (3, 1 + 3 + 4)
+
+
+async def test_ping_answers_on_a_live_database(ledger: Ledger) -> None:
+    await ledger.ping()  # raised LedgerUnavailable on PostgreSQL (a bound literal it refused)
