@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from datetime import datetime, timedelta
@@ -47,6 +48,7 @@ from .worker import SettlementWorker
 
 log = logging.getLogger("spendguard")
 
+_INFERENCE_ID = re.compile(r"[!-~]{1,64}")
 _MAX_FILL_ROUNDS = 3  # a miss, a fill and a re-check; more means keys vanish as we fill them
 
 
@@ -245,7 +247,16 @@ class SpendGuard:
         # not exist; such a mark is ignored rather than trusted.
         if t0 > now or now - t0 > timedelta(seconds=self.settings.key_grace / 2):
             return now, None
-        return t0, inference_id[:64]
+        # The id goes into a response header and a ledger column: NUL, CR/LF, spaces or
+        # anything beyond 64 visible ASCII characters would break one or the other.
+        if not isinstance(inference_id, str) or _INFERENCE_ID.fullmatch(inference_id) is None:
+            log.warning(
+                "spendguard ignored a retry mark with an unusable inference id %r "
+                "(1 to 64 visible ASCII characters): counted as a new inference",
+                inference_id[:80] if isinstance(inference_id, str) else inference_id,
+            )
+            return now, None
+        return t0, inference_id
 
     def observe(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -12,12 +13,15 @@ from typing import Any
 
 import anyio
 import pytest
+import sqlalchemy as sa
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message
 
 from spendguard import Settings, SpendGuardMiddleware
+from spendguard.clock import to_micros
 from spendguard.errors import LedgerUnavailable
 from spendguard.identity import Identity
+from spendguard.ledger.schema import records
 from spendguard.limits import Period, key_limit, team_limit
 from spendguard.store.memory import MemoryStore
 from tests.support import (
@@ -29,6 +33,7 @@ from tests.support import (
     client,
     http_scope,
     lifespan,
+    sql_rows,
     upstream,
     write_unit_prices,
 )
@@ -396,6 +401,37 @@ async def test_retry_marked_by_the_host_keeps_t0_and_inference_id(gw: Gateway) -
         r = await c.post("/v1/chat/completions", json=chat_body())
     assert r.headers["x-spendguard-inference-id"] == "inf-1"
     assert seen[0]["spendguard_t0"] == first_t0
+
+
+@pytest.mark.parametrize(
+    "hostile", ["inf\x00nul", "inf\r\nx-injected: 1", "with space", "é", "x" * 65, ""]
+)
+async def test_a_retry_mark_with_an_unusable_inference_id_counts_as_a_new_inference(
+    gw: Gateway, hostile: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    first_t0 = gw.clock.now
+
+    class RetryMarker:
+        def __init__(self, app: ASGIApp) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            scope.setdefault("state", {}).update(
+                spendguard_inference_id=hostile, spendguard_t0=first_t0
+            )
+            await self.app(scope, receive, send)
+
+    gw.clock.now = first_t0.replace(hour=13)
+    async with client(RetryMarker(gw.app)) as c:
+        r = await c.post("/v1/chat/completions", json=chat_body())
+    # The response is served and names a fresh inference; the record is the request's own.
+    assert r.status_code == 200
+    fresh = r.headers["x-spendguard-inference-id"]
+    assert fresh != hostile and re.fullmatch(r"[0-9a-f]{32}", fresh)
+    await gw.guard.recorder.flush()
+    rows = await sql_rows(gw.settings.database_url.get_secret_value(), sa.select(records))
+    assert [(row[0], row[1], row[8]) for row in rows] == [(fresh, fresh, to_micros(gw.clock.now))]
+    assert "unusable inference id" in caplog.text
 
 
 async def test_ledger_failure_on_a_cache_miss_is_503_with_retry_after(gw: Gateway) -> None:
