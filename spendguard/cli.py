@@ -26,7 +26,7 @@ from .errors import ConfigurationError, SpendGuardError
 from .ledger import Ledger
 from .limits import KeyCodec, Period, Policy
 from .limits.codec import field_of
-from .money import micros_to_usd
+from .money import checked_amount, micros_to_usd, usd_to_micros
 from .settings import Settings, load_settings
 from .store import Store, make_store
 
@@ -51,13 +51,18 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, indent=2) if args.json else text)
 
 
-def _amount(flag: str, value: str) -> Decimal:
+def _amount(flag: str, value: str, what: str, *, allow_zero: bool) -> Decimal:
+    """A USD amount from the command line, checked against the one bound (exit 2 if not)."""
     try:
         amount = Decimal(value)
     except ArithmeticError as exc:
         raise ConfigurationError(f"{flag}: not a USD amount: {value!r}") from exc
     if not amount.is_finite():
         raise ConfigurationError(f"{flag}: not a finite USD amount: {value!r}")
+    try:
+        checked_amount(usd_to_micros(amount), what, allow_zero=allow_zero)
+    except ValueError as exc:
+        raise ConfigurationError(f"{flag}: {exc}") from exc
     return amount
 
 
@@ -68,15 +73,11 @@ async def cmd_db_init(args: argparse.Namespace, ctx: Ctx) -> int:
 
 
 async def cmd_policy_set(args: argparse.Namespace, ctx: Ctx) -> int:
-    amount = _amount("--limit-usd", args.limit_usd)
-    if amount < 0:
-        raise ConfigurationError("--limit-usd must be >= 0")
-    try:
-        policy = await ctx.admin.set_policy(
-            args.team, args.api_key, window=args.period, limit_usd=amount
-        )
-    except ValueError as exc:
-        raise ConfigurationError(f"--limit-usd: {exc}") from exc
+    amount = _amount("--limit-usd", args.limit_usd, "a limit", allow_zero=True)
+    # A bad id or amount is a ValueError naming what is wrong: exit code 2.
+    policy = await ctx.admin.set_policy(
+        args.team, args.api_key, window=args.period, limit_usd=amount
+    )
     who = f"team {policy.team_id}" + (f" key {policy.api_key_id}" if policy.api_key_id else "")
     window = policy.limit.window.value
     _emit(args, _policy_json(policy), f"policy set: {who} {window} limit ${_usd(policy.amount)}")
@@ -152,13 +153,8 @@ def _cached_json(ctx: Ctx, rows: tuple[LimitUsage, ...], error: str | None) -> A
 
 
 async def cmd_balance_topup(args: argparse.Namespace, ctx: Ctx) -> int:
-    amount = _amount("--usd", args.usd)
-    if amount <= 0:
-        raise ConfigurationError("--usd must be positive")
-    try:
-        account = await ctx.admin.topup(args.team, amount)
-    except ValueError as exc:
-        raise ConfigurationError(f"--usd: {exc}") from exc
+    amount = _amount("--usd", args.usd, "a top-up", allow_zero=False)
+    account = await ctx.admin.topup(args.team, amount)
     data = _balance_json(args.team, account.topped_up, account.charged)
     _emit(args, data, f"team {args.team}: balance ${data['balance_usd']}")
     return 0
@@ -316,6 +312,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except SpendGuardError as exc:
         print(f"spendguard: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a bug, not bad input: one line for the user, details logged
+        logging.getLogger("spendguard").debug("spendguard CLI failed", exc_info=True)
+        print(f"spendguard: unexpected error: {exc!r}", file=sys.stderr)
         return 1
 
 

@@ -54,7 +54,9 @@ def test_policy_lifecycle(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_json(capsys, "settle") == {"settled": 0, "total_micros": 0}
 
 
-@pytest.mark.parametrize("limit", ["-1", "abc", "0.0000001", "NaN"])
+@pytest.mark.parametrize(
+    "limit", ["-1", "abc", "0.0000001", "NaN", "1e100", "1000000000000", "1000000000.000001"]
+)
 def test_bad_limit_is_a_usage_error(
     db: str, capsys: pytest.CaptureFixture[str], limit: str
 ) -> None:
@@ -79,3 +81,39 @@ def test_cli_balance_topup_and_show(db: str, capsys: pytest.CaptureFixture[str])
     shown = run_json(capsys, "balance", "show", "--team", "acme")
     assert shown["topped_up_micros"] == 100_500_000 and shown["charged_micros"] == 0
     assert main(["balance", "topup", "--team", "acme", "--usd", "-1"]) == 2
+
+
+@pytest.mark.parametrize("usd", ["0", "-5", "1e100", "1000000000000", "1000000000.000001"])
+def test_a_top_up_out_of_range_is_a_usage_error_and_nothing_is_written(
+    db: str, capsys: pytest.CaptureFixture[str], usd: str
+) -> None:
+    assert main(["balance", "topup", "--team", "acme", "--usd", usd]) == 2
+    err = capsys.readouterr().err
+    assert "--usd" in err and "Traceback" not in err
+    assert main(["balance", "show", "--team", "acme"]) == 1  # still no account
+
+
+def test_the_bound_itself_is_accepted(db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # $1,000,000,000: the largest limit or top-up (README, "Amounts").
+    code, out = run(capsys, "policy", "set", *ALPHA_DAY, "--limit-usd", "1000000000")
+    assert code == 0 and "$1000000000.000000" in out
+    assert run_json(capsys, "balance", "topup", "--team", "acme", "--usd", "1000000000")[
+        "balance_micros"
+    ] == 10**15
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("balance", "show", "--team", ""),
+        ("balance", "topup", "--team", "", "--usd", "5"),
+        ("policy", "set", "--team", "", "--period", "day", "--limit-usd", "5"),
+        ("usage", "--team", ""),
+    ],
+)
+def test_an_empty_team_is_a_usage_error_without_a_traceback(
+    db: str, capsys: pytest.CaptureFixture[str], args: tuple[str, ...]
+) -> None:
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err
+    assert "team_id must be a non-empty string" in err and "Traceback" not in err

@@ -28,7 +28,7 @@ from ..errors import StoreUnavailable
 from ..identity import Identity
 from ..ledger import Account, Ledger
 from ..limits import Balance, KeyCodec, Limit, Period, Policy, Subject, Window, window_of
-from ..money import usd_to_micros
+from ..money import MAX_TOTAL_MICROS, checked_amount, micros_to_usd, usd_to_micros
 from ..store import RefreshEntry, Store
 
 log = logging.getLogger("spendguard.admin")
@@ -114,9 +114,7 @@ class Admin:
         """Create or change a limit (0 blocks everything); ValueError on a bad argument."""
         identity = Identity(team_id, api_key_id)
         limit = Limit(Subject(identity.team, identity.api_key), _window(window))
-        amount = usd_to_micros(limit_usd)
-        if amount < 0:
-            raise ValueError("a limit must be >= 0 USD")
+        amount = checked_amount(usd_to_micros(limit_usd), "a limit", allow_zero=True)
         now = self.clock()
         policy = await self.ledger.set_policy(
             Policy(limit, amount, identity.team_id, identity.api_key_id), now=now
@@ -142,9 +140,13 @@ class Admin:
     async def topup(self, team_id: str, usd: Decimal | str | int) -> Account:
         """Add prepaid credit (the first top-up opens the account); ValueError if not > 0."""
         identity = Identity(team_id)
-        micros = usd_to_micros(usd)
-        if micros <= 0:
-            raise ValueError("a top-up must be positive")
+        micros = checked_amount(usd_to_micros(usd), "a top-up", allow_zero=False)
+        current = await self.ledger.load_balance(identity.team)
+        if current is not None and current.topped_up + micros > MAX_TOTAL_MICROS:
+            raise ValueError(
+                f"top-ups of team {team_id!r} would exceed "
+                f"{micros_to_usd(MAX_TOTAL_MICROS):,.0f} USD in all"
+            )
         account = await self.ledger.topup(
             team=identity.team, team_id=identity.team_id, micros=micros, now=self.clock()
         )

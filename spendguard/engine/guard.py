@@ -356,6 +356,13 @@ class SpendGuard:
         except (LedgerUnavailable, TimeoutError) as exc:
             log.warning("spendguard ledger read failed on a cache miss: %r", exc)
             return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.LEDGER)
+        except ValueError as exc:
+            # The store refused values read from the ledger (a script's own check): a bug or a
+            # hand-edited row. One team's 503 with a loud log, never a 500.
+            log.error(
+                "spendguard store refused the cached values of team %s: %s", identity.team, exc
+            )
+            return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.STORE)
         log.warning(
             "spendguard cache still missing %s after %d fills for team %s",
             "the policy" if pf.missing_policy else [c.field for c in pf.missing_usage],

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from ..identity import Identity
+from ..money import MAX_AMOUNT_MICROS
 from .model import Balance, Limit, Policy, Subject, SubjectKind, Target, applicable
 from .windows import Period, Window
 
@@ -204,7 +205,10 @@ class KeyCodec:
     def policy_fields(policies: Iterable[Policy], *, balance: bool) -> dict[str, int]:
         """A team's policy hash: field -> amount (empty: "no policy"), plus the balance
         marker when the team has a prepaid account."""
-        fields = {field_of(p.limit): p.amount for p in policies}
+        # A limit stored before amounts were bounded (or written to the table by hand) is
+        # cached at the bound: above it no store script would take it, and every request of
+        # the team would fail instead of being checked.
+        fields = {field_of(p.limit): min(p.amount, MAX_AMOUNT_MICROS) for p in policies}
         if balance:
             fields[BALANCE_FIELD] = 1
         return fields

@@ -14,7 +14,8 @@ import pytest
 from spendguard import Settings, SpendGuard
 from spendguard.clock import utcnow
 from spendguard.identity import Identity
-from spendguard.limits import Period, key_limit, team_limit
+from spendguard.limits import Period, Policy, key_limit, team_limit
+from spendguard.money import MAX_TOTAL_MICROS
 from spendguard.store.redis import RedisStore
 from tests.support import Gateway, chat_body, lifespan
 
@@ -86,7 +87,9 @@ async def test_topup_and_balance_report(tmp_path: Path) -> None:
     ("kwargs", "message"),
     [
         ({"window": "week", "limit_usd": 1}, "week"),
-        ({"window": "day", "limit_usd": "-1"}, ">= 0"),
+        ({"window": "day", "limit_usd": "-1"}, "at least 0"),
+        ({"window": "day", "limit_usd": "1000000000.000001"}, "at most 1,000,000,000 USD"),
+        ({"window": "day", "limit_usd": "1e100"}, "at most 1,000,000,000 USD"),
         ({"window": "day", "limit_usd": "0.0000001"}, "finer"),
         ({"window": "day", "limit_usd": "NaN"}, "finite"),
     ],
@@ -123,6 +126,35 @@ async def test_on_redis_a_change_reaches_every_replica_at_once(
     finally:
         for store in stores:
             await store.aclose()
+
+
+async def test_the_top_ups_of_a_team_are_bounded_in_all(tmp_path: Path) -> None:
+    async with Gateway(tmp_path) as gw:
+        for _ in range(100):
+            await gw.guard.admin.topup("acme", "1000000000")
+        with pytest.raises(ValueError, match="would exceed"):
+            await gw.guard.admin.topup("acme", "0.000001")
+        report = await gw.guard.admin.balance("acme")
+        assert report is not None and report.account.topped_up == MAX_TOTAL_MICROS
+
+
+async def test_a_limit_stored_beyond_the_bound_is_checked_not_a_500(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A row written before amounts were bounded (or by hand): the Redis scripts refuse such
+    a value, which used to turn every request of the team into a 500."""
+    store = RedisStore.from_url(redis_url, timeout=2.0)
+    try:
+        async with Gateway(tmp_path, utcnow, store=store) as gw:
+            huge = Policy(key_limit(ALPHA, Period.DAY), 10**18, "acme", "alpha")
+            await gw.guard.ledger.set_policy(huge, now=utcnow())
+            assert await post(gw) == 200  # checked against the bound, and charged
+            await gw.guard.recorder.flush()
+            usage = await gw.guard.admin.usage("acme", "alpha")
+            day = next(u for u in usage.limits if u.limit == key_limit(ALPHA, Period.DAY))
+            assert day.cached is not None and day.cached > 0
+    finally:
+        await store.aclose()
 
 
 async def test_readme_admin_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
