@@ -97,9 +97,12 @@ def test_the_bound_itself_is_accepted(db: str, capsys: pytest.CaptureFixture[str
     # $1,000,000,000: the largest limit or top-up (README, "Amounts").
     code, out = run(capsys, "policy", "set", *ALPHA_DAY, "--limit-usd", "1000000000")
     assert code == 0 and "$1000000000.000000" in out
-    assert run_json(capsys, "balance", "topup", "--team", "acme", "--usd", "1000000000")[
-        "balance_micros"
-    ] == 10**15
+    assert (
+        run_json(capsys, "balance", "topup", "--team", "acme", "--usd", "1000000000")[
+            "balance_micros"
+        ]
+        == 10**15
+    )
 
 
 @pytest.mark.parametrize(

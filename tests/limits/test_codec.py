@@ -103,8 +103,10 @@ def test_a_plan_is_built_once_per_utc_day_and_identity() -> None:
     # A retry that keeps yesterday's t0 gets yesterday's keys, not the cached day's.
     again = codec.plan(ALPHA, datetime(2026, 9, 30, 12, tzinfo=UTC))
     assert again == morning
-    assert codec.plan(Identity("acme", "beta"), T0).checks[0].usage_key.endswith(
-        ":api_key:beta:day:20260930"
+    assert (
+        codec.plan(Identity("acme", "beta"), T0)
+        .checks[0]
+        .usage_key.endswith(":api_key:beta:day:20260930")
     )
 
 
