@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .chars import anthropic_content_chars, str_len
-from .types import Usage, chars_to_tokens, token_count, valid_model
+from .types import InvalidCount, Usage, chars_to_tokens, token_count, valid_model
 
 _COUNT_KEYS: Final = (
     "input_tokens",
@@ -21,15 +21,19 @@ _COUNT_KEYS: Final = (
 
 
 def normalise(usage: dict[str, Any]) -> Usage | None:
-    """Messages usage, or None if it has none of the counts."""
+    """Messages usage; None if it has none of the counts or an implausible one (the charge
+    is then estimated)."""
     if not any(key in usage for key in _COUNT_KEYS):
         return None
-    return Usage(
-        input_tokens=token_count(usage.get("input_tokens")),
-        output_tokens=token_count(usage.get("output_tokens")),
-        cached_input_tokens=token_count(usage.get("cache_read_input_tokens")),
-        cache_write_tokens=token_count(usage.get("cache_creation_input_tokens")),
-    )
+    try:
+        return Usage(
+            input_tokens=token_count(usage.get("input_tokens")),
+            output_tokens=token_count(usage.get("output_tokens")),
+            cached_input_tokens=token_count(usage.get("cache_read_input_tokens")),
+            cache_write_tokens=token_count(usage.get("cache_creation_input_tokens")),
+        )
+    except InvalidCount:
+        return None
 
 
 def output_chars(body: dict[str, Any]) -> int:
@@ -49,6 +53,7 @@ class AnthropicStream:
     cache_write_tokens: int = 0
     output_chars: int = 0
     model: str | None = None
+    untrusted: bool = False  # a usage event held an implausible count: estimate instead
 
     def apply(self, obj: dict[str, Any], kind: str) -> None:
         """Update from one event's parsed data; ``kind`` is its ``type`` (or ``event:`` name)."""
@@ -80,6 +85,8 @@ class AnthropicStream:
         self._merge(usage, final=True)
 
     def result(self) -> Usage | None:
+        if self.untrusted:
+            return None
         if self.finished:
             return Usage(
                 input_tokens=self.input_tokens,
@@ -106,6 +113,12 @@ class AnthropicStream:
         streams do; older ones send only ``output_tokens``)."""
         present = [key for key in _COUNT_KEYS if usage.get(key) is not None]
         if not present:
+            return
+        try:
+            for key in present:
+                token_count(usage[key])
+        except InvalidCount:
+            self.untrusted = True
             return
         if final:
             self.finished = True

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .chars import choices_chars, responses_output_chars, str_len
-from .types import Usage, token_count, valid_model
+from .types import InvalidCount, Usage, token_count, valid_model
 
 _COUNT_KEYS: Final = (
     "prompt_tokens",
@@ -32,9 +32,17 @@ _RESPONSES_TEXT_DELTAS: Final = frozenset(
 
 
 def normalise(usage: dict[str, Any]) -> Usage | None:
-    """Chat/Completions (``prompt_tokens``...) or Responses (``input_tokens``...) usage."""
+    """Chat/Completions (``prompt_tokens``...) or Responses (``input_tokens``...) usage; None
+    when it has no counts or an implausible one (the charge is then estimated)."""
     if not any(key in usage for key in _COUNT_KEYS):
         return None
+    try:
+        return _counts(usage)
+    except InvalidCount:
+        return None
+
+
+def _counts(usage: dict[str, Any]) -> Usage:
     output = token_count(_first_present(usage, "completion_tokens", "output_tokens"))
     raw_prompt = _first_present(usage, "prompt_tokens", "input_tokens")
     if raw_prompt is None:

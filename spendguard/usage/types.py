@@ -8,9 +8,10 @@ from enum import StrEnum
 from typing import Final
 
 # Any real request is at most a few million tokens (the largest context windows are ~2M), so a
-# count above this cannot be genuine: it is corruption or a hostile upstream. Such a value is
-# *ignored* (read as 0) like any other malformed field rather than clamped to the cap, because
-# clamping would bill a tenant thousands of dollars for one call and lock them out on a bug.
+# count above this cannot be genuine: it is corruption or a hostile upstream. Such a usage is
+# *not trusted* like any other malformed one, rather than clamped to the cap (clamping would
+# bill a tenant thousands of dollars for one call and lock them out on a bug) or read as 0
+# (which would serve an answer for free): the charge falls back to the estimate from the text.
 _MAX_TOKENS: Final = 10**9
 _MAX_MODEL_LEN: Final = 256
 
@@ -52,14 +53,21 @@ def chars_to_tokens(chars: int) -> int:
     return -(-max(0, chars) // 4)
 
 
+class InvalidCount(ValueError):
+    """A count field holding what no provider sends: the usage object is not to be trusted."""
+
+
 def token_count(value: object) -> int:
-    """A token count from an untrusted field: anything not a plausible count reads as 0.
+    """A token count from an untrusted field: absent or null reads as 0, anything else that is
+    not a plausible count raises :class:`InvalidCount`.
 
     ``bool`` is an ``int`` subclass, hence the exact type check. Floats (even ``12.0``) and
     numeric strings are rejected: neither provider sends them, so they signal a broken upstream.
     """
-    if type(value) is not int or value < 0 or value > _MAX_TOKENS:
+    if value is None:
         return 0
+    if type(value) is not int or value < 0 or value > _MAX_TOKENS:
+        raise InvalidCount(repr(value)[:40])
     return value
 
 

@@ -150,6 +150,25 @@ async def test_streaming_with_and_without_usage_is_charged(gw: Gateway) -> None:
     assert gw.postflights == 2
 
 
+@pytest.mark.parametrize("bad", [-5, 1.5, "7", True, 10**12])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_served_answer_with_invalid_token_counts_is_charged_its_estimate(
+    gw: Gateway, bad: object, stream: bool
+) -> None:
+    """Not $0: the usage is not trusted, and the charge falls back to the estimate from the
+    prompt and the text served, flagged as estimated."""
+    options = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    async with gw.client() as c:
+        r = await c.post("/v1/chat/completions", json=chat_body(x_in=100, x_out=bad, **options))
+    assert r.status_code == 200
+    await gw.guard.recorder.flush()
+    columns = (records.c.input_tokens, records.c.output_tokens, records.c.usage_estimated)
+    rows = await sql_rows(gw.settings.database_url.get_secret_value(), sa.select(*columns))
+    # The prompt's strings ("user", "hi") are 2 input tokens by estimate, not the reported 100;
+    # 3 x "word " streamed is 15 characters, 4 output tokens; the JSON answer has no text.
+    assert rows == [(2, 4 if stream else 0, True)]
+
+
 @pytest.mark.parametrize(("encoding", "charged"), [("gzip", 10 + 1000), ("br", 100)])
 async def test_compressed_responses_are_still_charged(
     gw: Gateway, encoding: str, charged: int

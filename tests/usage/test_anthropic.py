@@ -11,7 +11,7 @@ from spendguard.usage.anthropic import normalise
 from tests.support import bodies
 from tests.support.bodies import JSON, SSE, load, sse
 
-BAD_COUNTS = ["12", -5, 12.0, True, 10**12, None, [], {}, 10**100]
+BAD_COUNTS = ["12", -5, 12.0, True, 10**12, [], {}, 10**100]
 
 
 def observe(ctype: str, body: bytes) -> UsageObserver:
@@ -82,17 +82,21 @@ def test_anthropic_stream_counts_thinking_and_tool_json() -> None:
 
 
 @pytest.mark.parametrize("bad", BAD_COUNTS, ids=repr)
-def test_malformed_anthropic_counts_read_as_zero(bad: object) -> None:
+def test_a_usage_with_a_malformed_count_is_not_trusted(bad: object) -> None:
+    """None: the charge falls back to the estimate from the text, as for a missing usage."""
     usage = {
         "input_tokens": 4,
         "output_tokens": bad,
-        "cache_read_input_tokens": bad,
+        "cache_read_input_tokens": 0,
         "cache_creation_input_tokens": 6,
     }
-    body = json.dumps({"usage": usage}).encode()
-    assert observe(JSON, body).result() == Usage(
-        input_tokens=4, output_tokens=0, cache_write_tokens=6
-    )
+    body = json.dumps({"content": [{"type": "text", "text": "abcdef"}], "usage": usage})
+    observer = observe(JSON, body.encode())
+    assert observer.result() is None and observer.output_chars == 6
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 4, "output_tokens": 1}}}
+    delta = {"type": "message_delta", "usage": {"output_tokens": bad}}
+    observer = observe(SSE, sse(start, delta))
+    assert observer.result() is None
 
 
 def test_normalise_maps_counts_as_they_are() -> None:

@@ -12,7 +12,7 @@ from spendguard.usage.openai import normalise
 from tests.support import bodies
 from tests.support.bodies import JSON, SSE, WIRE, random_chunks, sse
 
-BAD_COUNTS = ["12", -5, 12.0, True, 10**12, None, [], {}, 10**100]
+BAD_COUNTS = ["12", -5, 12.0, True, 10**12, [], {}, 10**100]
 
 
 def observe(ctype: str, chunks: Iterable[bytes]) -> UsageObserver:
@@ -72,17 +72,29 @@ def test_legacy_completions_stream() -> None:
 
 
 @pytest.mark.parametrize("bad", BAD_COUNTS, ids=repr)
-def test_malformed_openai_counts_read_as_zero(bad: object) -> None:
-    usage = {
-        "prompt_tokens": bad,
-        "completion_tokens": 7,
-        "prompt_tokens_details": {"cached_tokens": bad},
-    }
+def test_a_usage_with_a_malformed_count_is_not_trusted(bad: object) -> None:
+    """None: the charge falls back to the estimate from the text, as for a missing usage."""
+    for usage in (
+        {"prompt_tokens": bad, "completion_tokens": 7},
+        {
+            "prompt_tokens": 10,
+            "completion_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": bad},
+        },
+        {"input_tokens": 10, "output_tokens": bad},
+    ):
+        body = json.dumps({"choices": [{"message": {"content": "abcdefgh"}}], "usage": usage})
+        observer = observe(JSON, [body.encode()])
+        assert observer.result() is None and observer.output_chars == 8
+        stream = sse({"choices": [{"delta": {"content": "abcd"}}]}, {"choices": [], "usage": usage})
+        observer = observe(SSE, [stream])
+        assert observer.result() is None and observer.output_chars == 4
+
+
+def test_null_counts_read_as_zero() -> None:
+    usage = {"prompt_tokens": 10, "completion_tokens": None, "prompt_tokens_details": None}
     body = json.dumps({"usage": usage}).encode()
-    assert observe(JSON, [body]).result() == Usage(input_tokens=0, output_tokens=7)
-    usage = {"prompt_tokens": 10, "completion_tokens": bad}
-    body = sse({"choices": [], "usage": usage})
-    assert observe(SSE, [body]).result() == Usage(input_tokens=10, output_tokens=0)
+    assert observe(JSON, [body]).result() == Usage(input_tokens=10, output_tokens=0)
 
 
 def test_cached_above_prompt_is_capped() -> None:

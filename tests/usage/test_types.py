@@ -6,7 +6,7 @@ import pytest
 
 from spendguard.asgi.routes import Dialect as RouteDialect
 from spendguard.usage import Dialect, Usage, estimate_usage
-from spendguard.usage.types import token_count, valid_model
+from spendguard.usage.types import InvalidCount, token_count, valid_model
 
 
 @pytest.mark.parametrize(("chars", "tokens"), [(0, 0), (1, 1), (4, 1), (5, 2), (400, 100)])
@@ -31,9 +31,14 @@ def test_token_count_accepts_plausible_counts(value: int) -> None:
     assert token_count(value) == value
 
 
-@pytest.mark.parametrize("value", ["12", -5, 12.0, True, 10**9 + 1, None, [], {}])
-def test_token_count_reads_anything_else_as_zero(value: object) -> None:
-    assert token_count(value) == 0
+@pytest.mark.parametrize("value", ["12", -5, 12.0, True, 10**9 + 1, [], {}])
+def test_token_count_refuses_anything_else(value: object) -> None:
+    with pytest.raises(InvalidCount):
+        token_count(value)
+
+
+def test_an_absent_or_null_count_reads_as_zero() -> None:
+    assert token_count(None) == 0
 
 
 def test_valid_model() -> None:
