@@ -96,6 +96,8 @@ class FakeUpstream(Starlette):
         model = body.get("model")
         if not isinstance(model, str) or not model:
             return error_response(kind, 400, "model: a model name is required.", request_id)
+        if not _is_utf8_text(model):  # a lone surrogate (JSON allows the escape): as a provider
+            return error_response(kind, 400, "model: not a valid model name.", request_id)
         if kind == "embeddings" and not body.get("input"):
             return error_response(kind, 400, "input: a non-empty input is required.", request_id)
 
@@ -165,3 +167,11 @@ def fake_upstream(
             delay=delay,
         )
     )
+
+
+def _is_utf8_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

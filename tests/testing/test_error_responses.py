@@ -71,7 +71,12 @@ async def test_bad_bodies_get_400_in_the_provider_envelope(path: str) -> None:
             )
             not_object = await client.post(path, json=["model"])
             empty_model = await client.post(path, json={**BODIES[path], "model": ""})
-    for response in (not_json, no_model, not_object, empty_model):
+            # JSON allows a lone surrogate escape; no provider takes it as a model name.
+            body = json.dumps({**BODIES[path], "model": "gpt-\ud800"}).encode()
+            surrogate = await client.post(
+                path, content=body, headers={"content-type": "application/json"}
+            )
+    for response in (not_json, no_model, not_object, empty_model, surrogate):
         assert response.status_code == 400
         payload = response.json()
         if path == "/v1/messages":
