@@ -33,6 +33,10 @@ ESTIMATE_ERROR = Counter(
     "Sum of (exact charge - postflight estimate) over settled records, by sign.",
     ["sign"],
 )
+STALE_POLICY_FILLS = Counter(
+    "spendguard_stale_policy_fills_total",
+    "Policy cache fills from the last policies read, because the ledger could not be read.",
+)
 CACHE_REFRESH_FAILURES = Counter(
     "spendguard_cache_refresh_failures_total", "Cache refreshes that failed after a commit."
 )

@@ -80,6 +80,15 @@ class Settings(BaseSettings):
         True, description="Settle inside the app (the cache is kept in sync either way)."
     )
     policy_ttl: float = Field(60.0, gt=0, le=86_400, description="Seconds a cached policy lives.")
+    policy_stale_max: float = Field(
+        3600.0,
+        ge=0,
+        le=7 * 86_400,
+        description=(
+            "While the ledger can't be read, seconds after its last read that a team's policy "
+            "keeps being enforced from memory (0: a 503 once the cached policy expires)."
+        ),
+    )
     key_grace: float = Field(
         172_800.0,
         ge=3600,

@@ -4,21 +4,41 @@ A preflight that misses (the team's policy hash or a usage key is absent: first 
 restart, expiry, eviction) reads what is missing from the ledger and writes only keys that are
 still absent, so nothing postflight added meanwhile is overwritten. Identical concurrent reads
 are coalesced: 100 misses for one team make one ledger read.
+
+Stale while revalidate: the last policies read for each team are kept in process. When the
+ledger can't be read on a policy miss, a team seen before keeps being checked against them (a
+WARNING and ``spendguard_stale_policy_fills_total``) for up to ``policy_stale_max`` seconds
+since that read; only a team this process never read gets the 503. The trade-off: a change
+made in the ledger that this process had not read yet waits for the ledger to come back.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Awaitable, Callable, Hashable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import anyio
 
+from .. import metrics
+from ..errors import LedgerUnavailable
 from ..ledger import Account, Ledger
 from ..limits import Balance, Check, KeyCodec, KeyPlan, Limit, Policy
 from ..store import Preflight, Store, UsageFill
 from .singleflight import SingleFlight
 
 T = TypeVar("T")
+log = logging.getLogger("spendguard")
+
+# Teams whose last read is kept; past it the memory starts over (a bound, not an LRU).
+_MAX_KNOWN_TEAMS = 100_000
+
+
+class _Known(NamedTuple):
+    policies: list[Policy]
+    account: Account | None
+    read_at: float  # time.monotonic() of the ledger read
 
 
 class CacheFiller:
@@ -31,6 +51,8 @@ class CacheFiller:
         policy_ttl: float,
         db_timeout: float,
         ensure_connected: Callable[[], Awaitable[None]],
+        policy_stale_max: float = 0.0,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._ledger = ledger
         self._store = store
@@ -38,25 +60,56 @@ class CacheFiller:
         self._policy_ttl = policy_ttl
         self._db_timeout = db_timeout
         self._ensure_connected = ensure_connected
+        self._stale_max = policy_stale_max
+        self._monotonic = monotonic
+        self._known: dict[str, _Known] = {}
         self._limits: SingleFlight[tuple[list[Policy], Account | None]] = SingleFlight()
         self._balances: SingleFlight[Account | None] = SingleFlight()
         self._aggregates: SingleFlight[dict[tuple[Limit, str], int]] = SingleFlight()
 
     async def fill(self, plan: KeyPlan, miss: Preflight) -> None:
         """Read what ``miss`` lacks from the ledger and fill the absent keys."""
-        await self._ensure_connected()
         fields: dict[str, int] | None = None
         if miss.missing_policy:
-            policies, account = await self._load(
-                self._limits, ("limits", plan.team), self._ledger.load_limits, plan.team
-            )
+            policies, account, fresh = await self._policies(plan.team)
             fields = self._codec.policy_fields(policies, balance=account is not None)
+            if not fresh:
+                # The ledger is down: only the policy hash. Usage keys normally outlive it; the
+                # next preflight names any that are missing, and only those need the ledger.
+                await self._store.fill(plan, fields, [], policy_ttl=self._policy_ttl)
+                return
             wanted = [c for c in plan.checks if c.field in fields]
         else:
+            await self._ensure_connected()
             wanted = list(miss.missing_usage)
         fills = await self._balance_fills(plan.team, wanted)
         fills += await self._limit_fills(plan.team, wanted)
         await self._store.fill(plan, fields, fills, policy_ttl=self._policy_ttl)
+
+    async def _policies(self, team: str) -> tuple[list[Policy], Account | None, bool]:
+        """The team's policies and account from the ledger (fresh); the last ones read (not
+        fresh) when the ledger can't be read and they are recent enough (module docstring)."""
+        try:
+            await self._ensure_connected()
+            policies, account = await self._load(
+                self._limits, ("limits", team), self._ledger.load_limits, team
+            )
+        except (LedgerUnavailable, TimeoutError) as exc:
+            known = self._known.get(team)
+            if known is None or self._monotonic() - known.read_at > self._stale_max:
+                raise
+            metrics.STALE_POLICY_FILLS.inc()
+            log.warning(
+                "spendguard ledger unreadable (%r): team %s keeps the policies read %.0f s ago",
+                exc,
+                team,
+                self._monotonic() - known.read_at,
+            )
+            return known.policies, known.account, False
+        if len(self._known) >= _MAX_KNOWN_TEAMS and team not in self._known:
+            self._known.clear()
+        self._known[team] = _Known(policies, account, self._monotonic())
+        return policies, account, True
 
     async def _balance_fills(self, team: str, wanted: list[Check]) -> list[UsageFill]:
         check = next((c for c in wanted if isinstance(c.target, Balance)), None)

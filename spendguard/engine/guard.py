@@ -102,6 +102,7 @@ class SpendGuard:
             policy_ttl=s.policy_ttl,
             db_timeout=s.db_timeout,
             ensure_connected=self._ensure_connected,
+            policy_stale_max=s.policy_stale_max,
         )
         self._stack: AsyncExitStack | None = None
         self._cancel: anyio.CancelScope | None = None

@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from spendguard.engine.fill import CacheFiller
+from spendguard.errors import LedgerUnavailable
 from spendguard.identity import Identity
 from spendguard.ledger import Ledger
 from spendguard.limits import Balance, KeyCodec, Period, Policy, key_limit, team_limit
@@ -150,3 +151,51 @@ async def test_a_hung_ledger_read_is_bounded_by_the_db_timeout(ledger: Ledger) -
     with anyio.fail_after(5), pytest.raises(TimeoutError):
         await cf.fill(plan, await store.preflight(plan))
     assert (await store.preflight(plan)).missing_policy  # nothing was written
+
+
+async def test_a_policy_read_while_the_ledger_is_down_serves_the_last_one_for_a_bounded_time(
+    ledger: Ledger,
+) -> None:
+    clock = Clock()
+    now = [0.0]
+    store = MemoryStore(clock=clock)
+    await set_policies(ledger, clock)
+    down = Override(ledger)
+
+    async def ensure_connected() -> None:
+        pass
+
+    cf = CacheFiller(
+        down,  # type: ignore[arg-type]
+        store,
+        CODEC,
+        policy_ttl=60,
+        db_timeout=5,
+        ensure_connected=ensure_connected,
+        policy_stale_max=600,
+        monotonic=lambda: now[0],
+    )
+    assert (await miss_then_fill(cf, store, clock)).outcome is Outcome.ALLOW  # read: known
+
+    async def unreachable(*args: object) -> Any:
+        raise LedgerUnavailable("connection refused")
+
+    down.load_limits = unreachable  # type: ignore[method-assign]
+    down.load_aggregates = unreachable  # type: ignore[method-assign]
+    clock.now += timedelta(seconds=61)  # the cached policy expired; its usage keys did not
+    now[0] = 600.0
+    after = await miss_then_fill(cf, store, clock)  # the last read, 600 s old: still served
+    assert after.outcome is Outcome.ALLOW
+    assert {(s.check.target, s.limit) for s in after.limits} == {
+        (KEY_DAY, 1_000),
+        (TEAM_MONTH, 5_000),
+    }
+    clock.now += timedelta(seconds=61)
+    now[0] = 600.5  # past the bound: the ledger's answer is needed again
+    plan = CODEC.plan(ALPHA, clock())
+    with pytest.raises(LedgerUnavailable):
+        await cf.fill(plan, await store.preflight(plan))
+    # A team never read has nothing to fall back on.
+    other = CODEC.plan(Identity("globex"), clock())
+    with pytest.raises(LedgerUnavailable):
+        await cf.fill(other, await store.preflight(other))

@@ -49,3 +49,48 @@ async def test_database_down_for_30s_under_traffic(clean_postgres_url: str, tmp_
             assert count == sent and estimates == 15 * sent  # every record, exactly once
             await gw.settle()
             assert await gw.guard.ledger.charges_total() == 15 * sent
+
+
+POLICY_TTL = 1.0
+
+
+@pytest.mark.timeout(120)
+async def test_a_database_outage_of_3_policy_ttls_keeps_every_cached_policy(
+    clean_postgres_url: str, tmp_path: Path
+) -> None:
+    """Stale while revalidate: with the ledger unreachable for 3x the policy TTL, a team with
+    a limit keeps it (its requests pass, then hit it), a team without any limit keeps passing,
+    and only a team this process never read gets a 503."""
+    server, db = clean_postgres_url.rsplit("/", 1)
+    async with TcpProxy(int(server.rsplit(":", 1)[1])) as proxy:
+        url = f"{server.rsplit(':', 1)[0]}:{proxy.port}/{db}"
+        async with Gateway(
+            tmp_path,
+            lambda: datetime.now(UTC),
+            database_url=url,
+            policy_ttl=POLICY_TTL,
+            db_timeout=0.5,
+        ) as gw:
+            await gw.policy(Period.DAY, 15 * 40)  # acme/alpha: 40 requests of 15 micro-USD
+            async with gw.client() as c:
+
+                async def post(team: str) -> int:
+                    headers = {"x-test-team": team}
+                    r = await c.post("/v1/chat/completions", json=chat_body(), headers=headers)
+                    return r.status_code
+
+                assert await post("acme") == await post("free") == 200  # both policies read
+                proxy.down()
+                statuses: dict[str, list[int]] = {"acme": [], "free": []}
+                deadline = time.monotonic() + 3 * POLICY_TTL + 0.5
+                while time.monotonic() < deadline:
+                    for team in statuses:
+                        statuses[team].append(await post(team))
+                    await anyio.sleep(0.02)
+                never_seen = await post("newcomer")
+                await proxy.up()
+            # The limit held: 39 more requests fitted, the rest were refused; no 5xx at all.
+            assert statuses["acme"].count(200) == 39
+            assert set(statuses["acme"]) == {200, 429} and statuses["acme"][-1] == 429
+            assert set(statuses["free"]) == {200}
+            assert never_seen == 503
