@@ -305,6 +305,7 @@ class SpendGuard:
         """One store call when the cache is warm; on a miss, load from the ledger and retry."""
         record_id = new_record_id()
         plan = self.codec.plan(identity, t0)
+        fail_open = self.settings.fail_mode is FailMode.OPEN
 
         def conclude(
             verdict: Verdict,
@@ -337,6 +338,8 @@ class SpendGuard:
                 if len(self.outage):
                     self.outage.clear()  # the store answers again
                 if pf.outcome is Outcome.ALLOW:
+                    if fail_open:
+                        self.outage.remember(pf.limits)  # enforceable in a later outage
                     return conclude(Verdict.ALLOW, pf)
                 if pf.outcome is Outcome.DENY:
                     return conclude(Verdict.DENY, pf)
@@ -346,8 +349,12 @@ class SpendGuard:
             metrics.STORE_UNAVAILABLE.labels("deny").inc()
             return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.STORE_FULL)
         except StoreUnavailable as exc:
-            # Fail closed (503), or fail open into the bounded local tracker.
-            if self.settings.fail_mode is FailMode.OPEN and self.outage.admit(identity):
+            # Fail closed (503), or fail open into the bounded local tracker, which still
+            # refuses what it knows to be over a limit.
+            if fail_open and (spent := self.outage.exhausted(plan)) is not None:
+                log.warning("spendguard store unavailable, limit reached as last known: %s", exc)
+                return conclude(Verdict.DENY, Preflight(Outcome.DENY, (spent,)))
+            if fail_open and self.outage.admit(identity):
                 log.warning("spendguard store unavailable, allowing (fail open): %s", exc)
                 metrics.STORE_UNAVAILABLE.labels("allow").inc()
                 return conclude(Verdict.ALLOW, fail_open=True)
@@ -391,7 +398,8 @@ class SpendGuard:
             return None
         estimate = self.coster.cost(model, usage)
         if decision.fail_open:
-            self.outage.charge(decision.identity, estimate)
+            plan = self.codec.plan(decision.identity, decision.t0)
+            self.outage.charge(decision.identity, estimate, [c.usage_key for c in plan.checks])
         status = PostflightStatus.SKIPPED
         keys = [limit.check.usage_key for limit in decision.limits]
         if keys:

@@ -187,6 +187,32 @@ async def test_fail_open_allows_and_tracks_what_the_outage_let_through(build: Bu
     assert guard.outage.spent(ALPHA) == (1, 7)
 
 
+async def test_fail_open_still_refuses_what_it_knows_to_be_over_a_limit(build: Build) -> None:
+    """The last usage the store reported plus what the outage let through, per key: a key
+    known to be at its limit gets the limit's 429, not a free pass."""
+    store = Override(memory_store())
+    guard = await started(build(store, fail_mode="open"))
+    await set_limit(guard, 7 * 4)  # four requests of 7 micro-USD
+    first = await admit(guard)  # the store answers: usage 0 of 28, remembered
+    assert first.verdict is Verdict.ALLOW and not first.decision.fail_open  # type: ignore[union-attr]
+    await guard.finish(first, 200, None)  # 7 charged in the store
+    store.preflight = unreachable  # type: ignore[attr-defined]
+    verdicts = []
+    for _ in range(5):
+        admission = await admit(guard)
+        verdicts.append(admission.verdict)
+        await guard.finish(admission, 200, None)
+    # Known usage 0 at the last answer (the first charge came after it): 4 more fit.
+    assert verdicts == [Verdict.ALLOW] * 4 + [Verdict.DENY]
+    denied = (await admit(guard)).decision
+    assert denied is not None and denied.denied_limit == KEY_DAY
+    assert denied.retry_after == 12 * 3600  # the day's reset, as for any limit's 429
+    # An identity never checked before the outage can only be counted, not enforced.
+    other = await guard.admit(Identity("globex", "k"), REQUEST, route=ROUTE, dialect=Dialect.OPENAI)
+    assert other.verdict is Verdict.ALLOW and other.decision is not None
+    assert other.decision.fail_open
+
+
 async def test_fail_closed_is_unavailable_naming_the_store(build: Build) -> None:
     guard = await started(build(Override(memory_store(), preflight=unreachable)))
     admission = await admit(guard)
