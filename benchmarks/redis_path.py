@@ -19,6 +19,7 @@ measuring stick for a leaner path, not a proposal to ship as is (no reconnects, 
 from __future__ import annotations
 
 import asyncio
+import resource
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -150,14 +151,24 @@ async def _timed(
             samples.append(clock() - start)
 
     per = max(1, calls // concurrency)
+    cpu_before = _cpu_seconds()
     start = time.perf_counter()
     await asyncio.gather(*(worker(per) for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
+    cpu = _cpu_seconds() - cpu_before
     return {
         "p50_us": percentile(samples, 50) / 1000,
         "p99_us": percentile(samples, 99) / 1000,
         "calls_per_s": len(samples) / elapsed,
+        # This process's CPU (user + system) per call: what the client path costs the
+        # gateway, whatever the server's speed. The server is another process.
+        "cpu_us_per_call": cpu / len(samples) * 1e6,
     }
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _preflight_lua() -> str:
