@@ -9,9 +9,10 @@ fails only its caller.
 
 The deadline is one per batch and starts when the batch is taken for sending, so it measures
 Redis (and the connection), not how long a request waited for the event loop. A call never
-waits for long in the queue either: it is queued only while every sender is busy, and one that
-has waited longer than the timeout fails without being sent (Redis is not keeping up). So a
-call ends within about twice the timeout, however Redis fails.
+waits for long in the queue either: it is queued only while every sender is busy, and when a
+batch fails (its deadline, a broken connection) the calls queued behind it fail with it
+instead of being sent to a Redis that just did not answer. So a call ends within about twice
+the timeout however Redis fails, and a slow event loop alone never fails one.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ class ScriptPipeline:
         # A sender created but not yet running: it will take everything queued by then, so
         # the calls of one loop turn start one sender, not one each.
         self._starting: asyncio.Task[None] | None = None
+        # When a batch last failed as a whole: calls queued before then are not sent.
+        self._failed_at = float("-inf")
         self.stats = BatchStats()
 
     def submit(
@@ -147,19 +150,19 @@ class ScriptPipeline:
             await self._send(batch)
 
     def _take(self) -> list[_Call]:
-        """Up to ``max_batch`` queued calls that are still wanted and not too old."""
+        """Up to ``max_batch`` queued calls that are still wanted."""
         batch: list[_Call] = []
         queue = self._queue
-        stale_before = asyncio.get_running_loop().time() - self._timeout
         while queue and len(batch) < self._max_batch:
             call = queue.popleft()
             if call.future.done():
                 continue  # its caller gave up (cancelled): nothing to send
-            if call.queued_at < stale_before:
-                # Every sender was busy for a whole timeout: Redis is not keeping up. Sending
-                # this call now would let its caller wait up to another timeout.
+            if call.queued_at < self._failed_at:
+                # It waited behind a batch that Redis did not answer in time (or whose
+                # connection broke): sending it now would let its caller wait for another
+                # whole timeout to learn the same.
                 call.future.set_exception(
-                    StoreUnavailable(f"redis busy: queued longer than {self._timeout} s")
+                    StoreUnavailable("redis unavailable: the batch ahead of this call failed")
                 )
                 continue
             batch.append(call)
@@ -181,6 +184,7 @@ class ScriptPipeline:
             # A timeout, a broken connection, a cluster without the slot's node: the whole
             # batch failed. Anything else (a bug) must not end the sender either, or callers
             # would wait for replies nobody sends; they get it as the store's error.
+            self._failed_at = asyncio.get_running_loop().time()
             self._fail_with(batch, exc)
             return
         for call, reply in zip(batch, replies, strict=True):

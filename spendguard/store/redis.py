@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
+from functools import partial
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -68,7 +69,15 @@ class RedisStore:
         )
 
     @classmethod
-    def from_url(cls, url: str, *, timeout: float = 0.5, max_connections: int = 512) -> RedisStore:
+    def from_url(
+        cls,
+        url: str,
+        *,
+        timeout: float = 0.5,
+        max_connections: int = 512,
+        max_batch: int = 256,
+        max_in_flight: int = 4,
+    ) -> RedisStore:
         """A store for ``url``. The timeout bounds one round trip, connecting included: a
         batch of hot-path calls (a call then ends within about twice it, queueing included),
         or any other call on its own."""
@@ -110,7 +119,7 @@ class RedisStore:
                 f"unsupported Redis URL scheme {scheme!r}: use redis://, rediss://, unix:// "
                 "or redis+cluster://"
             )
-        return cls(client, timeout=timeout)
+        return cls(client, timeout=timeout, max_batch=max_batch, max_in_flight=max_in_flight)
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """One call on its own (off the hot path), bounded by the timeout from its start."""
@@ -205,6 +214,18 @@ class RedisStore:
 
     async def start(self) -> None:
         await self.check_eviction_policy()
+        await self.load_scripts()
+
+    async def load_scripts(self) -> None:
+        """Load every script now (on a cluster, into every primary), so that the first
+        requests do not each find NOSCRIPT and pay a reload. Redis being down is no error
+        here: whenever a script is missing, the pipeline loads it and resends the call."""
+        for script in self._scripts.values():
+            try:
+                await self._call(partial(self._client.script_load, script.script))
+            except StoreUnavailable as exc:
+                log.warning("spendguard could not load its Redis scripts at start: %s", exc)
+                return
 
     async def check_eviction_policy(self) -> str | None:
         """Warn when Redis may evict quota keys under memory pressure (a silent budget leak)."""
