@@ -105,6 +105,7 @@ class ScriptPipeline:
         self._starting: asyncio.Task[None] | None = None
         # When a batch last failed as a whole: calls queued before then are not sent.
         self._failed_at = float("-inf")
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.stats = BatchStats()
 
     def submit(
@@ -112,6 +113,8 @@ class ScriptPipeline:
     ) -> asyncio.Future[Any]:
         """Queue one EVALSHA; the future holds its reply or the store's exception."""
         loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._bind(loop)
         future: asyncio.Future[Any] = loop.create_future()
         self._queue.append(_Call(script, keys, args, future, loop.time()))
         if self._starting is None and len(self._senders) < self._max_in_flight:
@@ -127,6 +130,16 @@ class ScriptPipeline:
         self._fail(self._queue, StoreUnavailable("redis store closed"))
         self._queue.clear()
         await self._transport.aclose()
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start afresh in another event loop (a store used by one ``asyncio.run`` after
+        another): a sender of the old loop may never run again, and would hold the queue."""
+        self._loop = loop
+        self._queue.clear()  # callers of a finished loop wait no more
+        self._senders = set()
+        self._starting = None
+        self._failed_at = float("-inf")
+        self._transport.forget()
 
     # -- senders --------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -246,6 +259,10 @@ Command = tuple[Any, ...]
 class _Transport(Protocol):
     async def execute(self, commands: Sequence[Command]) -> list[Any]: ...
 
+    def forget(self) -> None:
+        """Drop connections that belong to an event loop no longer running."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -313,11 +330,14 @@ class _Connections:
                 # writes only absent keys, postflight applies a record once).
                 await conn.disconnect()
 
+    def forget(self) -> None:
+        self._made = []
+        self._idle = []
+
     async def aclose(self) -> None:
         for conn in self._made:
             await conn.disconnect(nowait=True)
-        self._made.clear()
-        self._idle.clear()
+        self.forget()
 
 
 class _ClusterPipelines:
@@ -348,5 +368,8 @@ class _ClusterPipelines:
                 replies[i] = reply
         return replies
 
-    async def aclose(self) -> None:
+    def forget(self) -> None:
         pass  # its connections are the client's
+
+    async def aclose(self) -> None:
+        pass

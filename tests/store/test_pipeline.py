@@ -272,6 +272,19 @@ async def test_a_call_whose_caller_gave_up_is_not_sent(store: RedisStore) -> Non
     assert (await store.read_usage(keys))[keys[0]] == 1
 
 
+def test_one_store_in_one_event_loop_after_another(redis_url: str) -> None:
+    # A sender or a connection of a finished loop must not hold up the next loop's calls.
+    store = RedisStore.from_url(redis_url, timeout=2.0)
+    p = plan("acme")
+
+    async def use() -> Outcome:
+        await warm(store, p)
+        return (await store.preflight(p)).outcome
+
+    assert asyncio.run(use()) is Outcome.ALLOW
+    assert asyncio.run(use()) is Outcome.ALLOW
+
+
 @pytest.mark.timeout(60)
 async def test_a_burst_on_a_healthy_server_is_never_unavailable(redis_url: str) -> None:
     # The default timeout, a cold store (no connection open yet) and 200 requests at once,
