@@ -149,18 +149,29 @@ class ScriptPipeline:
         task.add_done_callback(self._sender_done)
 
     def _sender_done(self, task: asyncio.Task[None]) -> None:
+        # Only for a sender cancelled before it ran; one that ran has left already.
         self._senders.discard(task)
-        if self._starting is task:  # cancelled before it ran
+        if self._starting is task:
             self._starting = None
 
     async def _run(self) -> None:
         self._starting = None
-        # Loop while calls keep arriving: those queued while a batch was in flight form the
-        # next one.
-        while batch := self._take():
-            if self._queue and self._starting is None and len(self._senders) < self._max_in_flight:
-                self._spawn()  # more than one batch is waiting: send the next alongside
-            await self._send(batch)
+        try:
+            # Loop while calls keep arriving: those queued while a batch was in flight form
+            # the next one.
+            while batch := self._take():
+                if (
+                    self._queue
+                    and self._starting is None
+                    and len(self._senders) < self._max_in_flight
+                ):
+                    self._spawn()  # more than one batch is waiting: send the next alongside
+                await self._send(batch)
+        finally:
+            # Leave the set now, in the step that found the queue empty. A done-callback
+            # runs a loop turn later, after the callers this sender just answered have
+            # called again: they would find every sender "busy", and no sender would come.
+            self._senders.discard(asyncio.current_task())
 
     def _take(self) -> list[_Call]:
         """Up to ``max_batch`` queued calls that are still wanted."""

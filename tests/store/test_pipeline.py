@@ -103,6 +103,21 @@ async def test_calls_made_while_a_batch_is_in_flight_form_the_next_one(
     await store.aclose()
 
 
+async def test_callers_that_call_again_at_once_keep_being_served(redis_url: str) -> None:
+    # The callers a batch wakes up call again before its sender has finished: their calls
+    # must start the next sender, not wait for one that is already done.
+    store = RedisStore.from_url(redis_url, timeout=2.0, max_in_flight=1)
+    p = plan("acme")
+    await warm(store, p)
+
+    async def worker() -> None:
+        for _ in range(20):
+            assert (await store.preflight(p)).outcome is Outcome.ALLOW
+
+    await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(8))), timeout=10)
+    await store.aclose()
+
+
 async def test_a_refused_call_fails_alone(store: RedisStore, shared_redis: RedisServer) -> None:
     good, wrong = plan("good"), plan("wrong-type")
     await warm(store, good)
