@@ -9,6 +9,7 @@ and the cluster.
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import time
 from collections.abc import AsyncIterator
@@ -115,6 +116,36 @@ async def test_callers_that_call_again_at_once_keep_being_served(redis_url: str)
             assert (await store.preflight(p)).outcome is Outcome.ALLOW
 
     await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(8))), timeout=10)
+    await store.aclose()
+
+
+@pytest.mark.parametrize(("max_in_flight", "max_batch"), [(1, 1), (1, 3), (2, 256), (4, 5)])
+async def test_callers_at_random_moments_are_all_served_once(
+    redis_url: str, max_in_flight: int, max_batch: int
+) -> None:
+    store = RedisStore.from_url(
+        redis_url, timeout=2.0, max_in_flight=max_in_flight, max_batch=max_batch
+    )
+    p = plan("acme")
+    await warm(store, p)
+    keys = [c.usage_key for c in p.checks]
+    rng = random.Random(max_in_flight * 1000 + max_batch)
+
+    async def worker(w: int) -> int:
+        applied = 0
+        for i in range(15):
+            for _ in range(rng.randrange(3)):
+                await asyncio.sleep(0)  # arrive in some later loop turn
+            if rng.random() < 0.5:
+                assert (await store.preflight(p)).outcome is Outcome.ALLOW
+            else:
+                applied += await store.postflight(f"w{w}-{i}", 1, keys)
+        return applied
+
+    applied = await asyncio.wait_for(asyncio.gather(*map(worker, range(30))), timeout=20)
+    total = sum(applied) // len(keys)
+    assert (await store.read_usage(keys))[keys[0]] == total
+    assert store.pipeline.stats.largest <= max_batch
     await store.aclose()
 
 
