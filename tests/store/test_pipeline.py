@@ -377,3 +377,33 @@ async def test_cluster_batches_per_node_and_recovers_lost_scripts(
     assert [{s.used for s in pf.limits} for pf in results] == [{i} for i in range(30)]
     assert store.pipeline.stats.batches - before == 2  # the batch, then after the reload
     await store.aclose()
+
+
+async def test_cluster_calls_on_broken_node_connections_are_sent_again(
+    redis_cluster: RedisCluster,
+) -> None:
+    redis_cluster.flushall()
+    store = RedisStore.from_url(redis_cluster.url, timeout=2.0)
+    await store.start()
+    plans = [plan(f"team{i}") for i in range(30)]
+    for p in plans:
+        await warm(store, p)
+    for server in redis_cluster.servers:
+        server.cli("CLIENT", "KILL", "TYPE", "normal")  # every client connection drops
+    results = await asyncio.gather(*(store.preflight(p) for p in plans))
+    assert all(pf.outcome is Outcome.ALLOW for pf in results)
+    await store.aclose()
+
+
+async def test_dropped_connections_are_replaced_without_failing_a_call(
+    redis_server: RedisServer,
+) -> None:
+    store = RedisStore.from_url(redis_server.url, timeout=2.0)
+    await store.start()
+    plans = [plan(f"team{i}") for i in range(30)]
+    for p in plans:
+        await warm(store, p)
+    redis_server.cli("CLIENT", "KILL", "TYPE", "normal")
+    results = await asyncio.gather(*(store.preflight(p) for p in plans))
+    assert all(pf.outcome is Outcome.ALLOW for pf in results)
+    await store.aclose()
