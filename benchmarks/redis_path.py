@@ -1,32 +1,39 @@
 """Where the Redis store's time goes: one preflight at each layer of the client path.
 
 The same EVALSHA of spendguard's preflight script, with the same keys and arguments, on a warm
-key, sent three ways:
+key, sent four ways:
 
-* ``spendguard``: ``RedisStore.preflight`` as shipped (redis-py asyncio, a timeout scope, the
-  decision on the reply);
-* ``redis-py``: redis-py's ``Script`` call alone, what the store wraps (the script text is the
-  store's own ``spendguard/store/lua/preflight.lua``, so it has the same SHA; the client has
-  the store's kind of pool);
+* ``spendguard``: ``RedisStore.preflight`` as shipped: the store's pipeline sends the calls of
+  concurrent requests as one pipeline (redis-py connections driven directly, hiredis packing
+  and parsing, one deadline per batch), then the decision on the reply;
+* ``redis-py``: redis-py's ``Script`` call alone, one call per round trip through the pool
+  (the script text is the store's own ``spendguard/store/lua/preflight.lua``, so it has the
+  same SHA; the client has the store's kind of pool);
 * ``minimal``: a ~60-line asyncio protocol speaking RESP2 on one connection, which writes every
-  call issued in the same event-loop turn in one ``write`` (automatic pipelining).
+  call issued in the same event-loop turn in one ``write`` (automatic pipelining), its replies
+  parsed in Python;
+* ``minimal, hiredis``: the same protocol with hiredis's reply parser.
 
 At concurrency 1 the difference is the per-call cost of each client path; at concurrency 64 it
-is what pipelining concurrent preflights into shared round trips buys. The minimal client is a
-measuring stick for a leaner path, not a proposal to ship as is (no reconnects, no cluster).
+is what pipelining concurrent preflights into shared round trips buys (``spendguard`` also
+reports how many calls one of its pipelines carried). The minimal clients are a measuring
+stick for a leaner path, not a proposal to ship as is (no reconnects, no cluster, no timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import resource
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from importlib import resources
-from typing import Any
+from typing import Any, Self
 from urllib.parse import urlsplit
 
+import hiredis
 import redis.asyncio as aioredis
 
 from spendguard import Identity
@@ -93,7 +100,7 @@ class MinimalRedis(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
 
     @classmethod
-    async def connect(cls, url: str) -> MinimalRedis:
+    async def connect(cls, url: str) -> Self:
         parts = urlsplit(url)
         loop = asyncio.get_running_loop()
         _, proto = await loop.create_connection(
@@ -137,6 +144,24 @@ class MinimalRedis(asyncio.Protocol):
             self._transport.close()
 
 
+class HiredisMinimal(MinimalRedis):
+    """The same protocol, its replies parsed by hiredis (C) instead of ``_parse``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reader = hiredis.Reader(encoding="utf-8")
+
+    def data_received(self, data: bytes) -> None:
+        self._reader.feed(data)
+        while self._waiters:
+            reply = self._reader.gets()
+            if reply is False:  # incomplete: wait for more bytes
+                break
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(reply)
+
+
 async def _timed(
     fn: Callable[[], Awaitable[Any]], calls: int, concurrency: int
 ) -> dict[str, float]:
@@ -150,14 +175,24 @@ async def _timed(
             samples.append(clock() - start)
 
     per = max(1, calls // concurrency)
+    cpu_before = _cpu_seconds()
     start = time.perf_counter()
     await asyncio.gather(*(worker(per) for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
+    cpu = _cpu_seconds() - cpu_before
     return {
         "p50_us": percentile(samples, 50) / 1000,
         "p99_us": percentile(samples, 99) / 1000,
         "calls_per_s": len(samples) / elapsed,
+        # This process's CPU (user + system) per call: what the client path costs the
+        # gateway, whatever the server's speed. The server is another process.
+        "cpu_us_per_call": cpu / len(samples) * 1e6,
     }
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _preflight_lua() -> str:
@@ -190,28 +225,39 @@ async def _measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]
     args = [c.field for c in keys.checks]
     packed = _pack("EVALSHA", script.sha, str(len(redis_keys)), *redis_keys, *args)
     minimal = await MinimalRedis.connect(redis_url)
+    fast = await HiredisMinimal.connect(redis_url)
     clients: dict[str, Callable[[], Awaitable[Any]]] = {
         "spendguard": lambda: store.preflight(keys),
         "redis-py": lambda: script(keys=redis_keys, args=args),
         "minimal": lambda: minimal.call(packed),
+        "minimal, hiredis": lambda: fast.call(packed),
     }
     try:
         reply = await clients["redis-py"]()
-        check = await clients["minimal"]()
-        if [str(x) if x is not None else None for x in reply] != check:
-            raise RuntimeError(f"minimal client disagrees: {check!r} != {reply!r}")
+        expected = [str(x) if x is not None else None for x in reply]
+        for name in ("minimal", "minimal, hiredis"):
+            check = await clients[name]()
+            if expected != check:
+                raise RuntimeError(f"{name} client disagrees: {check!r} != {reply!r}")
         raw: dict[str, dict[str, list[float]]] = {}
         for fn in clients.values():
             await _timed(fn, 640, 64)  # warm-up: the pool opens its connections now
         for _ in range(repeats):
             for conc in (1, 64):
                 for name, fn in clients.items():
+                    sent = dataclasses.replace(store.pipeline.stats)
                     res = await _timed(fn, sizes.client_calls, conc)
+                    if name == "spendguard":
+                        now = store.pipeline.stats
+                        res["calls_per_round_trip"] = (now.calls - sent.calls) / max(
+                            1, now.batches - sent.batches
+                        )
                     entry = raw.setdefault(f"{name}, concurrency {conc}", {})
                     for stat, value in res.items():
                         entry.setdefault(stat, []).append(value)
     finally:
         minimal.close()
+        fast.close()
         await client.aclose()
         await store.aclose()
     return {

@@ -58,7 +58,11 @@ class Settings(BaseSettings):
         description="Redis URL (redis://, rediss://, redis+cluster://); unset: embedded store.",
     )
     redis_timeout: float = Field(
-        0.25, gt=0, le=30, description="Seconds one Redis call may take, connecting included."
+        0.25,
+        gt=0,
+        le=30,
+        description="Seconds one Redis round trip may take (a batch of concurrent hot-path "
+        "calls, or one other call), connecting included.",
     )
     fail_mode: FailMode = Field(
         FailMode.CLOSED, description="Redis unavailable: closed (503) or open (allow, tracked)."

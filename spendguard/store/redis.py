@@ -1,8 +1,11 @@
-"""The Redis store: every decision is one Lua script, one round trip (design.md, "Cache keys").
+"""The Redis store: every decision is one Lua script, one round trip (design.md, "Cache keys"
+and "The Redis store").
 
-Scripts live in ``lua/*.lua``, are registered once per client and reloaded by redis-py after
-NOSCRIPT (a restart or SCRIPT FLUSH). Keys reach scripts only through KEYS, and every key of
-one call shares the team's ``{team}`` hash tag, so the same code runs on Redis Cluster.
+Scripts live in ``lua/*.lua`` and are reloaded after NOSCRIPT (a restart or SCRIPT FLUSH).
+The hot calls (preflight, postflight, fill) go through :class:`ScriptPipeline`, which sends
+the calls of concurrent requests as one pipeline; settlement's and the CLI's calls go one by
+one. Keys reach scripts only through KEYS, and every key of one call shares the team's
+``{team}`` hash tag, so the same code runs on Redis Cluster.
 
 URLs: ``redis://``, ``rediss://``, ``unix://`` for one server; ``redis+cluster://host:port``
 (or ``rediss+cluster://``) for a cluster, any node as the seed.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
+from functools import partial
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -22,11 +26,12 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from ..errors import ConfigurationError, StoreUnavailable
 from ..limits import Check, KeyPlan
 from .base import Outcome, Preflight, RefreshEntry, UsageFill, decide
+from .pipeline import ScriptPipeline, store_error
 
 log = logging.getLogger("spendguard.store")
 
@@ -47,14 +52,35 @@ def _ms(t: datetime) -> str:
 class RedisStore:
     shared = True  # every replica (and a CLI) sees the same keys
 
-    def __init__(self, client: aioredis.Redis | RedisCluster, *, timeout: float = 0.5) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis | RedisCluster,
+        *,
+        timeout: float = 0.5,
+        max_batch: int = 256,
+        max_in_flight: int = 4,
+    ) -> None:
         self._client = client
         self._timeout = timeout
         self._scripts = {name: client.register_script(_lua(name)) for name in _SCRIPTS}
+        # The hot path: concurrent calls share pipelines; ``timeout`` bounds each batch.
+        self.pipeline = ScriptPipeline(
+            client, timeout=timeout, max_batch=max_batch, max_in_flight=max_in_flight
+        )
 
     @classmethod
-    def from_url(cls, url: str, *, timeout: float = 0.5, max_connections: int = 512) -> RedisStore:
-        """A store for ``url``; the timeout bounds every call, connecting included."""
+    def from_url(
+        cls,
+        url: str,
+        *,
+        timeout: float = 0.5,
+        max_connections: int = 512,
+        max_batch: int = 256,
+        max_in_flight: int = 4,
+    ) -> RedisStore:
+        """A store for ``url``. The timeout bounds one round trip, connecting included: a
+        batch of hot-path calls (a call then ends within about twice it, queueing included),
+        or any other call on its own."""
         opts: dict[str, Any] = {
             "socket_timeout": timeout,
             "socket_connect_timeout": timeout,
@@ -70,9 +96,11 @@ class RedisStore:
                 f"{base}://{rest}", **opts
             )
         elif scheme in {"redis", "rediss", "unix"}:
-            # A blocking pool: when every connection is busy a request waits (bounded by the
-            # timeout) instead of failing at once. redis-py's default pool raises beyond 100
-            # connections in flight, which fail-closed would turn into 503s under load.
+            # The hot path's batches use connections of their own (pipeline.py); this pool
+            # serves the other calls. A blocking pool: when every connection is busy a call
+            # waits (bounded by the timeout) instead of failing at once. redis-py's default
+            # pool raises beyond 100 connections in flight, which fail-closed would turn into
+            # 503s under load.
             pool = aioredis.BlockingConnectionPool.from_url(
                 url,
                 max_connections=max_connections,
@@ -80,7 +108,7 @@ class RedisStore:
                 # One quick retry on a fresh connection: after a server restart the pool's
                 # sockets are dead, and the first command on each would otherwise fail. Only
                 # a broken connection is retried; a timeout is not: a request's wait stays
-                # bounded.
+                # bounded. (The pipeline's own connections follow the same rule.)
                 retry=Retry(NoBackoff(), 1),
                 retry_on_error=[RedisConnectionError],
                 **opts,
@@ -91,27 +119,29 @@ class RedisStore:
                 f"unsupported Redis URL scheme {scheme!r}: use redis://, rediss://, unix:// "
                 "or redis+cluster://"
             )
-        return cls(client, timeout=timeout)
+        return cls(client, timeout=timeout, max_batch=max_batch, max_in_flight=max_in_flight)
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """One call on its own (off the hot path), bounded by the timeout from its start."""
         try:
             with anyio.fail_after(self._timeout):
                 return await fn()
-        except ResponseError as exc:
-            if "spendguard" in str(exc):
-                raise ValueError(str(exc)) from exc  # our own validation refused the input
-            raise StoreUnavailable(f"redis error: {exc}") from exc
         except (RedisError, OSError, TimeoutError) as exc:
-            raise StoreUnavailable(f"redis unavailable: {exc!r}") from exc
+            raise store_error(exc) from exc
 
     async def _script(self, name: str, keys: Sequence[str], args: Sequence[str]) -> Any:
         script = self._scripts[name]
         return await self._call(lambda: script(keys=list(keys), args=list(args)))
 
+    def _batched(self, name: str, keys: Sequence[str], args: Sequence[str]) -> Awaitable[Any]:
+        """A hot-path script call, sent in the next pipeline (no timeout scope of its own:
+        the batch's deadline bounds it)."""
+        return self.pipeline.submit(self._scripts[name], keys, args)
+
     # -- Store ----------------------------------------------------------------------------
     async def preflight(self, plan: KeyPlan) -> Preflight:
         keys = [plan.policy_key, *(c.usage_key for c in plan.checks)]
-        raw = await self._script("preflight", keys, [c.field for c in plan.checks])
+        raw = await self._batched("preflight", keys, [c.field for c in plan.checks])
         if raw == 0:
             return Preflight(Outcome.MISS, missing_policy=True)
         checks: list[tuple[Check, int | None, int | None]] = []
@@ -139,12 +169,12 @@ class RedisStore:
         for u in usage:
             limit = "-" if u.limit is None else _uint(u.limit)
             args += [_uint(u.settled), limit, _ms(u.expires_at)]
-        await self._script("fill", [plan.policy_key, *(u.usage_key for u in usage)], args)
+        await self._batched("fill", [plan.policy_key, *(u.usage_key for u in usage)], args)
 
     async def postflight(self, record_id: str, amount: int, usage_keys: Sequence[str]) -> int:
         if not usage_keys:
             return 0
-        applied = await self._script("postflight", usage_keys, [record_id, _uint(amount)])
+        applied = await self._batched("postflight", usage_keys, [record_id, _uint(amount)])
         return int(applied)
 
     async def refresh(self, entries: Sequence[RefreshEntry]) -> None:
@@ -184,6 +214,18 @@ class RedisStore:
 
     async def start(self) -> None:
         await self.check_eviction_policy()
+        await self.load_scripts()
+
+    async def load_scripts(self) -> None:
+        """Load every script now (on a cluster, into every primary), so that the first
+        requests do not each find NOSCRIPT and pay a reload. Redis being down is no error
+        here: whenever a script is missing, the pipeline loads it and resends the call."""
+        for script in self._scripts.values():
+            try:
+                await self._call(partial(self._client.script_load, script.script))
+            except StoreUnavailable as exc:
+                log.warning("spendguard could not load its Redis scripts at start: %s", exc)
+                return
 
     async def check_eviction_policy(self) -> str | None:
         """Warn when Redis may evict quota keys under memory pressure (a silent budget leak)."""
@@ -212,6 +254,7 @@ class RedisStore:
         await self._call(self._client.ping)
 
     async def aclose(self) -> None:
+        await self.pipeline.aclose()
         await self._client.aclose()
 
 

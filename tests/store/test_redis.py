@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import pytest
 
-from spendguard import Identity
+from spendguard import Identity, Settings
 from spendguard.clock import utcnow
 from spendguard.limits import KeyCodec, Period, key_limit
 from spendguard.store.redis import RedisStore
@@ -283,4 +283,37 @@ async def test_more_requests_in_flight_than_the_pool_wait_instead_of_failing(
                 for _ in range(64):
                     tg.start_soon(one)
         assert statuses == [200] * 64
+    await store.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_burst_of_200_on_a_healthy_redis_gets_no_503_and_no_fail_open(
+    tmp_path: Path, redis_url: str
+) -> None:
+    # The acceptance line, with the default timeout and a cold store: the requests
+    # queue for the event loop, but what the timeout measures is Redis, which answers at once.
+    timeout = Settings.model_fields["redis_timeout"].default
+    store = RedisStore.from_url(redis_url, timeout=timeout)
+    async with Gateway(tmp_path, utcnow, store=store) as gw:
+        await gw.policy(Period.DAY, 10**12)
+        refused = metric("spendguard_store_unavailable_total", action="deny")
+        admitted = metric("spendguard_store_unavailable_total", action="allow")
+        statuses: list[int] = []
+        async with gw.client() as c:
+            # One request first, as a gateway in service has had: the cache is warm, the
+            # burst is all hot path.
+            assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+
+            async def one() -> None:
+                r = await c.post("/v1/chat/completions", json=chat_body())
+                statuses.append(r.status_code)
+
+            for _ in range(2):
+                async with anyio.create_task_group() as tg:
+                    for _ in range(200):
+                        tg.start_soon(one)
+        assert statuses == [200] * 400
+        assert metric("spendguard_store_unavailable_total", action="deny") == refused
+        assert metric("spendguard_store_unavailable_total", action="allow") == admitted
+        assert gw.postflights == 401
     await store.aclose()
