@@ -106,7 +106,7 @@ class SettlementWorker:
             metrics.ESTIMATE_ERROR.labels("over" if error > 0 else "under").inc(abs(error))
             for team, recs in batch.records.items():
                 settled.setdefault(team, {}).update((r.id, r) for r in recs)
-            if batch.charged < self._batch:
+            if batch.claimed < self._batch:
                 break
         if self._store is not None:
             await self._evict_changed_policies()
