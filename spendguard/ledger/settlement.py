@@ -18,9 +18,10 @@ from functools import lru_cache
 
 from .. import metrics
 from ..clock import from_micros, to_micros, utcnow
-from ..limits import Balance, Limit, Period, Target, Window
+from ..limits import Limit, Period, Window
 from ..record import PostflightStatus
 from .database import LedgerDatabase
+from .journal import JournalEntry, SettledRecord, encode_journal
 from .policies import _limit_columns, _limit_of
 from .settlement_sql import (
     AggregateRow,
@@ -51,28 +52,6 @@ class RecordRow:
     postflight: str
 
 
-@dataclass(frozen=True, slots=True)
-class SettledRecord:
-    """A settled record as a cache refresh sees it: whose usage it belongs to, and whether its
-    estimate reached the cache (``unknown``: the postflight outcome was not known)."""
-
-    id: str
-    team: str
-    api_key: str | None
-    t0: datetime
-    unknown: bool
-
-    def counts_toward(self, target: Target, bucket: str) -> bool:
-        """Whether this record's charge counts toward ``target`` in ``bucket`` (a window id;
-        ignored for a balance, which has no window): a balance takes every record of its
-        team; a limit takes the records its subject covers whose ``t0`` fell in ``bucket``."""
-        if target.team != self.team:
-            return False
-        if isinstance(target, Balance):
-            return True
-        return target.subject.covers(self.api_key) and target.window.bucket(self.t0) == bucket
-
-
 @dataclass(slots=True)
 class Settlement:
     """What one settlement transaction committed."""
@@ -82,6 +61,7 @@ class Settlement:
     records: dict[str, list[SettledRecord]] = field(default_factory=dict)  # by team
     estimate_error_micros: int = 0  # sum of (charge - estimate)
     claimed: int = 0  # records marked settled: the charged ones and any already charged
+    seq: int | None = None  # the batch's journal row
 
 
 @dataclass(slots=True)
@@ -91,6 +71,7 @@ class _Claimed:
 
     rows: list[RecordRow] = field(default_factory=list)
     amounts: list[int] = field(default_factory=list)
+    t0_us: list[int] = field(default_factory=list)
     days: list[int] = field(default_factory=list)  # days since the epoch, UTC
     charges: Charges = field(default_factory=Charges)  # those to write
 
@@ -131,7 +112,11 @@ class SettlementQueries(LedgerDatabase):
             await sql.add_to_aggregates(conn, deltas, now_us)
             metrics.AGGREGATE_UPDATE_SECONDS.observe(time.perf_counter() - started)
             await sql.debit(conn, debits, now_us)
-        return _settlement(claimed, charged_before)
+            settlement = _settlement(claimed, charged_before)
+            # Last, so its number is taken as close to the commit as can be (design.md,
+            # "Settlement": the cache sync follows these rows in number order).
+            settlement.seq = await sql.journal(conn, now_us, _journal(claimed))
+        return settlement
 
 
 _POSTGRES = PostgresSettlement()
@@ -166,6 +151,7 @@ def _price(rows: Sequence[Row], price: Callable[[RecordRow], int], skip: set[str
         amount = price(rec)
         out.rows.append(rec)
         out.amounts.append(amount)
+        out.t0_us.append(row[4])
         out.days.append(day)
         if rec.id in skip:
             continue
@@ -237,6 +223,17 @@ def _settlement(claimed: _Claimed, skip: set[str]) -> Settlement:
         out.total_micros += amount
         out.estimate_error_micros += amount - rec.estimate_micros
     return out
+
+
+def _journal(claimed: _Claimed) -> str:
+    """The batch's journal row: every record it settled, charged now or before."""
+    entries: dict[str, list[JournalEntry]] = defaultdict(list)
+    unknown = PostflightStatus.UNKNOWN.value
+    for rec, t0_us in zip(claimed.rows, claimed.t0_us, strict=True):
+        entries[rec.team].append(
+            [rec.id, rec.api_key or "", t0_us, 1 if rec.postflight == unknown else 0]
+        )
+    return encode_journal(entries)
 
 
 @lru_cache(maxsize=1024)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from .schema import aggregates, balances, charges, policies, records
+from .schema import aggregates, balances, charges, policies, records, settlements
 
 # What settlement reads of a claimed record, in this order (see ``RecordRow``).
 CLAIMED_COLUMNS = (
@@ -117,6 +117,9 @@ class PostgresSettlement:
         "WHERE b.team = u.team"
     )
 
+    # The transaction's last statement, so the number it takes is close to its commit.
+    JOURNAL = f"INSERT INTO {settlements.name} (settled_us, records) VALUES ($1, $2) RETURNING seq"
+
     async def claim(self, conn: Any, limit: int) -> tuple[list[Row], set[str]]:
         """The oldest unsettled records (up to ``limit``), locked and flagged settled."""
         return await conn.fetch(self.CLAIM, limit), set()
@@ -147,6 +150,10 @@ class PostgresSettlement:
         if debits:
             await conn.execute(self.DEBIT, list(debits), list(debits.values()), now_us)
 
+    async def journal(self, conn: Any, now_us: int, records: str) -> int:
+        """Write the batch's journal row; returns its number."""
+        return int(await conn.fetchval(self.JOURNAL, now_us, records))
+
 
 class SqliteSettlement:
     """SQLite: one prepared statement per step, run over the rows in process."""
@@ -175,6 +182,7 @@ class SqliteSettlement:
         f"UPDATE {balances.name} SET charged_micros = charged_micros + ?, updated_us = ? "
         "WHERE team = ?"
     )
+    JOURNAL = f"INSERT INTO {settlements.name} (settled_us, records) VALUES (?, ?)"
 
     async def lock_for_write(self, conn: Any) -> None:
         await conn.execute(self.LOCK_FOR_WRITE)
@@ -215,6 +223,11 @@ class SqliteSettlement:
     async def debit(self, conn: Any, debits: dict[str, int], now_us: int) -> None:
         if debits:
             await conn.executemany(self.DEBIT, [(a, now_us, t) for t, a in debits.items()])
+
+    async def journal(self, conn: Any, now_us: int, records: str) -> int:
+        """Write the batch's journal row; returns its number."""
+        async with conn.execute(self.JOURNAL, (now_us, records)) as cursor:
+            return int(cursor.lastrowid)
 
 
 @lru_cache(maxsize=64)
