@@ -31,6 +31,7 @@ class CacheFiller:
         policy_ttl: float,
         db_timeout: float,
         ensure_connected: Callable[[], Awaitable[None]],
+        on_filled: Callable[[str], None] | None = None,
     ) -> None:
         self._ledger = ledger
         self._store = store
@@ -38,6 +39,9 @@ class CacheFiller:
         self._policy_ttl = policy_ttl
         self._db_timeout = db_timeout
         self._ensure_connected = ensure_connected
+        # Told the team after each fill: the fill's ledger read may predate a settlement whose
+        # cache refresh ran before the fill's write, so the worker refreshes the team once more.
+        self._on_filled = on_filled
         self._limits: SingleFlight[tuple[list[Policy], Account | None]] = SingleFlight()
         self._balances: SingleFlight[Account | None] = SingleFlight()
         self._aggregates: SingleFlight[dict[tuple[Limit, str], int]] = SingleFlight()
@@ -57,6 +61,8 @@ class CacheFiller:
         fills = await self._balance_fills(plan.team, wanted)
         fills += await self._limit_fills(plan.team, wanted)
         await self._store.fill(plan, fields, fills, policy_ttl=self._policy_ttl)
+        if fills and self._on_filled is not None:
+            self._on_filled(plan.team)
 
     async def _balance_fills(self, team: str, wanted: list[Check]) -> list[UsageFill]:
         check = next((c for c in wanted if isinstance(c.target, Balance)), None)

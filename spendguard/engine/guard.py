@@ -92,6 +92,7 @@ class SpendGuard:
             policy_ttl=s.policy_ttl,
             db_timeout=s.db_timeout,
             ensure_connected=self._ensure_connected,
+            on_filled=self.worker.note_filled,
         )
         self._stack: AsyncExitStack | None = None
         self._cancel: anyio.CancelScope | None = None
