@@ -114,10 +114,12 @@ class _JournalCursor:
     read_at: int | None = None  # when the journal was last read, µs
     gaps: dict[int, int] = field(default_factory=dict)  # number -> when first missed, µs
     own: set[int] = field(default_factory=set)  # this process's own rows after the mark
+    overflow: bool = False  # more numbers went missing than can be tracked
 
     def restart(self, head: int, now_us: int) -> None:
         self.mark, self.read_at = head, now_us
         self.gaps.clear()
+        self.overflow = False
         self.own = {s for s in self.own if s > head}
 
     def wanted(self, seqs: Sequence[int]) -> list[int]:
@@ -130,17 +132,25 @@ class _JournalCursor:
         for seq in found:
             self.gaps.pop(seq, None)
         if seqs:
-            seen = set(seqs)
-            for seq in range(self.mark + 1, seqs[-1]):
-                if seq not in seen and seq not in self.own:
-                    self.gaps.setdefault(seq, now_us)
+            if seqs[-1] - self.mark - len(seqs) > _MAX_GAPS:
+                self.overflow = True  # too many numbers missing to track one by one
+            else:
+                seen = set(seqs)
+                for seq in range(self.mark + 1, seqs[-1]):
+                    if seq not in seen and seq not in self.own:
+                        self.gaps.setdefault(seq, now_us)
             self.mark = seqs[-1]
             self.own = {s for s in self.own if s > self.mark}
 
     def expire_gaps(self, now_us: int) -> bool:
-        """Forget gaps waited on long enough (rolled back); False when too many remain."""
+        """Forget gaps waited on long enough (rolled back); False when there were too many to
+        track (then they are all forgotten: the caller reconciles instead)."""
         self.gaps = {s: at for s, at in self.gaps.items() if now_us - at <= _GAP_WAIT_US}
-        return len(self.gaps) <= _MAX_GAPS
+        tracked = not self.overflow and len(self.gaps) <= _MAX_GAPS
+        if not tracked:
+            self.gaps.clear()
+            self.overflow = False
+        return tracked
 
 
 class CacheSync:
@@ -181,26 +191,33 @@ class CacheSync:
     # -- one pass -------------------------------------------------------------------------
     async def run(self) -> SyncResult:
         result = SyncResult()
+        # Fills noted from here on wait for the next pass; teams of this one that are not
+        # refreshed (a failure, a crash half-way) go back to wait for it too.
+        dirty, self._dirty = self._dirty, set()
+        try:
+            await self._sync(dirty, result)
+        finally:
+            self._dirty |= dirty
+        return result
+
+    async def _sync(self, dirty: set[str], result: SyncResult) -> None:
         now = self._clock()
         now_us = to_micros(now)
-        dirty, self._dirty = self._dirty, set()  # fills noted from here on: the next pass
         dirty |= await self._evict_changed_policies()
         dirty |= await self._topped_up()
         await self._follow_journal(now_us)
         if now_us - self._reconciled_at >= _FULL_SYNC_US:
             self._unreconciled = None
-        reconciled: set[str] = set()
         if self._unreconciled is None or self._unreconciled:
-            reconciled = await self._reconcile(now, now_us)
-        teams = sorted(set(self._pending) | dirty | reconciled)
+            dirty |= await self._reconcile(now, now_us)
+        teams = sorted(set(self._pending) | dirty)
         if not teams:
-            return result
+            return
         # Read after the journal and the markers: every record dropped below is in these values.
         keys = await self._keys(now, teams)
         for team in teams:
-            if not await self._refresh_team(team, keys.get(team, []), result):
-                self._dirty.add(team)
-        return result
+            if await self._refresh_team(team, keys.get(team, []), result):
+                dirty.discard(team)
 
     async def _evict_changed_policies(self) -> set[str]:
         """Evict the cached policy of each team whose policies changed, once per change: the
@@ -247,7 +264,6 @@ class CacheSync:
                 break
         cursor.read_at = now_us
         if not cursor.expire_gaps(now_us):
-            cursor.gaps.clear()
             self._unreconciled = None
 
     async def _reconcile(self, now: datetime, now_us: int) -> set[str]:
@@ -268,12 +284,11 @@ class CacheSync:
             held = self._pending.get(team, {})
             for ids in markers.values():
                 asked.update((rid, team) for rid in ids if rid not in held)
-        if asked:
-            found = await self._ledger.settled_records(sorted(asked))
-            self._hold(found.values())
+        found = await self._ledger.settled_records(sorted(asked)) if asked else {}
         self._unreconciled = failed
         if whole:
             self._reconciled_at = now_us
+        self._hold(found.values())  # after: holding too many asks for a reconcile again
         return set(keys) - failed
 
     def _hold(self, records: Iterable[SettledRecord]) -> None:
