@@ -48,6 +48,9 @@ class Sizes:
     settle_records: int  # at least; a batch size above it settles one full batch
     settle_teams: int  # x 5 keys, every one with a daily key and a monthly team limit
     settle_batches: tuple[int, ...]
+    settle_workers: tuple[int, ...]  # worker processes racing on one PostgreSQL ledger
+    settle_race_records: int  # records they settle together, in batches of settle_race_batch
+    settle_race_batch: int
     preflight_calls: int  # per concurrency level
     preflight_concurrency: tuple[int, ...]
     client_calls: int  # Redis client-path experiment, calls per client
@@ -68,6 +71,9 @@ class Sizes:
             settle_records=1000,
             settle_teams=20,
             settle_batches=(100, 1000, 5000),
+            settle_workers=(1, 2, 4),
+            settle_race_records=40_000,
+            settle_race_batch=1000,
             preflight_calls=4000,
             preflight_concurrency=(1, 64),
             client_calls=4000,
@@ -89,6 +95,9 @@ class Sizes:
             settle_records=300,
             settle_teams=4,
             settle_batches=(100, 1000),
+            settle_workers=(1, 2),
+            settle_race_records=600,
+            settle_race_batch=100,
             preflight_calls=200,
             preflight_concurrency=(1, 64),
             client_calls=200,

@@ -349,6 +349,18 @@ def markdown(results: dict[str, Any]) -> str:
         for backend, f in settle["backends"].items()
     ]
     lines += _table(["ledger", *sizes], rows)
+    workers = settle.get("postgresql_workers", {})
+    if workers:
+        lines += [
+            "Worker processes racing over the same unsettled records on PostgreSQL (each its "
+            "own `Ledger`), every record charged once:",
+            "",
+        ]
+        rows = [
+            [n, _cell(f["records_per_s"]), _cell(f["cpu_us_per_record"], 1)]
+            for n, f in workers.items()
+        ]
+        lines += _table(["workers", "records/s settled", "worker CPU µs per record"], rows)
     lines += ["Redis preflight script (`RedisStore.preflight`), per call:", ""]
     rows = [
         [label, _cell(f["p50_us"]), _cell(f["p99_us"])]

@@ -8,9 +8,14 @@ until one comes back short). Records spread over 20 teams x 5 keys (fewer with -
 all have limits, so every charge also updates its key's daily and its team's monthly
 aggregate. No cache is attached: this is the SQL side alone.
 
+Several workers: on PostgreSQL, 1, 2 and 4 worker processes (each its own ``Ledger``, as
+separate ``spendguard worker`` processes would be) race over the same unsettled records until
+none is left, timed from the start signal to the last worker's end. The run then checks that
+every record was charged once, at its price: racing workers must never double-charge.
+
 Write path: on PostgreSQL the same records are also written with asyncpg's ``executemany`` on a
-statement prepared once, next to ``Ledger.insert_records``: the gap is what the ledger's SQL
-layer (a multi-row INSERT compiled by SQLAlchemy for every batch) costs per record.
+statement prepared once, next to ``Ledger.insert_records``: the gap is what the ledger's own
+write path costs per record beyond the driver's.
 
 Preflight: ``RedisStore.preflight`` (the preflight Lua script and its client path) on a warm
 key, timed per call at concurrency 1 and 64, then at 64 again while a settlement pass with
@@ -20,10 +25,12 @@ cache refresh runs in the same event loop, as the in-app worker does.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from queue import Empty
 from typing import Any
 
 from spendguard import Identity
@@ -183,6 +190,105 @@ async def _settlement(
     return out
 
 
+def _race_worker(url: str, batch: int, ready: Any, start: Any, results: Any) -> None:
+    """One worker process of a race: settle until a pass finds nothing left, then report
+    (records settled, CPU seconds, when it finished)."""
+
+    async def run() -> None:
+        ledger = Ledger(url)
+        await ledger.connect()
+        coster = Coster(PriceTable.load(None), UnknownModel.DEFAULT_PRICE)
+        worker = SettlementWorker(ledger, None, coster, CODEC, batch_size=batch)
+        ready.release()
+        await asyncio.to_thread(start.wait)
+        settled, cpu = 0, time.process_time()
+        while done := (await worker.run_once()).settled:
+            settled += done
+        results.put((settled, time.process_time() - cpu, time.time()))
+        await ledger.disconnect()
+
+    asyncio.run(run())
+
+
+def _race(url: str, workers: int, batch: int) -> tuple[float, float, int]:
+    """Start ``workers`` processes on the unsettled records of ``url``; returns (records/s,
+    their CPU µs per record, records settled)."""
+    ctx = multiprocessing.get_context("spawn")  # no event loop or pool inherited
+    ready, start, results = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_race_worker, args=(url, batch, ready, start, results))
+        for _ in range(workers)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        for _ in procs:  # every worker connected: the clock starts for all at once
+            _wait(lambda: ready.acquire(timeout=0.5), procs, 120, "start")
+        began = time.time()
+        start.set()
+        reports = [_wait(lambda: _get(results), procs, 600, "finish") for _ in procs]
+    finally:
+        for proc in procs:  # a failed run must not leave workers behind (or hang the exit)
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+    settled = sum(r[0] for r in reports)
+    elapsed = max(r[2] for r in reports) - began
+    return settled / elapsed, sum(r[1] for r in reports) / max(1, settled) * 1e6, settled
+
+
+def _get(queue: Any) -> Any:
+    try:
+        return queue.get(timeout=0.5)
+    except Empty:
+        return None
+
+
+def _wait(poll: Callable[[], Any], procs: list[Any], seconds: float, what: str) -> Any:
+    """Poll until ``poll()`` answers, failing early when a worker process died."""
+    deadline = time.monotonic() + seconds
+    while not (answer := poll()):
+        if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+            raise RuntimeError(f"a settlement worker process did not {what}")
+    return answer
+
+
+async def _races(
+    url: str, sizes: Sizes, repeats: int, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    identities = _identities(sizes.settle_teams)
+    coster = Coster(PriceTable.load(None), UnknownModel.DEFAULT_PRICE)
+    ledger = await _prepare(url, identities)
+    out: dict[str, Any] = {}
+    try:
+        await SettlementWorker(ledger, None, coster, CODEC).run_once()  # nothing left over
+        for workers in sizes.settle_workers:
+            progress(f"settlement: {workers} PostgreSQL workers racing")
+            rates: list[float] = []
+            cpu: list[float] = []
+            for _ in range(repeats):
+                records = _records(sizes.settle_race_records, identities, datetime.now(UTC))
+                await _write(ledger, records)
+                before = await ledger.charges_total()
+                rate, cpu_us, settled = await asyncio.to_thread(
+                    _race, url, workers, sizes.settle_race_batch
+                )
+                charged = await ledger.charges_total() - before
+                expected = sum(coster.cost(r.model, r.usage) for r in records)
+                if settled != len(records) or charged != expected:
+                    raise RuntimeError(
+                        f"{workers} workers settled {settled} of {len(records)} records and "
+                        f"charged {charged} of {expected} micro-USD"
+                    )
+                rates.append(rate)
+                cpu.append(cpu_us)
+            out[str(workers)] = {"records_per_s": summary(rates), "cpu_us_per_record": summary(cpu)}
+    finally:
+        await ledger.disconnect()
+    return out
+
+
 async def _preflight_load(
     store: RedisStore, identity: Identity, calls: int, concurrency: int
 ) -> list[int]:
@@ -268,5 +374,6 @@ def measure(
     settle = asyncio.run(
         _settlement({"sqlite": sqlite_url, "postgresql": pg_url}, sizes, repeats, progress)
     )
+    races = asyncio.run(_races(pg_url, sizes, repeats, progress))
     preflight = asyncio.run(_preflight(redis_url, pg_url, sizes, repeats, progress))
-    return {"backends": settle, "redis_preflight": preflight}
+    return {"backends": settle, "postgresql_workers": races, "redis_preflight": preflight}

@@ -23,8 +23,8 @@ RECORDS_DROPPED = Counter(
 )
 AGGREGATE_UPDATE_SECONDS = Histogram(
     "spendguard_aggregate_update_seconds",
-    "Time of one aggregate-row UPDATE in settlement; on PostgreSQL it includes row-lock waits "
-    "on hot team-month rows.",
+    "Time of a settlement batch's aggregate update (one statement for all its rows); on "
+    "PostgreSQL it includes row-lock waits on hot team-month rows.",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
 SETTLED_RECORDS = Counter("spendguard_settled_records_total", "Records settled by this process.")

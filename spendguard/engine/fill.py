@@ -53,6 +53,7 @@ class CacheFiller:
         ensure_connected: Callable[[], Awaitable[None]],
         policy_stale_max: float = 0.0,
         monotonic: Callable[[], float] = time.monotonic,
+        on_filled: Callable[[str], None] | None = None,
     ) -> None:
         self._ledger = ledger
         self._store = store
@@ -63,6 +64,9 @@ class CacheFiller:
         self._stale_max = policy_stale_max
         self._monotonic = monotonic
         self._known: dict[str, _Known] = {}
+        # Told the team after each fill: the fill's ledger read may predate a settlement whose
+        # cache refresh ran before the fill's write, so the worker refreshes the team once more.
+        self._on_filled = on_filled
         self._limits: SingleFlight[tuple[list[Policy], Account | None]] = SingleFlight()
         self._balances: SingleFlight[Account | None] = SingleFlight()
         self._aggregates: SingleFlight[dict[tuple[Limit, str], int]] = SingleFlight()
@@ -85,6 +89,8 @@ class CacheFiller:
         fills = await self._balance_fills(plan.team, wanted)
         fills += await self._limit_fills(plan.team, wanted)
         await self._store.fill(plan, fields, fills, policy_ttl=self._policy_ttl)
+        if fills and self._on_filled is not None:
+            self._on_filled(plan.team)
 
     async def _policies(self, team: str) -> tuple[list[Policy], Account | None, bool]:
         """The team's policies and account from the ledger (fresh); the last ones read (not

@@ -103,6 +103,7 @@ class SpendGuard:
             db_timeout=s.db_timeout,
             ensure_connected=self._ensure_connected,
             policy_stale_max=s.policy_stale_max,
+            on_filled=self.worker.note_filled,
         )
         self._stack: AsyncExitStack | None = None
         self._cancel: anyio.CancelScope | None = None

@@ -8,8 +8,8 @@ the same model and new entries extend the table. Both files use one format::
      "models": {"gpt-4o-mini": {"input": "0.15", "output": "0.60", "cached_input": "0.075"}}}
 
 Prices are parsed to :class:`~decimal.Decimal` and never touch binary floats: a USD price per
-1M tokens is numerically the micro-USD price per token, so a charge is an exact Decimal sum that
-is rounded up once, to whole micro-USD, at the end (``money.ceil_micros``).
+1M tokens is numerically the micro-USD price per token, so a charge is an exact sum (integers
+over the prices' common denominator) that is rounded up once, to whole micro-USD, at the end.
 
 Model names reach us in many spellings (``openai/gpt-4o-mini``, ``gpt-4o-mini-2024-07-18``,
 ``claude-sonnet-4@20250514``, ``us.anthropic.claude-sonnet-4-20250514-v1:0``). :meth:`lookup`
@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from decimal import ROUND_CEILING, Context, Decimal, InvalidOperation
+from dataclasses import field as dataclass_field
+from decimal import Decimal, InvalidOperation
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Final
 import yaml
 
 from ..errors import ConfigurationError
-from ..money import MicroUSD, ceil_micros
+from ..money import MicroUSD
 
 if TYPE_CHECKING:
     from ..usage import Usage
@@ -49,11 +51,6 @@ _TOP_LEVEL_FIELDS: Final = ("as_of", "source", "models")
 # No real price comes near $1 per token; a bigger value is a typo (a per-token price pasted as a
 # per-1M one, a stray exponent) and would make every request unaffordable, so it is refused.
 _MAX_PRICE: Final = Decimal(1_000_000)
-
-# Charges are sums of a handful of products of a <=7-digit price and a <=10-digit count, so 60
-# significant digits keep them exact. Should a hostile count ever exceed that, ROUND_CEILING
-# makes the rounding err upwards, the same direction as the final ceil to whole micro-USD.
-_COST_CONTEXT: Final = Context(prec=60, rounding=ROUND_CEILING)
 
 _DATE_SUFFIX: Final = re.compile(r"(?:-\d{4}-\d{2}-\d{2}|-\d{8}|@\d{8})$")
 # Bedrock-style ids put the vendor (and an optional region group) in front with dots:
@@ -72,6 +69,11 @@ class Price:
     """Cache reads; equal to ``input`` for models without a cache discount."""
     cache_write: Decimal
     """Cache writes (Anthropic's 5-minute TTL price); equal to ``input`` where not billed apart."""
+    # The four prices above as integers over one common denominator, so a charge is an exact
+    # integer sum divided and rounded up once: Decimal arithmetic made pricing several times
+    # dearer (a settlement prices every record).
+    _numerators: tuple[int, int, int, int] = dataclass_field(init=False, repr=False, compare=False)
+    _denominator: int = dataclass_field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Prices built in code get the same checks as prices read from a file: a negative or
@@ -82,6 +84,11 @@ class Price:
                 raise TypeError(f"Price.{name} must be a Decimal, not {type(value).__name__}")
             if not value.is_finite() or value < 0:
                 raise ValueError(f"Price.{name} must be a finite, non-negative number: {value}")
+        ratios = [getattr(self, name).as_integer_ratio() for name in _PRICE_FIELDS]
+        denominator = math.lcm(*(d for _, d in ratios))
+        numerators = tuple(n * (denominator // d) for n, d in ratios)
+        object.__setattr__(self, "_numerators", numerators)
+        object.__setattr__(self, "_denominator", denominator)
 
     @classmethod
     def of(
@@ -102,28 +109,14 @@ class Price:
 
     def cost(self, usage: Usage) -> MicroUSD:
         """Exact charge for ``usage`` in whole micro-USD, any fraction rounded up."""
-        counts = (
-            usage.input_tokens,
-            usage.output_tokens,
-            usage.cached_input_tokens,
-            usage.cache_write_tokens,
-        )
-        if any(count < 0 for count in counts):
+        i, o = usage.input_tokens, usage.output_tokens
+        c, w = usage.cached_input_tokens, usage.cache_write_tokens
+        if i < 0 or o < 0 or c < 0 or w < 0:
             # A negative count can only come from a parsing bug; charging it would credit the
             # budget, so refuse loudly instead.
             raise ValueError(f"negative token count in {usage!r}")
-        ctx = _COST_CONTEXT
-        total = ctx.add(
-            ctx.add(
-                ctx.multiply(self.input, Decimal(usage.input_tokens)),
-                ctx.multiply(self.output, Decimal(usage.output_tokens)),
-            ),
-            ctx.add(
-                ctx.multiply(self.cached_input, Decimal(usage.cached_input_tokens)),
-                ctx.multiply(self.cache_write, Decimal(usage.cache_write_tokens)),
-            ),
-        )
-        return ceil_micros(total)
+        pi, po, pc, pw = self._numerators
+        return MicroUSD(-(-(pi * i + po * o + pc * c + pw * w) // self._denominator))
 
 
 class PriceTable:

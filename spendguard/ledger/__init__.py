@@ -3,21 +3,23 @@
 :class:`Ledger` is one object over one database, put together from a module per job:
 :mod:`.database` (connection, errors, locks, schema), :mod:`.policies` (limits and their
 aggregates), :mod:`.balances` (prepaid accounts), :mod:`.records` (inference records),
-:mod:`.settlement` (charging records) and :mod:`.reports` (CLI reports). Callers pass and get
-typed values (:class:`~spendguard.limits.Limit`, :class:`~spendguard.limits.Policy`, ...) and
-see :class:`~spendguard.errors.LedgerUnavailable` for any database failure.
+:mod:`.settlement` (charging records), :mod:`.journal` (what each settlement settled, for the
+cache sync) and :mod:`.reports` (CLI reports). Callers pass and get typed values
+(:class:`~spendguard.limits.Limit`, :class:`~spendguard.limits.Policy`, ...) and see
+:class:`~spendguard.errors.LedgerUnavailable` for any database failure.
 """
 
 from __future__ import annotations
 
 from .balances import Account
+from .journal import JournalQueries, SettledRecord
 from .policies import Aggregate, PolicyQueries
 from .records import RecordQueries
 from .reports import ReportQueries, SpendRow
-from .settlement import RecordRow, SettledRecord, Settlement, SettlementQueries
+from .settlement import RecordRow, Settlement, SettlementQueries
 
 
-class Ledger(PolicyQueries, RecordQueries, SettlementQueries, ReportQueries):
+class Ledger(PolicyQueries, RecordQueries, SettlementQueries, JournalQueries, ReportQueries):
     """The ledger of one database URL (``sqlite:///...`` or ``postgresql://...``)."""
 
 

@@ -6,6 +6,7 @@ An account is optional; a team without one is not balance-limited. Settlement de
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -75,11 +76,24 @@ class BalanceQueries(LedgerDatabase):
         assert account is not None  # just opened or topped up, and accounts are never deleted
         return account
 
-    async def balance_accounts(self) -> dict[str, Account]:
-        """Every account, by team. The worker's self-healing refresh rewrites the cache from
-        these."""
+    async def balance_accounts(self, teams: Sequence[str] | None = None) -> dict[str, Account]:
+        """Every account (or those of ``teams``), by team. The worker's cache sync raises the
+        cached balances to these."""
+        query = sa.select(balances.c.team, balances.c.topped_up_micros, balances.c.charged_micros)
+        if teams is not None:
+            query = query.where(balances.c.team.in_(list(teams)))
         async with self._guard("balance read"):
-            rows = await self._db.fetch_all(
-                sa.select(balances.c.team, balances.c.topped_up_micros, balances.c.charged_micros)
-            )
+            rows = await self._db.fetch_all(query)
         return {t: Account(t, int(a), int(c)) for t, a, c in _tuples(rows)}
+
+    async def topped_up_since(self, since_us: int) -> dict[str, int]:
+        """Teams topped up at or after ``since_us`` (by anyone, e.g. the CLI), with the time of
+        their latest top-up."""
+        query = (
+            sa.select(topups.c.team, sa.func.max(topups.c.at_us))
+            .where(topups.c.at_us >= since_us)
+            .group_by(topups.c.team)
+        )
+        async with self._guard("balance read"):
+            rows = await self._db.fetch_all(query)
+        return {team: int(at) for team, at in _tuples(rows)}

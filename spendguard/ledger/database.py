@@ -74,6 +74,26 @@ class LedgerDatabase:
             self._forget_connection()
             raise LedgerUnavailable(f"ledger {what} failed: {exc!r}") from exc
 
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[None]:
+        """Hold one connection for a block of queries (a settlement pass) instead of taking one
+        per query: without a connection held by the task, `databases` opens a new SQLite
+        connection (and its thread) for every query. Errors inside the block are the block's
+        own; only failing to connect is turned into :class:`LedgerUnavailable` here."""
+        connection = self._db.connection()
+        try:
+            await connection.__aenter__()
+        except Exception as exc:
+            self._forget_connection()
+            raise LedgerUnavailable(f"ledger connection failed: {exc!r}") from exc
+        try:
+            yield
+        finally:
+            try:
+                await connection.__aexit__(None, None, None)
+            except Exception:  # a connection that broke in the block: its query said so
+                self._forget_connection()
+
     def _forget_connection(self) -> None:
         """Drop this task's `databases` connection after a failure.
 

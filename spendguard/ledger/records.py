@@ -15,8 +15,8 @@ import sqlalchemy as sa
 from ..clock import from_micros, to_micros, utcnow
 from ..record import InferenceRecord, PostflightStatus
 from .database import ROWS_PER_STATEMENT, LedgerDatabase, _text, _tuples
+from .journal import SettledRecord
 from .schema import charges, records
-from .settlement import SettledRecord
 
 
 def _pg_type(column: sa.Column[Any]) -> str:

@@ -110,4 +110,30 @@ topups = sa.Table(
     sa.Column("amount_micros", sa.BigInteger, nullable=False),
     sa.Column("at_us", sa.BigInteger, nullable=False),
     sa.CheckConstraint("amount_micros > 0", name="spendguard_topup_positive"),
+    # Every process's cache sync asks which teams were topped up since its last pass.
+    sa.Index("spendguard_topups_at", "at_us"),
+)
+
+# The settlement journal: one row per settlement transaction, written as its last statement,
+# naming the records it settled (JSON: team -> [[record id, api key, t0_us, unknown], ...]).
+# Every process's cache sync follows it by ``seq`` instead of re-reading every pending estimate
+# in its cache (design.md, "Settlement"). Rows are pruned after a while; a process that fell
+# further behind re-reads its cache's markers instead.
+settlements = sa.Table(
+    "spendguard_settlements",
+    metadata,
+    # SQLite assigns it in commit order (one writer at a time); PostgreSQL's sequence may
+    # commit out of order, which the cache sync allows for (engine/cachesync.py).
+    sa.Column(
+        "seq",
+        sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    sa.Column("settled_us", sa.BigInteger, nullable=False),
+    sa.Column("records", sa.Text, nullable=False),
+    sa.Index("spendguard_settlements_settled", "settled_us"),
+    # Never reuse a number, not even after pruning emptied the table: a reader past it would
+    # skip the rows that took it again.
+    sqlite_autoincrement=True,
 )

@@ -3,27 +3,36 @@
 One batch claims records, prices each, writes one charge per record (the charge's primary key
 is the record, so nothing is charged twice), adds each charge to the aggregates of the limits
 that have a policy and cover it, debits the teams' prepaid accounts and marks the records
-settled. Either all of it commits or none of it does.
+settled. Either all of it commits or none of it does. Each step is one fixed statement per
+backend for the whole batch, sent straight to the driver (:mod:`.settlement_sql`).
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
-
-import sqlalchemy as sa
+from functools import lru_cache
 
 from .. import metrics
 from ..clock import from_micros, to_micros, utcnow
-from ..limits import Balance, Limit, Period, Target
+from ..limits import Limit, Period, Window
 from ..record import PostflightStatus
-from .database import ROWS_PER_STATEMENT, LedgerDatabase, _tuples
+from .database import LedgerDatabase
+from .journal import JournalEntry, SettledRecord, encode_journal
 from .policies import _limit_columns, _limit_of
-from .schema import aggregates, balances, charges, policies, records
+from .settlement_sql import (
+    AggregateRow,
+    Charges,
+    PostgresSettlement,
+    Row,
+    SettlementSql,
+    SqliteSettlement,
+)
+
+_DAY_US = 86_400_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,230 +52,198 @@ class RecordRow:
     postflight: str
 
 
-@dataclass(frozen=True, slots=True)
-class SettledRecord:
-    """A settled record as a cache refresh sees it: whose usage it belongs to, and whether its
-    estimate reached the cache (``unknown``: the postflight outcome was not known)."""
-
-    id: str
-    team: str
-    api_key: str | None
-    t0: datetime
-    unknown: bool
-
-    def counts_toward(self, target: Target, bucket: str) -> bool:
-        """Whether this record's charge counts toward ``target`` in ``bucket`` (a window id;
-        ignored for a balance, which has no window): a balance takes every record of its
-        team; a limit takes the records its subject covers whose ``t0`` fell in ``bucket``."""
-        if target.team != self.team:
-            return False
-        if isinstance(target, Balance):
-            return True
-        return target.subject.covers(self.api_key) and target.window.bucket(self.t0) == bucket
-
-
 @dataclass(slots=True)
 class Settlement:
     """What one settlement transaction committed."""
 
-    charged: int = 0  # records settled
+    charged: int = 0  # records charged
     total_micros: int = 0
     records: dict[str, list[SettledRecord]] = field(default_factory=dict)  # by team
     estimate_error_micros: int = 0  # sum of (charge - estimate)
+    claimed: int = 0  # records marked settled: the charged ones and any already charged
+    seq: int | None = None  # the batch's journal row
 
 
 @dataclass(slots=True)
-class _Batch:
-    """The writes one batch of claimed records makes."""
+class _Claimed:
+    """A batch of claimed records, priced. Per record (same order): its price and its UTC day
+    (every window a record counts in is decided by its t0, however late it settles)."""
 
-    charges: list[dict[str, Any]] = field(default_factory=list)  # charges rows
-    deltas: dict[tuple[Limit, str], int] = field(default_factory=dict)  # per aggregate row
-    debits: dict[str, int] = field(default_factory=dict)  # per team
-    settlement: Settlement = field(default_factory=Settlement)
+    rows: list[RecordRow] = field(default_factory=list)
+    amounts: list[int] = field(default_factory=list)
+    t0_us: list[int] = field(default_factory=list)
+    days: list[int] = field(default_factory=list)  # days since the epoch, UTC
+    charges: Charges = field(default_factory=Charges)  # those to write
 
 
 class SettlementQueries(LedgerDatabase):
+    @property
+    def _settlement_sql(self) -> SettlementSql:
+        return _POSTGRES if self.is_postgres else _SQLITE
+
     async def settle(
         self, batch_size: int, price: Callable[[RecordRow], int], now: datetime | None = None
     ) -> Settlement:
         """Settle up to ``batch_size`` records in ONE transaction.
 
-        Each aggregate row a batch touches gets one UPDATE, however many records it sums, so a
-        busy team costs one write per batch, not one per record. On PostgreSQL the claim skips
-        rows another worker holds, so concurrent workers never settle one record twice.
+        Every step is one statement for the whole batch, however many records and aggregate
+        rows it covers. On PostgreSQL the claim skips rows another worker holds, so concurrent
+        workers never settle one record twice.
         """
         now_us = to_micros(now or utcnow())
+        sql = self._settlement_sql
         async with self._guard("settlement"), self._db.transaction():
-            await self._lock_for_write()
-            claimed = await self._claim(batch_size)
-            if not claimed:
+            conn = self._db.connection().raw_connection
+            await sql.lock_for_write(conn)
+            rows, charged_before = await sql.claim(conn, batch_size)
+            if not rows:
                 return Settlement()
-            teams = sorted({r.team for r in claimed})
+            claimed = _price(rows, price, charged_before)
+            charged_before |= await sql.insert_charges(conn, claimed.charges, now_us)
+            teams = sorted({r.team for r in claimed.rows})
             # Before reading the policies: a policy activated concurrently either sees this
             # batch's charges when it rebuilds its aggregate, or is seen here, never neither.
-            await self._lock_teams(teams)
-            bearing = await self._policy_bearing_limits(teams)
-            batch = _build_batch(claimed, price, bearing, now_us)
-            await self._write_charges(batch.charges)
-            await self._apply_deltas(batch.deltas, now_us)
-            await self._debit_balances(batch.debits, now_us)
-            await self._mark_settled([r.id for r in claimed])
-        return batch.settlement
-
-    async def _claim(self, batch_size: int) -> list[RecordRow]:
-        """The oldest unsettled records, up to ``batch_size``."""
-        claim = (
-            sa.select(
-                records.c.id,
-                records.c.team,
-                records.c.api_key,
-                records.c.model,
-                records.c.t0_us,
-                records.c.input_tokens,
-                records.c.output_tokens,
-                records.c.cached_input_tokens,
-                records.c.cache_write_tokens,
-                records.c.estimate_micros,
-                records.c.postflight,
-            )
-            .where(records.c.settled == sa.false())
-            .order_by(records.c.created_us, records.c.id)
-            .limit(batch_size)
-        )
-        if self.is_postgres:
-            claim = claim.with_for_update(skip_locked=True)
-        return [
-            RecordRow(
-                id=r[0],
-                team=r[1],
-                api_key=r[2] or None,
-                model=r[3],
-                t0=from_micros(int(r[4])),
-                input_tokens=int(r[5]),
-                output_tokens=int(r[6]),
-                cached_input_tokens=int(r[7]),
-                cache_write_tokens=int(r[8]),
-                estimate_micros=int(r[9]),
-                postflight=r[10],
-            )
-            for r in await self._db.fetch_all(claim)
-        ]
-
-    async def _policy_bearing_limits(self, teams: Sequence[str]) -> dict[str, set[Limit]]:
-        """The limits of these teams that have an active policy: only they keep aggregates."""
-        rows = await self._db.fetch_all(
-            sa.select(policies.c.team, policies.c.api_key, policies.c.period).where(
-                policies.c.team.in_(teams), policies.c.active == sa.true()
-            )
-        )
-        bearing: dict[str, set[Limit]] = defaultdict(set)
-        for team, key, period in _tuples(rows):
-            try:
-                bearing[team].add(_limit_of(team, key, period))
-            except ValueError:
-                # A window this version can't read (written by a newer one): no aggregate of
-                # it is kept here, and the records still settle.
-                continue
-        return bearing
-
-    async def _write_charges(self, rows: list[dict[str, Any]]) -> None:
-        # A charge already there (the record settled by someone else) is left as it is.
-        for start in range(0, len(rows), ROWS_PER_STATEMENT):
-            await self._db.execute(
-                self._insert(charges)
-                .values(rows[start : start + ROWS_PER_STATEMENT])
-                .on_conflict_do_nothing(index_elements=[charges.c.record_id])
-            )
-
-    async def _apply_deltas(self, deltas: dict[tuple[Limit, str], int], now_us: int) -> None:
-        # Rows are written in key order, so two workers lock shared rows in the same order.
-        for (limit, bucket), delta in sorted(deltas.items(), key=_aggregate_order):
+            # The charges may precede the lock: the rebuild sums committed charges only, and
+            # this transaction commits after its policy read.
+            await sql.lock_teams(conn, teams)
+            bearing = _bearing(await sql.bearing(conn, teams))
+            deltas, debits = _sums(claimed, bearing, charged_before)
             started = time.perf_counter()
-            stmt = self._insert(aggregates).values(
-                **_limit_columns(limit),
-                period_id=bucket,
-                settled_micros=delta,
-                updated_us=now_us,
-            )
-            await self._db.execute(
-                stmt.on_conflict_do_update(
-                    index_elements=[
-                        aggregates.c.team,
-                        aggregates.c.api_key,
-                        aggregates.c.period,
-                        aggregates.c.period_id,
-                    ],
-                    set_={
-                        "settled_micros": aggregates.c.settled_micros + delta,
-                        "updated_us": now_us,
-                    },
-                )
-            )
+            await sql.add_to_aggregates(conn, deltas, now_us)
             metrics.AGGREGATE_UPDATE_SECONDS.observe(time.perf_counter() - started)
-
-    async def _debit_balances(self, debits: dict[str, int], now_us: int) -> None:
-        for team, amount in sorted(debits.items()):
-            # Teams without an account match no row: not balance-limited.
-            await self._db.execute(
-                balances.update()
-                .where(balances.c.team == team)
-                .values(charged_micros=balances.c.charged_micros + amount, updated_us=now_us)
-            )
-
-    async def _mark_settled(self, ids: list[str]) -> None:
-        for start in range(0, len(ids), ROWS_PER_STATEMENT):
-            await self._db.execute(
-                records.update()
-                .where(records.c.id.in_(ids[start : start + ROWS_PER_STATEMENT]))
-                .values(settled=True)
-            )
+            await sql.debit(conn, debits, now_us)
+            settlement = _settlement(claimed, charged_before)
+            # Last, so its number is taken as close to the commit as can be (design.md,
+            # "Settlement": the cache sync follows these rows in number order).
+            settlement.seq = await sql.journal(conn, now_us, _journal(claimed))
+        return settlement
 
 
-def _build_batch(
-    claimed: Iterable[RecordRow],
-    price: Callable[[RecordRow], int],
-    bearing: dict[str, set[Limit]],
-    now_us: int,
-) -> _Batch:
-    """Price each claimed record and collect what the batch writes: a charge per record, the
-    sum added to each aggregate row, the sum debited from each team's account."""
-    batch = _Batch()
-    deltas: dict[tuple[Limit, str], int] = defaultdict(int)
-    debits: dict[str, int] = defaultdict(int)
-    out = batch.settlement
-    for rec in claimed:
+_POSTGRES = PostgresSettlement()
+_SQLITE = SqliteSettlement()
+
+
+def _record_row(row: Row) -> RecordRow:
+    """A claimed row (columns in ``CLAIMED_COLUMNS`` order) as pricing sees it."""
+    return RecordRow(
+        row[0],
+        row[1],
+        row[2] or None,
+        row[3],
+        from_micros(row[4]),
+        row[5],
+        row[6],
+        row[7],
+        row[8],
+        row[9],
+        row[10],
+    )
+
+
+def _price(rows: Sequence[Row], price: Callable[[RecordRow], int], skip: set[str]) -> _Claimed:
+    """Price each claimed record and lay out the charges to write: one per record, except for
+    the records in ``skip``, whose charge exists already."""
+    out = _Claimed()
+    charges = out.charges
+    for row in rows:
+        rec = _record_row(row)
+        day = row[4] // _DAY_US
         amount = price(rec)
+        out.rows.append(rec)
+        out.amounts.append(amount)
+        out.t0_us.append(row[4])
+        out.days.append(day)
+        if rec.id in skip:
+            continue
+        day_id, month_id = _calendar_ids(day)
+        charges.record_ids.append(rec.id)
+        charges.teams.append(rec.team)
+        charges.api_keys.append(row[2])
+        charges.models.append(rec.model)
+        charges.day_ids.append(day_id)
+        charges.month_ids.append(month_id)
+        charges.amounts.append(amount)
+    return out
+
+
+def _bearing(rows: Sequence[Row]) -> dict[str, list[Limit]]:
+    """The limits with an active policy, by team: only they keep aggregates."""
+    out: dict[str, list[Limit]] = defaultdict(list)
+    for team, key, period in rows:
+        try:
+            out[team].append(_limit_of(team, key, period))
+        except ValueError:
+            # A window this version can't read (written by a newer one): no aggregate of it is
+            # kept here, and the records still settle.
+            continue
+    return out
+
+
+def _sums(
+    claimed: _Claimed, bearing: dict[str, list[Limit]], skip: set[str]
+) -> tuple[list[AggregateRow], dict[str, int]]:
+    """What the charges written add to each aggregate row, in key order (so two workers lock
+    shared rows in the same order), and what they debit from each team's account."""
+    per_day: dict[tuple[str, str | None, int], int] = defaultdict(int)
+    debits: dict[str, int] = defaultdict(int)
+    for rec, amount, day in zip(claimed.rows, claimed.amounts, claimed.days, strict=True):
+        if skip and rec.id in skip:
+            continue
+        per_day[(rec.team, rec.api_key, day)] += amount
         debits[rec.team] += amount
-        batch.charges.append(
-            {
-                "record_id": rec.id,
-                "team": rec.team,
-                "api_key": rec.api_key or "",
-                "model": rec.model,
-                "day_id": Period.DAY.bucket(rec.t0),
-                "month_id": Period.MONTH.bucket(rec.t0),
-                "amount_micros": amount,
-                "settled_us": now_us,
-            }
+    # Summed per (team, key, day) first: a window's bucket depends only on the UTC date.
+    deltas: dict[tuple[str, str, str, str], int] = defaultdict(int)
+    for (team, api_key, day), amount in per_day.items():
+        for limit in bearing.get(team, ()):
+            if limit.subject.covers(api_key):
+                cols = _limit_columns(limit)
+                key = (team, cols["api_key"], cols["period"], _bucket(limit.window, day))
+                deltas[key] += amount
+    rows = [(*key, amount) for key, amount in sorted(deltas.items())]
+    return rows, dict(debits)
+
+
+def _settlement(claimed: _Claimed, skip: set[str]) -> Settlement:
+    """What the batch committed. A record whose charge existed already counts as settled (its
+    estimate leaves the cache) but adds no money: its charge was counted when written."""
+    out = Settlement(claimed=len(claimed.rows))
+    by_team = out.records
+    for rec, amount in zip(claimed.rows, claimed.amounts, strict=True):
+        settled = SettledRecord(
+            rec.id, rec.team, rec.api_key, rec.t0, rec.postflight == PostflightStatus.UNKNOWN
         )
-        # Every window a record lands in is decided by its t0, however late it settles.
-        for limit in bearing.get(rec.team, ()):
-            if limit.subject.covers(rec.api_key):
-                deltas[(limit, limit.window.bucket(rec.t0))] += amount
+        team_records = by_team.get(rec.team)
+        if team_records is None:
+            by_team[rec.team] = [settled]
+        else:
+            team_records.append(settled)
+        if skip and rec.id in skip:
+            continue
         out.charged += 1
         out.total_micros += amount
         out.estimate_error_micros += amount - rec.estimate_micros
-        out.records.setdefault(rec.team, []).append(
-            SettledRecord(
-                rec.id, rec.team, rec.api_key, rec.t0, rec.postflight == PostflightStatus.UNKNOWN
-            )
+    return out
+
+
+def _journal(claimed: _Claimed) -> str:
+    """The batch's journal row: every record it settled, charged now or before."""
+    entries: dict[str, list[JournalEntry]] = defaultdict(list)
+    unknown = PostflightStatus.UNKNOWN.value
+    for rec, t0_us in zip(claimed.rows, claimed.t0_us, strict=True):
+        entries[rec.team].append(
+            [rec.id, rec.api_key or "", t0_us, 1 if rec.postflight == unknown else 0]
         )
-    batch.deltas, batch.debits = dict(deltas), dict(debits)
-    return batch
+    return encode_journal(entries)
 
 
-def _aggregate_order(item: tuple[tuple[Limit, str], int]) -> tuple[str, str, str, str]:
-    """An aggregate row's primary key: (team, api_key, period, bucket)."""
-    (limit, bucket), _ = item
-    cols = _limit_columns(limit)
-    return cols["team"], cols["api_key"], cols["period"], bucket
+@lru_cache(maxsize=1024)
+def _calendar_ids(day: int) -> tuple[str, str]:
+    """A charge's day and month buckets, by its UTC day (few distinct days per batch)."""
+    t0 = from_micros(day * _DAY_US)
+    return Period.DAY.bucket(t0), Period.MONTH.bucket(t0)
+
+
+@lru_cache(maxsize=1024)
+def _bucket(window: Window, day: int) -> str:
+    """``window``'s bucket for any time of a UTC day: calendar windows split at midnight."""
+    return window.bucket(from_micros(day * _DAY_US))

@@ -94,6 +94,20 @@ def test_huge_counts_stay_exact_integers() -> None:
     )
 
 
+_PRICES = st.decimals(min_value=0, max_value=1_000_000, places=9, allow_nan=False)
+_COUNTS = st.integers(min_value=0, max_value=10**9)
+
+
+@given(_PRICES, _PRICES, _PRICES, _PRICES, _COUNTS, _COUNTS, _COUNTS, _COUNTS)
+def test_cost_is_the_exact_sum_rounded_up_once(
+    p1: Decimal, p2: Decimal, p3: Decimal, p4: Decimal, i: int, o: int, c: int, w: int
+) -> None:
+    price = Price(p1, p2, p3, p4)
+    usage = Usage(input_tokens=i, output_tokens=o, cached_input_tokens=c, cache_write_tokens=w)
+    cost = price.cost(usage)
+    assert type(cost) is int and cost == exact_micros(price, usage)
+
+
 def test_fractional_micro_usd_is_rounded_up_once() -> None:
     price = Price.of("0.15", "0.60", "0.075")
     # 1 input token at 0.15 micro-USD is charged 1 micro-USD, never 0.

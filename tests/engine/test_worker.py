@@ -8,15 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from spendguard import Identity, Settings, SpendGuard
-from spendguard.engine.costing import Coster
-from spendguard.engine.pricing import PriceTable
+from spendguard import Settings, SpendGuard
 from spendguard.engine.worker import SettlementWorker
-from spendguard.limits import Period, Policy, key_limit
-from spendguard.settings import UnknownModel
-from spendguard.store import Store
 from spendguard.store.memory import MemoryStore
 from spendguard.usage import Usage
+from tests.engine.helpers import ALPHA, cached, day_key, doubled_worker, set_limit, spend
 from tests.support import Clock, Override, write_unit_prices
 
 pytestmark = pytest.mark.anyio
@@ -32,44 +28,6 @@ async def guard(database_url: str, tmp_path: Path) -> AsyncIterator[SpendGuard]:
         yield g
     finally:
         await g.stop()
-
-
-ALPHA = Identity("acme", "alpha")
-KEY_DAY = key_limit(ALPHA, Period.DAY)
-
-
-async def set_limit(g: SpendGuard, limit: int) -> None:
-    """The ledger only, as another process would: this cache learns of it from a pass."""
-    await g.ledger.set_policy(Policy(KEY_DAY, limit, "acme", "alpha"), now=g.clock())
-
-
-def day_key(g: SpendGuard) -> str:
-    return g.codec.check(KEY_DAY, g.clock()).usage_key
-
-
-async def spend(g: SpendGuard, tokens: int, *, reported: bool = True) -> str:
-    decision = await g.preflight(ALPHA, g.clock())
-    usage = Usage(input_tokens=tokens, estimated=not reported)
-    record = await g.postflight(
-        decision, model="unit-model", route="/v1/chat/completions", status_code=200, usage=usage
-    )
-    assert record is not None
-    return record.id
-
-
-async def cached(g: SpendGuard) -> int | None:
-    return (await g.store.read_usage([day_key(g)]))[day_key(g)]
-
-
-def doubled_worker(g: SpendGuard, store: Store | None = None) -> SettlementWorker:
-    """A worker pricing at twice the estimate's rate, so exact charges differ from estimates
-    and a test can tell "estimate replaced by charge" from "charge added on top"."""
-    doubled_path = Path(str(g.settings.prices))
-    text = doubled_path.read_text().replace('"1"', '"2"')
-    doubled_path.with_name("double.json").write_text(text)
-    doubled = PriceTable.load(doubled_path.with_name("double.json"))
-    coster = Coster(doubled, UnknownModel.DEFAULT_PRICE)
-    return SettlementWorker(g.ledger, store, coster, g.codec, clock=g.clock)
 
 
 async def test_cache_is_settled_plus_pending_through_settlement(guard: SpendGuard) -> None:

@@ -4,12 +4,14 @@ in the aggregates of limits that have a policy."""
 from __future__ import annotations
 
 import pytest
+from sqlalchemy.sql.compiler import Compiled
 
-from spendguard.ledger import Aggregate, Ledger, SettledRecord
+from spendguard.ledger import Account, Aggregate, Ledger, SettledRecord
+from spendguard.ledger.schema import charges
 from spendguard.limits import Balance, Limit, Period, Subject
 from spendguard.record import PostflightStatus
 from tests.ledger.helpers import ACME, ALPHA, OCT1, SEP30_LATE, set_policy
-from tests.support import make_record, unit_price
+from tests.support import make_record, sql_execute, unit_price
 
 pytestmark = pytest.mark.anyio
 
@@ -76,3 +78,52 @@ async def test_settled_records_say_what_they_count_toward(ledger: Ledger) -> Non
     assert not lost.counts_toward(Limit(ALPHA, Period.DAY), "20261001")
     assert lost.counts_toward(Limit(Subject("acme", "beta"), Period.MONTH), "202610")
     assert not bare.counts_toward(Limit(ALPHA, Period.MONTH), "202610")
+
+
+async def test_a_record_already_charged_is_settled_but_not_charged_again(ledger: Ledger) -> None:
+    await set_policy(ledger, Period.DAY, 10**6, now=OCT1)
+    await ledger.topup(team="acme", team_id="acme", micros=1_000, now=OCT1)
+    await ledger.insert_records([make_record("dup", OCT1, 7), make_record("new", OCT1, 5)])
+    # A charge without its settled flag: no spendguard path leaves this (both commit together),
+    # but the charge must still stay the record's only one, counted once.
+    await sql_execute(
+        ledger.url,
+        charges.insert().values(
+            record_id="dup",
+            team="acme",
+            api_key="alpha",
+            model="m",
+            day_id="20261001",
+            month_id="202610",
+            amount_micros=7,
+            settled_us=0,
+        ),
+    )
+    done = await ledger.settle(100, unit_price, now=OCT1)
+    assert (done.claimed, done.charged, done.total_micros) == (2, 1, 5)
+    assert {r.id for r in done.records["acme"]} == {"dup", "new"}  # both leave the cache
+    assert await ledger.unsettled() == (0, 0)
+    assert await ledger.charges_total() == 12
+    assert await ledger.aggregates("acme") == [Aggregate(Limit(ALPHA, Period.DAY), "20261001", 5)]
+    assert await ledger.load_balance("acme") == Account("acme", 1_000, 5)
+
+
+async def test_a_batch_compiles_no_statement(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await set_policy(ledger, Period.DAY, 10**6, now=OCT1)
+    await set_policy(ledger, Period.MONTH, 10**6, key=None, now=OCT1)
+    await ledger.topup(team="acme", team_id="acme", micros=1_000, now=OCT1)
+    await ledger.insert_records([make_record(f"r{i}", OCT1, i) for i in range(1, 51)])
+    compiled: list[str] = []
+    compile_statement = Compiled.__init__
+
+    def counting(self: Compiled, *args: object, **kwargs: object) -> None:
+        compiled.append(type(self).__name__)
+        compile_statement(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Compiled, "__init__", counting)
+    done = await ledger.settle(100, unit_price, now=OCT1)
+    monkeypatch.undo()
+    assert done.charged == 50 and compiled == []
+    assert await ledger.charges_total() == sum(range(1, 51))

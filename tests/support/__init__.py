@@ -42,7 +42,7 @@ from .processes import (
 from .proxy import TcpProxy
 from .records import make_record, unit_price
 from .redis import RedisCluster, RedisServer, RedisServerError, redis_version
-from .sql import charges_in_month, sql_rows, sql_value, topups_total
+from .sql import charges_in_month, sql_execute, sql_rows, sql_value, topups_total
 
 __all__ = [
     "HOST",
@@ -74,6 +74,7 @@ __all__ = [
     "redis_version",
     "run_cli",
     "spawn",
+    "sql_execute",
     "sql_rows",
     "sql_value",
     "stop",

@@ -21,6 +21,16 @@ async def sql_rows(url: str, query: Any) -> list[tuple[Any, ...]]:
         await db.disconnect()
 
 
+async def sql_execute(url: str, statement: Any) -> None:
+    """Run one write on its own connection: a test sets up a state spendguard never writes."""
+    db = Database(url)
+    await db.connect()
+    try:
+        await db.execute(statement)
+    finally:
+        await db.disconnect()
+
+
 async def sql_value(url: str, query: Any) -> Any:
     """The first column of the first row of ``query``."""
     return (await sql_rows(url, query))[0][0]
