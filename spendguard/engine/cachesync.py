@@ -343,11 +343,18 @@ class CacheSync:
         if keys:
             try:
                 await self._store.refresh(_entries(keys, held.values()))
-            except SpendGuardError as exc:
-                # The ledger is committed; a failed refresh must not undo it (retried).
+            except Exception as exc:
+                # The ledger is committed; a failed refresh must not undo it (retried), and one
+                # team's failure, whatever it is (the store down, or a value its script refuses),
+                # must not stop the pass for the others.
                 result.refresh_failures += 1
                 metrics.CACHE_REFRESH_FAILURES.inc()
-                log.warning("spendguard cache refresh failed for team %s: %s", team, exc)
+                log.log(
+                    logging.WARNING if isinstance(exc, SpendGuardError) else logging.ERROR,
+                    "spendguard cache refresh failed for team %s: %r",
+                    team,
+                    exc,
+                )
                 return False
             result.teams_refreshed += 1
         # Done, or nothing cached is the team's any more (no policy, no account).

@@ -16,12 +16,14 @@ from spendguard.clock import to_micros, utcnow
 from spendguard.engine.cachesync import JOURNAL_KEEP_US
 from spendguard.engine.worker import SettlementWorker
 from spendguard.errors import StoreUnavailable
+from spendguard.identity import Identity
 from spendguard.ledger import Ledger, SettledRecord
-from spendguard.limits import Limit
+from spendguard.limits import Limit, Period, Policy, key_limit
 from spendguard.record import PostflightStatus
 from spendguard.store import RefreshEntry
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
+from spendguard.usage import Usage
 from tests.engine.helpers import ALPHA, cached, day_key, doubled_worker, set_limit, spend
 from tests.support import Clock, Counting, Override, make_record, write_unit_prices
 
@@ -326,3 +328,43 @@ async def test_a_topup_made_elsewhere_reaches_the_cached_balance(
     await elsewhere.topup(team="acme", team_id="acme", micros=100, now=guard.clock())
     await guard.worker.run_once()
     assert (await guard.preflight(ALPHA, guard.clock())).verdict == "allow"
+
+
+async def test_a_team_whose_refresh_fails_for_any_reason_does_not_stop_the_others(
+    guard: SpendGuard, elsewhere: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not only the store being down: a value a store refuses (a script's own check raises
+    ValueError) for one team must leave every other team's refresh in the same pass."""
+    other = Identity("globex", "k")
+    other_day = key_limit(other, Period.DAY)
+
+    async def refresh(entries: Sequence[RefreshEntry]) -> None:
+        if any("acme" in e.usage_key for e in entries):
+            raise ValueError("spendguard refresh: bad entry header")
+        await guard.store.refresh(entries)
+
+    worker = SettlementWorker(
+        guard.ledger,
+        Override(guard.store, refresh=refresh),
+        guard.coster,
+        guard.codec,
+        settle=False,
+        clock=guard.clock,  # type: ignore[arg-type]
+    )
+    await set_limit(guard, 10**6)
+    await guard.ledger.set_policy(Policy(other_day, 10**6, "globex", "k"), now=guard.clock())
+    await spend(guard, 40)
+    decision = await guard.preflight(other, guard.clock())
+    await guard.postflight(
+        decision, model="unit-model", route="/v1/chat/completions", status_code=200,
+        usage=Usage(input_tokens=30),
+    )  # fmt: skip
+    await guard.recorder.flush()
+    await worker.run_once()
+    assert await settle_elsewhere(guard, elsewhere) == 2
+    result = await worker.run_once()
+    assert result.refresh_failures == 1
+    other_key = guard.codec.check(other_day, guard.clock()).usage_key
+    assert (await guard.store.read_usage([other_key]))[other_key] == 60  # refreshed: charge
+    assert await cached(guard) == 40  # acme: still its estimate, retried next pass
+    assert "cache refresh failed for team acme" in caplog.text
