@@ -30,3 +30,8 @@ class StoreFull(StoreUnavailable):
 
 class LedgerUnavailable(SpendGuardError):
     """The SQL ledger failed; reads during a cache miss turn into 503 responses."""
+
+
+class LedgerBusy(LedgerUnavailable):
+    """Another connection held the ledger's write lock for too long (SQLite): nothing is wrong
+    with the data, so a write is retried later rather than isolated as a refused record."""

@@ -16,7 +16,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from .. import metrics
-from ..errors import LedgerUnavailable
+from ..errors import LedgerBusy, LedgerUnavailable
 from ..ledger import Ledger
 from ..record import InferenceRecord
 
@@ -80,6 +80,8 @@ class Recorder:
             while self._batch:
                 try:
                     await self._ledger.insert_records(self._batch)
+                except LedgerBusy:
+                    raise  # the data is fine: the whole batch is retried later
                 except LedgerUnavailable:
                     await self._drop_poison()  # raises again when the database is down
                     continue
@@ -97,6 +99,8 @@ class Recorder:
         for record in self._batch:
             try:
                 await self._ledger.insert_records([record])
+            except LedgerBusy:
+                raise
             except LedgerUnavailable:
                 kept.append(record)
         if kept:

@@ -6,6 +6,7 @@ A record is what one inference cost by its estimate; settlement (see
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +15,14 @@ import sqlalchemy as sa
 
 from ..clock import from_micros, to_micros, utcnow
 from ..record import InferenceRecord, PostflightStatus
-from .database import ROWS_PER_STATEMENT, LedgerDatabase, _text, _tuples
+from .database import (
+    ROWS_PER_STATEMENT,
+    LedgerDatabase,
+    SqliteBatchWriter,
+    SqliteBusy,
+    _text,
+    _tuples,
+)
 from .journal import SettledRecord
 from .schema import charges, records
 
@@ -40,6 +48,7 @@ _PG_INSERT = (
     + ", ".join(f"${i}::{_pg_type(c)}[]" for i, c in enumerate(records.columns, 1))
     + ") ON CONFLICT (id) DO NOTHING"
 )
+_SQLITE_BUSY_SECONDS = 5.0  # what `databases` connections wait for the lock, too
 _SQLITE_INSERT = (
     f"INSERT INTO {records.name} ({_NAMES}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
     "ON CONFLICT (id) DO NOTHING"
@@ -56,7 +65,9 @@ class RecordQueries(LedgerDatabase):
         writer = self._batch_writer
         if writer is not None:  # SQLite in a file: see SqliteBatchWriter
             async with self._guard("record write"):
-                await anyio.to_thread.run_sync(writer.execute_many, _SQLITE_INSERT, rows)
+                await self._write_when_free(writer, rows)
+                if writer.checkpoint_due:
+                    await anyio.to_thread.run_sync(writer.checkpoint)
             return
         async with self._guard("record write"), self._db.transaction():
             # The transaction's own connection, below `databases`: the fixed statement goes
@@ -68,6 +79,20 @@ class RecordQueries(LedgerDatabase):
                     await raw.execute(_PG_INSERT, *(list(col) for col in zip(*chunk, strict=True)))
                 else:  # in-memory SQLite: only `databases`' own connection sees the tables
                     await raw.executemany(_SQLITE_INSERT, chunk)
+
+    @staticmethod
+    async def _write_when_free(writer: SqliteBatchWriter, rows: list[tuple[Any, ...]]) -> None:
+        """Write now, or as soon as the write lock is free (polled, never waited for on the
+        event loop); after as long as SQLite's own busy timeout would wait, give up."""
+        deadline = time.monotonic() + _SQLITE_BUSY_SECONDS
+        while True:
+            try:
+                writer.execute_many(_SQLITE_INSERT, rows)
+                return
+            except SqliteBusy:
+                if time.monotonic() > deadline:
+                    raise
+                await anyio.sleep(0.002)
 
     async def unsettled(self, team: str | None = None) -> tuple[int, int]:
         """(count, sum of estimates in micro-USD) of the records not settled yet."""

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import sqlite3
 from datetime import UTC, datetime
 
+import anyio
 import pytest
 import sqlalchemy as sa
 
 from spendguard.clock import to_micros
+from spendguard.errors import LedgerBusy
 from spendguard.identity import Identity
 from spendguard.ledger import Ledger
+from spendguard.ledger import records as records_module
 from spendguard.ledger.schema import records
 from spendguard.record import InferenceRecord, PostflightStatus
 from spendguard.usage import Usage
@@ -116,3 +120,58 @@ async def test_a_large_batch_is_written_in_chunks_once(ledger: Ledger) -> None:
     await ledger.insert_records(batch)
     await ledger.insert_records(batch[600:700])  # re-sent: kept once
     assert await ledger.unsettled() == (1_234, 1_234)
+
+
+async def test_on_sqlite_a_held_write_lock_is_waited_for_without_blocking_the_loop(
+    sqlite_url: str,
+) -> None:
+    """The record writer writes on the event loop: while another connection (settlement, the
+    CLI) holds the write lock it must poll, not sit in SQLite's busy wait, and then write."""
+    ledger = Ledger(sqlite_url)
+    await ledger.connect()
+    await ledger.init_schema()
+    await ledger.insert_records([make_record("warm", SEP30_LATE, 1)])  # writer connection open
+    holder = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0.001)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            with anyio.fail_after(5):
+                async with anyio.create_task_group() as writes:
+                    writes.start_soon(ledger.insert_records, [make_record("r1", SEP30_LATE, 7)])
+                    await anyio.sleep(0.2)
+                    assert ticks >= 50  # the loop ran on while the write waited
+                    holder.execute("COMMIT")  # the lock is free: the write goes through
+            tg.cancel_scope.cancel()
+        assert await ledger.unsettled() == (2, 8)
+    finally:
+        holder.close()
+        await ledger.disconnect()
+
+
+async def test_on_sqlite_a_write_lock_held_too_long_is_busy_not_a_refused_record(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(records_module, "_SQLITE_BUSY_SECONDS", 0.05)
+    ledger = Ledger(sqlite_url)
+    await ledger.connect()
+    await ledger.init_schema()
+    holder = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(LedgerBusy):
+            await ledger.insert_records([make_record("r1", SEP30_LATE, 7)])
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    await ledger.insert_records([make_record("r1", SEP30_LATE, 7)])
+    assert await ledger.unsettled() == (1, 7)
+    await ledger.disconnect()
