@@ -409,6 +409,8 @@ class SpendGuard:
                 # timeout; the embedded store never waits).
                 applied = await self.store.postflight(decision.record_id, estimate, keys)
                 status = PostflightStatus.APPLIED if applied else PostflightStatus.SKIPPED
+                if applied and self.settings.fail_mode is FailMode.OPEN:
+                    self.outage.add(keys, estimate)  # what a later outage knows includes it
             except Exception as exc:  # the response is already out; never fail the request
                 log.warning("spendguard postflight outcome unknown: %r", exc)
                 status = PostflightStatus.UNKNOWN

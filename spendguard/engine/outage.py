@@ -5,7 +5,8 @@ Bounded: once it holds ``max_keys`` identities, requests from new identities are
 were recorded in the ledger as usual, and settlement brings the store's cache up to date.
 
 It also enforces what it knows. Every preflight the store answered leaves the usage and limit
-of each checked key here (the last ones seen); during an outage a request is refused with the
+of each checked key here (the last ones seen), and every charge the store applied after it is
+added; during an outage a request is refused with the
 limit's 429 once that usage plus what the outage let through on the same key reaches the
 limit. A key this process never saw checked can't be enforced, only counted.
 """
@@ -47,6 +48,14 @@ class OutageTracker:
             known.clear()
         for state in limits:
             known[state.check.usage_key] = state
+
+    def add(self, usage_keys: Iterable[str], micros: int) -> None:
+        """A charge the store applied after its last answer for these keys."""
+        known = self._known
+        for key in usage_keys:
+            state = known.get(key)
+            if state is not None:
+                known[key] = LimitState(state.check, state.limit, state.used + micros)
 
     def exhausted(self, plan: KeyPlan) -> LimitState | None:
         """The first limit of ``plan`` known to be used up, counting what this outage let

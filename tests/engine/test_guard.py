@@ -202,8 +202,8 @@ async def test_fail_open_still_refuses_what_it_knows_to_be_over_a_limit(build: B
         admission = await admit(guard)
         verdicts.append(admission.verdict)
         await guard.finish(admission, 200, None)
-    # Known usage 0 at the last answer (the first charge came after it): 4 more fit.
-    assert verdicts == [Verdict.ALLOW] * 4 + [Verdict.DENY]
+    # Known: usage 0 at the last answer plus the 7 charged after it; 3 more fit in 28.
+    assert verdicts == [Verdict.ALLOW] * 3 + [Verdict.DENY] * 2
     denied = (await admit(guard)).decision
     assert denied is not None and denied.denied_limit == KEY_DAY
     assert denied.retry_after == 12 * 3600  # the day's reset, as for any limit's 429
