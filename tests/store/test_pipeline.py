@@ -14,17 +14,20 @@ import re
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
+import anyio
 import pytest
 
 from spendguard import Identity
+from spendguard.clock import utcnow
 from spendguard.errors import StoreUnavailable
-from spendguard.limits import KeyCodec, KeyPlan, Limit
+from spendguard.limits import KeyCodec, KeyPlan, Limit, Period
 from spendguard.limits.codec import field_of
 from spendguard.settings import Settings
 from spendguard.store import Outcome, UsageFill
 from spendguard.store.redis import RedisStore
-from tests.support import RedisCluster, RedisServer
+from tests.support import Gateway, RedisCluster, RedisServer
 
 pytestmark = pytest.mark.anyio
 
@@ -407,3 +410,35 @@ async def test_dropped_connections_are_replaced_without_failing_a_call(
     results = await asyncio.gather(*(store.preflight(p) for p in plans))
     assert all(pf.outcome is Outcome.ALLOW for pf in results)
     await store.aclose()
+
+
+async def test_a_warm_inference_is_two_script_calls_and_nothing_else(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The hot path on Redis, through the whole middleware: one preflight and one postflight
+    EVALSHA per inference once the cache is warm, concurrent or not. (Redis also counts the
+    commands the scripts run inside; no command is sent besides the scripts.)"""
+    store = RedisStore.from_url(redis_server.url, timeout=2.0)
+    try:
+        async with Gateway(tmp_path, utcnow, store=store) as gw:
+            await gw.policy(Period.DAY, 10**9)
+            assert (await gw.post()).status_code == 200  # warms policy and usage keys
+            redis_server.cli("CONFIG", "RESETSTAT")
+            statuses: list[int] = []
+
+            async def one() -> None:
+                statuses.append((await gw.post()).status_code)
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(20):
+                    tg.start_soon(one)
+            assert statuses == [200] * 20
+            for _ in range(5):
+                assert (await gw.post()).status_code == 200
+        seen = commands(redis_server)
+        assert seen["evalsha"] == 2 * 25
+        inside_scripts = {"exists", "hexists", "hsetnx", "hincrby", "hmget", "hget", "type"}
+        inside_scripts |= {"hgetall", "time", "pexpireat", "hset", "config|resetstat"}
+        assert set(seen) - {"evalsha"} <= inside_scripts, seen
+    finally:
+        await store.aclose()
