@@ -82,6 +82,7 @@ class SpendGuard:
         self.codec = KeyCodec(s.key_prefix, timedelta(seconds=s.key_grace))
         self.store: Store = store if store is not None else make_store(s, clock)
         self.outage = OutageTracker(s.fail_open_max_keys)
+        self._fail_open = s.fail_mode is FailMode.OPEN
         self.ledger = ledger if ledger is not None else Ledger(s.database_url.get_secret_value())
         self.prices = prices if prices is not None else PriceTable.load(s.prices)
         self.coster = Coster(self.prices, s.unknown_model)
@@ -251,11 +252,11 @@ class SpendGuard:
             return now, None
         # The id goes into a response header and a ledger column: NUL, CR/LF, spaces or
         # anything beyond 64 visible ASCII characters would break one or the other.
-        if not isinstance(inference_id, str) or _INFERENCE_ID.fullmatch(inference_id) is None:
+        if _INFERENCE_ID.fullmatch(inference_id) is None:
             log.warning(
                 "spendguard ignored a retry mark with an unusable inference id %r "
                 "(1 to 64 visible ASCII characters): counted as a new inference",
-                inference_id[:80] if isinstance(inference_id, str) else inference_id,
+                inference_id[:80],
             )
             return now, None
         return t0, inference_id
@@ -306,7 +307,7 @@ class SpendGuard:
         """One store call when the cache is warm; on a miss, load from the ledger and retry."""
         record_id = new_record_id()
         plan = self.codec.plan(identity, t0)
-        fail_open = self.settings.fail_mode is FailMode.OPEN
+        fail_open = self._fail_open
 
         def conclude(
             verdict: Verdict,
@@ -409,7 +410,7 @@ class SpendGuard:
                 # timeout; the embedded store never waits).
                 applied = await self.store.postflight(decision.record_id, estimate, keys)
                 status = PostflightStatus.APPLIED if applied else PostflightStatus.SKIPPED
-                if applied and self.settings.fail_mode is FailMode.OPEN:
+                if applied and self._fail_open:
                     self.outage.add(keys, estimate)  # what a later outage knows includes it
             except Exception as exc:  # the response is already out; never fail the request
                 log.warning("spendguard postflight outcome unknown: %r", exc)

@@ -6,9 +6,9 @@ were recorded in the ledger as usual, and settlement brings the store's cache up
 
 It also enforces what it knows. Every preflight the store answered leaves the usage and limit
 of each checked key here (the last ones seen), and every charge the store applied after it is
-added; during an outage a request is refused with the
-limit's 429 once that usage plus what the outage let through on the same key reaches the
-limit. A key this process never saw checked can't be enforced, only counted.
+added; during an outage a request is refused with the limit's 429 once that usage plus what
+the outage let through on the same key reaches the limit. A key this process never saw
+checked can't be enforced, only counted.
 """
 
 from __future__ import annotations

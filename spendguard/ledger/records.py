@@ -48,11 +48,11 @@ _PG_INSERT = (
     + ", ".join(f"${i}::{_pg_type(c)}[]" for i, c in enumerate(records.columns, 1))
     + ") ON CONFLICT (id) DO NOTHING"
 )
-_SQLITE_BUSY_SECONDS = 5.0  # what `databases` connections wait for the lock, too
 _SQLITE_INSERT = (
     f"INSERT INTO {records.name} ({_NAMES}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
     "ON CONFLICT (id) DO NOTHING"
 )
+_SQLITE_BUSY_SECONDS = 5.0  # what `databases` connections wait for the lock, too
 
 
 class RecordQueries(LedgerDatabase):
@@ -69,23 +69,21 @@ class RecordQueries(LedgerDatabase):
                 if writer.checkpoint_due:
                     await anyio.to_thread.run_sync(writer.checkpoint)
             return
-        if self.is_postgres and len(rows) <= ROWS_PER_STATEMENT:
-            # One statement is its own transaction: no BEGIN/COMMIT round trips, and no
-            # `databases` transaction machinery (most of a small batch's cost).
-            columns = [list(col) for col in zip(*rows, strict=True)]
+        if self.is_postgres:
+            # Each chunk is one statement, its own transaction: no BEGIN/COMMIT round trips and
+            # no `databases` transaction machinery (most of a small batch's cost). A batch cut
+            # short by a failure is re-sent whole; ON CONFLICT keeps each record once.
             async with self._guard("record write"), self._db.connection() as conn:
-                await conn.raw_connection.execute(_PG_INSERT, *columns)
+                raw = conn.raw_connection
+                for start in range(0, len(rows), ROWS_PER_STATEMENT):
+                    chunk = rows[start : start + ROWS_PER_STATEMENT]
+                    await raw.execute(_PG_INSERT, *(list(col) for col in zip(*chunk, strict=True)))
             return
         async with self._guard("record write"), self._db.transaction():
-            # The transaction's own connection, below `databases`: the fixed statement goes
-            # straight to the driver.
+            # In-memory SQLite: only `databases`' own connection sees the tables.
             raw = self._db.connection().raw_connection
             for start in range(0, len(rows), ROWS_PER_STATEMENT):
-                chunk = rows[start : start + ROWS_PER_STATEMENT]
-                if self.is_postgres:
-                    await raw.execute(_PG_INSERT, *(list(col) for col in zip(*chunk, strict=True)))
-                else:  # in-memory SQLite: only `databases`' own connection sees the tables
-                    await raw.executemany(_SQLITE_INSERT, chunk)
+                await raw.executemany(_SQLITE_INSERT, rows[start : start + ROWS_PER_STATEMENT])
 
     @staticmethod
     async def _write_when_free(writer: SqliteBatchWriter, rows: list[tuple[Any, ...]]) -> None:

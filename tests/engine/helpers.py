@@ -6,9 +6,11 @@ Plain helpers for the tests of this package: no fixtures and no tests.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
-from spendguard import Identity, SpendGuard
+from spendguard import Identity, Settings, SpendGuard
 from spendguard.engine.costing import Coster
 from spendguard.engine.pricing import PriceTable
 from spendguard.engine.worker import SettlementWorker
@@ -16,7 +18,23 @@ from spendguard.ledger import Ledger
 from spendguard.limits import Period, Policy, key_limit
 from spendguard.settings import UnknownModel
 from spendguard.store import Store
+from spendguard.store.memory import MemoryStore
 from spendguard.usage import Usage
+from tests.support import Clock
+
+
+@asynccontextmanager
+async def running_guard(settings: Settings) -> AsyncIterator[SpendGuard]:
+    """A started guard on the embedded store and a fixed clock (settlement only when a test
+    asks), stopped afterwards."""
+    clock = Clock()
+    g = SpendGuard(settings, store=MemoryStore(clock=clock), clock=clock)
+    await g.start(worker=False)
+    try:
+        yield g
+    finally:
+        await g.stop()
+
 
 ALPHA = Identity("acme", "alpha")
 KEY_DAY = key_limit(ALPHA, Period.DAY)

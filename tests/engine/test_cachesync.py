@@ -24,7 +24,15 @@ from spendguard.store import RefreshEntry
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
 from spendguard.usage import Usage
-from tests.engine.helpers import ALPHA, cached, day_key, doubled_worker, set_limit, spend
+from tests.engine.helpers import (
+    ALPHA,
+    cached,
+    day_key,
+    doubled_worker,
+    running_guard,
+    set_limit,
+    spend,
+)
 from tests.support import Clock, Counting, Override, make_record, write_unit_prices
 
 pytestmark = pytest.mark.anyio
@@ -37,14 +45,8 @@ def replica_settings(database_url: str, tmp_path: Path) -> Settings:
 
 @pytest.fixture
 async def guard(database_url: str, tmp_path: Path) -> AsyncIterator[SpendGuard]:
-    clock = Clock()
-    settings = replica_settings(database_url, tmp_path)
-    g = SpendGuard(settings, store=MemoryStore(clock=clock), clock=clock)
-    await g.start(worker=False)
-    try:
+    async with running_guard(replica_settings(database_url, tmp_path)) as g:
         yield g
-    finally:
-        await g.stop()
 
 
 @pytest.fixture

@@ -12,22 +12,26 @@ from spendguard import Settings, SpendGuard
 from spendguard.engine.worker import SettlementWorker
 from spendguard.store.memory import MemoryStore
 from spendguard.usage import Usage
-from tests.engine.helpers import ALPHA, cached, day_key, doubled_worker, set_limit, spend
-from tests.support import Clock, Override, write_unit_prices
+from tests.engine.helpers import (
+    ALPHA,
+    cached,
+    day_key,
+    doubled_worker,
+    running_guard,
+    set_limit,
+    spend,
+)
+from tests.support import Override, write_unit_prices
 
 pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
 async def guard(database_url: str, tmp_path: Path) -> AsyncIterator[SpendGuard]:
-    clock = Clock()
-    settings = Settings(database_url=database_url, prices=write_unit_prices(tmp_path))
-    g = SpendGuard(settings, store=MemoryStore(clock=clock), clock=clock)
-    await g.start(worker=False)
-    try:
+    async with running_guard(
+        Settings(database_url=database_url, prices=write_unit_prices(tmp_path))
+    ) as g:
         yield g
-    finally:
-        await g.stop()
 
 
 async def test_cache_is_settled_plus_pending_through_settlement(guard: SpendGuard) -> None:
