@@ -21,6 +21,7 @@ import anyio
 from .engine.admin import Admin, BalanceReport, LimitUsage
 from .engine.costing import Coster
 from .engine.pricing import PriceTable
+from .engine.recovery import Recovery
 from .engine.worker import SettlementWorker
 from .errors import ConfigurationError, SpendGuardError
 from .ledger import Ledger
@@ -28,7 +29,7 @@ from .limits import KeyCodec, Period, Policy
 from .limits.codec import field_of
 from .money import checked_amount, micros_to_usd, usd_to_micros
 from .settings import Settings, load_settings
-from .store import Store, make_store
+from .store import OwnerLog, Store, make_store
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,8 +198,18 @@ def _worker(ctx: Ctx) -> SettlementWorker:
     coster = Coster(PriceTable.load(settings.prices), settings.unknown_model)
     # Without Redis the cache lives in the gateway, whose own worker heals it from the ledger
     # on its next pass (it picks up records settled by anyone).
+    store = ctx.store
+    recovery = None
+    if store is not None and store.shared and isinstance(store, OwnerLog):
+        # A standalone worker also writes the records of gateways that died (their entries).
+        recovery = Recovery(ctx.ledger, store, store, ctx.codec, coster, me="")
     return SettlementWorker(
-        ctx.ledger, ctx.store, coster, ctx.codec, batch_size=settings.settle_batch
+        ctx.ledger,
+        store,
+        coster,
+        ctx.codec,
+        batch_size=settings.settle_batch,
+        recovery=recovery,
     )
 
 

@@ -40,3 +40,9 @@ STALE_POLICY_FILLS = Counter(
 CACHE_REFRESH_FAILURES = Counter(
     "spendguard_cache_refresh_failures_total", "Cache refreshes that failed after a commit."
 )
+RECOVERED_RECORDS = Counter(
+    "spendguard_recovered_records_total",
+    "Records written from the admission entries of a gateway that died (kind: closed = its "
+    "whole record, open = its admission estimate).",
+    ["kind"],
+)

@@ -64,6 +64,13 @@ class Settings(BaseSettings):
         description="Seconds one Redis round trip may take (a batch of concurrent hot-path "
         "calls, or one other call), connecting included.",
     )
+    owner_ttl: float = Field(
+        30.0,
+        ge=1,
+        le=3600,
+        description="With Redis: seconds after its last heartbeat that a gateway counts as "
+        "dead, and a settling worker writes the records of the inferences it left.",
+    )
     fail_mode: FailMode = Field(
         FailMode.CLOSED, description="Redis unavailable: closed (503) or open (allow, tracked)."
     )

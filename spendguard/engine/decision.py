@@ -48,6 +48,9 @@ class Decision:
     retry_after: int | None = None
     fail_open: bool = False  # allowed without the store (it was down): tracked locally
     unavailable: Unavailable | None = None
+    # The team's entries hash when preflight wrote this inference's admission entry (a shared
+    # store): finishing it closes the entry.
+    entry_key: str | None = None
 
     @property
     def denied(self) -> LimitState | None:

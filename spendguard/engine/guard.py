@@ -20,7 +20,7 @@ import logging
 import random
 import re
 from collections.abc import Callable
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, suppress
 from datetime import datetime, timedelta
 from types import TracebackType
 
@@ -35,21 +35,28 @@ from ..ledger import Ledger
 from ..limits import KeyCodec, Limit
 from ..record import InferenceRecord, PostflightStatus
 from ..settings import FailMode, MissingIdentity, Settings, load_settings
-from ..store import Outcome, Preflight, Store, make_store
+from ..store import EntryWrite, Outcome, OwnerLog, Preflight, Store, make_store
 from ..usage import BodyObserver, Dialect, Usage, estimate_usage, observer_for
 from .admin import Admin
 from .costing import Coster
 from .decision import Admission, Decision, InferenceRequest, Unavailable, Verdict
+from .entries import closed_entry, open_entry
 from .fill import CacheFiller
 from .outage import OutageTracker
 from .pricing import PriceTable
 from .recorder import Recorder
+from .recovery import Recovery
 from .worker import SettlementWorker
 
 log = logging.getLogger("spendguard")
 
 _INFERENCE_ID = re.compile(r"[!-~]{1,64}")
 _MAX_FILL_ROUNDS = 3  # a miss, a fill and a re-check; more means keys vanish as we fill them
+# A gateway heartbeats 6 times per SPENDGUARD_OWNER_TTL; one silent for that long is dead and
+# its admission entries are recovered by a settling worker (so a crash's records reach the
+# ledger within about the TTL plus one settle interval).
+_HEARTBEATS_PER_TTL = 6
+_MAX_UNCLOSED = 100_000  # entries whose removal failed, kept for a retry (beyond: recovered)
 
 
 def new_record_id() -> str:
@@ -86,7 +93,15 @@ class SpendGuard:
         self.ledger = ledger if ledger is not None else Ledger(s.database_url.get_secret_value())
         self.prices = prices if prices is not None else PriceTable.load(s.prices)
         self.coster = Coster(self.prices, s.unknown_model)
-        self.recorder = Recorder(self.ledger, capacity=s.record_buffer)
+        self.recorder = Recorder(
+            self.ledger, capacity=s.record_buffer, on_written=self._records_written
+        )
+        # Admission entries (a shared store only: an embedded store dies with its records).
+        self.owner = f"{random.getrandbits(64):016x}"
+        self._owners: OwnerLog | None = None  # set at start for a shared store
+        self._entries_on = False  # while this process's heartbeat is current
+        self._entry_teams: set[str] = set()  # teams listed under this owner
+        self._unclosed: dict[str, list[str]] = {}  # entries key -> ids to remove again
         self.worker = SettlementWorker(
             self.ledger,
             self.store,
@@ -150,6 +165,12 @@ class SpendGuard:
             raise ConfigurationError("SpendGuard already started")
         await self._ensure_connected()
         await self.store.start()
+        store = self.store
+        if store.shared and isinstance(store, OwnerLog):
+            self._owners = store
+            self.worker.recovery = Recovery(
+                self.ledger, store, store, self.codec, self.coster, me=self.owner
+            )
         if task_group is None:
             self._stack = AsyncExitStack()
             task_group = await self._stack.enter_async_context(anyio.create_task_group())
@@ -163,11 +184,57 @@ class SpendGuard:
             with anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
                     await tg.start(self.recorder.run)
+                    if self._owners is not None:
+                        await tg.start(self._heartbeat)
                     if run_worker:
                         await tg.start(self.worker.run, self.settings.settle_interval)
                     task_status.started(scope)
         finally:
+            self._entries_on = False
             self._stopped.set()
+
+    async def _heartbeat(self, *, task_status: TaskStatus[None]) -> None:
+        """Keep this process marked alive while it runs, so nobody recovers the admission
+        entries of its inferences in flight. Entries are written only while the mark is
+        current: a process nobody knows to be alive must not leave entries behind."""
+        assert self._owners is not None
+        owners, codec = self._owners, self.codec
+        alive_key = codec.owner_alive_key(self.owner)
+        ttl_ms = int(self.settings.owner_ttl * 1000)
+        started = False
+        while True:
+            try:
+                await owners.heartbeat(codec.owners_key(), alive_key, self.owner, ttl_ms)
+                if not self._entries_on and self._entry_teams:
+                    # The mark lapsed (an outage, a long pause): a recovery may have dropped
+                    # this owner's list of teams, so list them again.
+                    for team in sorted(self._entry_teams):
+                        await owners.add_member(codec.owner_teams_key(self.owner), team)
+                self._entries_on = True
+            except StoreUnavailable as exc:
+                self._entries_on = False
+                log.warning("spendguard heartbeat failed (no admission entries): %s", exc)
+            if not started:
+                started = True
+                task_status.started()
+            await anyio.sleep(self.settings.owner_ttl / _HEARTBEATS_PER_TTL)
+
+    async def _records_written(self, records: list[InferenceRecord]) -> None:
+        """The ledger has these records: their admission entries go (one call per team)."""
+        if self._owners is None:
+            return
+        by_key = self._unclosed
+        self._unclosed = {}
+        for record in records:
+            by_key.setdefault(self.codec.entries_key(record.identity.team), []).append(record.id)
+        try:
+            await self.store.close_entries(by_key)
+        except StoreUnavailable as exc:
+            # Kept for the next batch; beyond the bound a recovery removes them after this
+            # process is gone (its records are in the ledger: recovering them writes nothing).
+            if sum(len(ids) for ids in by_key.values()) <= _MAX_UNCLOSED:
+                self._unclosed = by_key
+            log.warning("spendguard could not remove admission entries: %s", exc)
 
     async def stop(self) -> None:
         """Stop taking work, flush the records (shielded, bounded) and disconnect."""
@@ -191,6 +258,12 @@ class SpendGuard:
                         self.recorder.pending,
                         exc,
                     )
+            if self._owners is not None:
+                # Whatever is still in an entry (the database was down) is recovered by
+                # another process's worker from now on, instead of after the owner TTL.
+                with anyio.move_on_after(self.settings.redis_timeout * 2):
+                    with suppress(StoreUnavailable):
+                        await self._owners.delete(self.codec.owner_alive_key(self.owner))
             await self.ledger.disconnect()
 
     async def __aenter__(self) -> SpendGuard:
@@ -234,7 +307,9 @@ class SpendGuard:
             message = f"Model {request.model!r} has no price."
             return Admission(Verdict.UNPRICED, route, dialect, request, message=message)
         t0, inference_id = self._continued(t0, inference_id)
-        decision = await self.preflight(identity, t0, inference_id=inference_id)
+        decision = await self.preflight(
+            identity, t0, inference_id=inference_id, request=request, route=route
+        )
         return Admission(decision.verdict, route, dialect, request, decision)
 
     def _continued(
@@ -282,6 +357,13 @@ class SpendGuard:
         decision, request = admission.decision, admission.request
         if not admission.allowed or decision is None or request is None:
             return None  # refused or not checked: nothing reached the provider through us
+        if decision.entry_key is not None and not charged(status_code):
+            try:  # not charged: its admission entry goes, there will be no record
+                await self.store.postflight(decision.record_id, 0, (), entry_key=decision.entry_key)
+            except Exception as exc:
+                log.warning("spendguard could not remove an admission entry: %r", exc)
+                self._unclosed.setdefault(decision.entry_key, []).append(decision.record_id)
+            return None
         usage = observer.result() if observer is not None else None
         if usage is None:
             # The provider reported nothing (no usage in the stream, a disconnect): estimate
@@ -302,12 +384,26 @@ class SpendGuard:
 
     # -- preflight ------------------------------------------------------------------------
     async def preflight(
-        self, identity: Identity, t0: datetime, *, inference_id: str | None = None
+        self,
+        identity: Identity,
+        t0: datetime,
+        *,
+        inference_id: str | None = None,
+        request: InferenceRequest | None = None,
+        route: str = "",
     ) -> Decision:
-        """One store call when the cache is warm; on a miss, load from the ledger and retry."""
+        """One store call when the cache is warm; on a miss, load from the ledger and retry.
+
+        With ``request`` (and a shared store whose heartbeat runs), an allowed inference
+        leaves its admission entry in the same store call (see :mod:`.entries`)."""
         record_id = new_record_id()
         plan = self.codec.plan(identity, t0)
         fail_open = self._fail_open
+        entry: EntryWrite | None = None
+        if request is not None and self._entries_on:
+            entry_key = self.codec.entries_key(identity.team)
+            value = open_entry(self.owner, identity, t0, inference_id or record_id, request, route)
+            entry = EntryWrite(entry_key, record_id, value)
 
         def conclude(
             verdict: Verdict,
@@ -316,6 +412,10 @@ class SpendGuard:
             fail_open: bool = False,
             unavailable: Unavailable | None = None,
         ) -> Decision:
+            if entry is not None and verdict is Verdict.UNAVAILABLE:
+                # The store may have run the script before the failure: remove the entry with
+                # the next records written, so it never stands for an inference not served.
+                self._unclosed.setdefault(entry.key, []).append(record_id)
             denied = pf.denied if pf is not None else None
             target = denied.check.target if denied is not None else None
             if isinstance(target, Limit):
@@ -332,11 +432,17 @@ class SpendGuard:
                 retry_after=retry_after,
                 fail_open=fail_open,
                 unavailable=unavailable,
+                entry_key=entry.key if entry is not None and verdict is Verdict.ALLOW else None,
             )
 
         try:
+            if entry is not None and identity.team not in self._entry_teams:
+                # Once per team and process: recovery finds entries through this list.
+                assert self._owners is not None
+                await self._owners.add_member(self.codec.owner_teams_key(self.owner), identity.team)
+                self._entry_teams.add(identity.team)
             for _ in range(_MAX_FILL_ROUNDS):
-                pf = await self.store.preflight(plan)
+                pf = await self.store.preflight(plan, entry)
                 if len(self.outage):
                     self.outage.clear()  # the store answers again
                 if pf.outcome is Outcome.ALLOW:
@@ -359,6 +465,7 @@ class SpendGuard:
             if fail_open and self.outage.admit(identity):
                 log.warning("spendguard store unavailable, allowing (fail open): %s", exc)
                 metrics.STORE_UNAVAILABLE.labels("allow").inc()
+                entry = None  # the store did not answer: no entry was written
                 return conclude(Verdict.ALLOW, fail_open=True)
             log.warning("spendguard store unavailable, refusing: %s", exc)
             metrics.STORE_UNAVAILABLE.labels("deny").inc()
@@ -382,6 +489,29 @@ class SpendGuard:
         return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.VANISHED)
 
     # -- postflight -----------------------------------------------------------------------
+    @staticmethod
+    def _record(
+        decision: Decision,
+        model: str,
+        route: str,
+        status_code: int,
+        usage: Usage,
+        estimate: int,
+        status: PostflightStatus,
+    ) -> InferenceRecord:
+        return InferenceRecord(
+            id=decision.record_id,
+            inference_id=decision.inference_id,
+            identity=decision.identity,
+            model=model,
+            route=route,
+            t0=decision.t0,
+            status_code=status_code,
+            usage=usage,
+            estimate_micros=estimate,
+            postflight=status,
+        )
+
     async def postflight(
         self,
         decision: Decision,
@@ -404,29 +534,36 @@ class SpendGuard:
             self.outage.charge(decision.identity, estimate, [c.usage_key for c in plan.checks])
         status = PostflightStatus.SKIPPED
         keys = [limit.check.usage_key for limit in decision.limits]
-        if keys:
+        entry_key, closed = decision.entry_key, ""
+        if entry_key is not None:
+            # The entry takes the whole record (written as applied when it has keys: a key
+            # that vanished only makes settlement look for a marker that is not there).
+            closed = closed_entry(
+                self.owner,
+                self._record(
+                    decision,
+                    model,
+                    route,
+                    status_code,
+                    usage,
+                    estimate,
+                    PostflightStatus.APPLIED if keys else PostflightStatus.SKIPPED,
+                ),
+            )
+        if keys or entry_key is not None:
             try:
                 # No deadline here: every store bounds its own calls (the Redis store by its
                 # timeout; the embedded store never waits).
-                applied = await self.store.postflight(decision.record_id, estimate, keys)
+                applied = await self.store.postflight(
+                    decision.record_id, estimate, keys, entry_key=entry_key, closed=closed
+                )
                 status = PostflightStatus.APPLIED if applied else PostflightStatus.SKIPPED
                 if applied and self._fail_open:
                     self.outage.add(keys, estimate)  # what a later outage knows includes it
             except Exception as exc:  # the response is already out; never fail the request
                 log.warning("spendguard postflight outcome unknown: %r", exc)
-                status = PostflightStatus.UNKNOWN
-        record = InferenceRecord(
-            id=decision.record_id,
-            inference_id=decision.inference_id,
-            identity=decision.identity,
-            model=model,
-            route=route,
-            t0=decision.t0,
-            status_code=status_code,
-            usage=usage,
-            estimate_micros=estimate,
-            postflight=status,
-        )
+                status = PostflightStatus.UNKNOWN if keys else PostflightStatus.SKIPPED
+        record = self._record(decision, model, route, status_code, usage, estimate, status)
         self.recorder.submit(record)
         if not self.running:
             # No lifespan ran (e.g. an ASGI test client without it): write through, slowly

@@ -11,6 +11,7 @@ longest expected database outage.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import anyio
 from anyio.abc import TaskStatus
@@ -34,8 +35,11 @@ class Recorder:
         batch_size: int = 500,
         retry_max: float = 5.0,
         linger: float = 0.025,
+        on_written: Callable[[list[InferenceRecord]], Awaitable[None]] | None = None,
     ) -> None:
         self._ledger = ledger
+        # Told of every batch the ledger has (or refused for good): admission entries go.
+        self._on_written = on_written
         self._linger = linger
         self._send, self._receive = anyio.create_memory_object_stream[InferenceRecord](capacity)
         self._batch: list[InferenceRecord] = []
@@ -85,7 +89,7 @@ class Recorder:
                 except LedgerUnavailable:
                     await self._drop_poison()  # raises again when the database is down
                     continue
-                self._batch = []
+                await self._written()
                 self._take()
 
     async def _drop_poison(self) -> None:
@@ -113,7 +117,12 @@ class Recorder:
                     record.id,
                     record.identity.team,
                 )
-        self._batch = []
+        await self._written()
+
+    async def _written(self) -> None:
+        batch, self._batch = self._batch, []
+        if self._on_written is not None:
+            await self._on_written(batch)
 
     async def flush(self) -> None:
         """Write everything queued now; raises LedgerUnavailable if the database is down."""

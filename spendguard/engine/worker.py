@@ -20,13 +20,14 @@ from anyio.abc import TaskStatus
 
 from .. import metrics
 from ..clock import to_micros, utcnow
-from ..errors import LedgerUnavailable
+from ..errors import LedgerUnavailable, StoreUnavailable
 from ..ledger import Ledger, RecordRow, Settlement
 from ..limits import KeyCodec
 from ..store import Store
 from ..usage import Usage
 from .cachesync import JOURNAL_KEEP_US, CacheSync
 from .costing import Coster
+from .recovery import Recovery
 
 log = logging.getLogger("spendguard.worker")
 
@@ -42,6 +43,7 @@ class PassResult:
     estimate_error_micros: int = 0
     teams_refreshed: int = 0
     refresh_failures: int = 0
+    recovered: int = 0  # records written from a dead gateway's admission entries
 
 
 class SettlementWorker:
@@ -55,8 +57,10 @@ class SettlementWorker:
         batch_size: int = 1000,
         settle: bool = True,
         clock: Callable[[], datetime] = utcnow,
+        recovery: Recovery | None = None,
     ) -> None:
         self._ledger = ledger
+        self.recovery = recovery  # records of dead gateways, before each settlement
         self._coster = coster
         self._batch = batch_size
         self._clock = clock
@@ -90,6 +94,7 @@ class SettlementWorker:
         # One connection for the whole pass, not one per query.
         async with self._ledger.session():
             if self._settle:
+                await self._recover(result)
                 await self._settle_batches(result)
                 await self._prune_journal()
             if self._sync is not None:
@@ -97,6 +102,15 @@ class SettlementWorker:
                 result.teams_refreshed = synced.teams_refreshed
                 result.refresh_failures = synced.refresh_failures
         return result
+
+    async def _recover(self, result: PassResult) -> None:
+        """Records of gateways that died, from their admission entries, before settling."""
+        if self.recovery is None:
+            return
+        try:
+            result.recovered = await self.recovery.run_once()
+        except StoreUnavailable as exc:
+            log.warning("spendguard could not recover admission entries: %s", exc)
 
     async def _settle_batches(self, result: PassResult) -> None:
         for _ in range(_MAX_BATCHES_PER_PASS):

@@ -9,6 +9,9 @@ else. The layout::
     {prefix}:{team}:spend:usage:api_key:<key>:day:YYYYMMDD      usage of an API key limit
     {prefix}:{team}:spend:usage:api_key:<key>:month:YYYYMM
     {prefix}:{team}:spend:balance                               the team's prepaid account
+    {prefix}:{team}:spend:open                                  admission entries: id -> entry
+    {prefix}:spend:owners                                       gateways that wrote entries
+    {prefix}:spend:owner:{owner}:alive / :teams                 an owner's heartbeat, its teams
 
 ``team`` and ``key`` are encoded ids (:func:`spendguard.identity.encode_id`: no ``:``, braces
 or whitespace), so every key of one request hashes to the team's cluster slot and no id can
@@ -135,6 +138,22 @@ class KeyCodec:
 
     def balance_key(self, team: str) -> str:
         return f"{self.prefix}:{{{team}}}:spend:balance"
+
+    def entries_key(self, team: str) -> str:
+        """The team's admission entries (hash: record id -> entry), in the team's slot so the
+        preflight and postflight scripts write them in the same call."""
+        return f"{self.prefix}:{{{team}}}:spend:open"
+
+    def owners_key(self) -> str:
+        """Every gateway process that may have left admission entries (set of owner ids)."""
+        return f"{self.prefix}:spend:owners"
+
+    def owner_alive_key(self, owner: str) -> str:
+        return f"{self.prefix}:spend:owner:{{{owner}}}:alive"
+
+    def owner_teams_key(self, owner: str) -> str:
+        """The teams an owner wrote entries for (set), so recovery finds them."""
+        return f"{self.prefix}:spend:owner:{{{owner}}}:teams"
 
     def _usage_stem(self, target: Limit) -> str:
         return f"{self.prefix}:{{{target.team}}}:spend:usage:{field_of(target)}:"

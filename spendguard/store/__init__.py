@@ -12,7 +12,16 @@ from datetime import datetime
 from ..clock import utcnow
 from ..errors import ConfigurationError
 from ..settings import Settings
-from .base import LimitState, Outcome, Preflight, RefreshEntry, Store, UsageFill
+from .base import (
+    EntryWrite,
+    LimitState,
+    Outcome,
+    OwnerLog,
+    Preflight,
+    RefreshEntry,
+    Store,
+    UsageFill,
+)
 from .memory import MemoryStore
 from .redis import RedisStore
 
@@ -56,9 +65,11 @@ def make_store(settings: Settings, clock: Callable[[], datetime] = utcnow) -> St
 
 __all__ = [
     "STORES",
+    "EntryWrite",
     "LimitState",
     "MemoryStore",
     "Outcome",
+    "OwnerLog",
     "Preflight",
     "RedisStore",
     "RefreshEntry",

@@ -78,6 +78,15 @@ class UsageFill:
     limit: int | None = None  # the balance key's topped-up total
 
 
+@dataclass(frozen=True, slots=True)
+class EntryWrite:
+    """An admission entry for preflight to write if, and only if, it allows the request."""
+
+    key: str  # the team's entries hash
+    record_id: str
+    value: str
+
+
 def decide(checks: Sequence[tuple[Check, int | None, int | None]]) -> Preflight:
     """The preflight rule shared by every store, on exact integers.
 
@@ -114,8 +123,9 @@ class Store(Protocol):
         """Checks worth a warning at start (e.g. an eviction policy that can drop keys)."""
         ...
 
-    async def preflight(self, plan: KeyPlan) -> Preflight:
-        """Check every policy-bearing check of ``plan``; one round trip."""
+    async def preflight(self, plan: KeyPlan, entry: EntryWrite | None = None) -> Preflight:
+        """Check every policy-bearing check of ``plan``; one round trip. With ``entry``,
+        an ALLOW also writes it, in the same atomic step."""
         ...
 
     async def fill(
@@ -130,8 +140,27 @@ class Store(Protocol):
         (field -> limit; empty = "no policy", cached negatively); None leaves it alone."""
         ...
 
-    async def postflight(self, record_id: str, amount: int, usage_keys: Sequence[str]) -> int:
-        """Add ``amount`` to the existing ``usage_keys`` once; returns how many were charged."""
+    async def postflight(
+        self,
+        record_id: str,
+        amount: int,
+        usage_keys: Sequence[str],
+        *,
+        entry_key: str | None = None,
+        closed: str = "",
+    ) -> int:
+        """Add ``amount`` to the existing ``usage_keys`` once; returns how many were charged.
+
+        With ``entry_key``, the record's admission entry is closed in the same step: replaced
+        by ``closed`` if it still exists, or removed when ``closed`` is empty."""
+        ...
+
+    async def open_entries(self, entries_key: str) -> dict[str, str]:
+        """Every admission entry of one team: record id -> value."""
+        ...
+
+    async def close_entries(self, by_key: Mapping[str, Sequence[str]]) -> None:
+        """Remove admission entries (their records are in the ledger): entries key -> ids."""
         ...
 
     async def refresh(self, entries: Sequence[RefreshEntry]) -> None:
@@ -159,3 +188,23 @@ class Store(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class OwnerLog(Protocol):
+    """Which gateway processes are alive, for a shared store's admission entries: each owner
+    heartbeats a key with a TTL and lists the teams it wrote entries for."""
+
+    async def heartbeat(self, owners_key: str, alive_key: str, owner: str, ttl_ms: int) -> None:
+        """Mark ``owner`` alive for ``ttl_ms`` and listed among the owners."""
+        ...
+
+    async def add_member(self, key: str, member: str) -> None: ...
+
+    async def members(self, key: str) -> list[str]: ...
+
+    async def exists(self, key: str) -> bool: ...
+
+    async def remove_member(self, key: str, member: str) -> None: ...
+
+    async def delete(self, *keys: str) -> None: ...

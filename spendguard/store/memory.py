@@ -15,7 +15,7 @@ from ..clock import utcnow
 from ..errors import StoreFull
 from ..limits import Balance, Check, KeyPlan
 from ..limits.codec import LOADED_FIELD
-from .base import Outcome, Preflight, RefreshEntry, UsageFill, decide
+from .base import EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
 
 
 @dataclass(slots=True)
@@ -44,6 +44,9 @@ class MemoryStore:
         self._clock = clock
         self._usage: dict[str, _Usage] = {}
         self._policies: dict[str, _Policy] = {}
+        # Admission entries, as the Redis store keeps them (one process: a crash loses them
+        # with everything else, so the engine writes none here; kept for the one contract).
+        self._entries: dict[str, dict[str, str]] = {}
 
     # -- helpers --------------------------------------------------------------------------
     def _live_usage(self, key: str, now: datetime) -> _Usage | None:
@@ -74,7 +77,13 @@ class MemoryStore:
     async def start(self) -> None:
         pass
 
-    async def preflight(self, plan: KeyPlan) -> Preflight:
+    async def preflight(self, plan: KeyPlan, entry: EntryWrite | None = None) -> Preflight:
+        pf = self._preflight(plan)
+        if entry is not None and pf.outcome is Outcome.ALLOW:
+            self._entries.setdefault(entry.key, {})[entry.record_id] = entry.value
+        return pf
+
+    def _preflight(self, plan: KeyPlan) -> Preflight:
         now = self._clock()
         policy = self._live_policy(plan.policy_key, now)
         if policy is None:
@@ -116,7 +125,15 @@ class MemoryStore:
         for u in new_usage:
             self._usage[u.usage_key] = _Usage(u.settled, u.expires_at, limit=u.limit)
 
-    async def postflight(self, record_id: str, amount: int, usage_keys: Sequence[str]) -> int:
+    async def postflight(
+        self,
+        record_id: str,
+        amount: int,
+        usage_keys: Sequence[str],
+        *,
+        entry_key: str | None = None,
+        closed: str = "",
+    ) -> int:
         if not record_id:
             raise ValueError("record_id must not be empty")
         _check_amount(amount)
@@ -129,7 +146,22 @@ class MemoryStore:
             usage.markers[record_id] = amount
             usage.pending += amount
             applied += 1
+        if entry_key is not None:
+            entries = self._entries.get(entry_key, {})
+            if not closed:
+                entries.pop(record_id, None)
+            elif record_id in entries:
+                entries[record_id] = closed
         return applied
+
+    async def open_entries(self, entries_key: str) -> dict[str, str]:
+        return dict(self._entries.get(entries_key, {}))
+
+    async def close_entries(self, by_key: Mapping[str, Sequence[str]]) -> None:
+        for key, ids in by_key.items():
+            entries = self._entries.get(key, {})
+            for rid in ids:
+                entries.pop(rid, None)
 
     async def refresh(self, entries: Sequence[RefreshEntry]) -> None:
         for entry in entries:

@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from ..errors import ConfigurationError, StoreUnavailable
 from ..limits import Check, KeyPlan
-from .base import Outcome, Preflight, RefreshEntry, UsageFill, decide
+from .base import EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
 from .pipeline import ScriptPipeline, store_error
 
 log = logging.getLogger("spendguard.store")
@@ -139,9 +139,13 @@ class RedisStore:
         return self.pipeline.submit(self._scripts[name], keys, args)
 
     # -- Store ----------------------------------------------------------------------------
-    async def preflight(self, plan: KeyPlan) -> Preflight:
+    async def preflight(self, plan: KeyPlan, entry: EntryWrite | None = None) -> Preflight:
         keys = [plan.policy_key, *(c.usage_key for c in plan.checks)]
-        raw = await self._batched("preflight", keys, [c.field for c in plan.checks])
+        args = [c.field for c in plan.checks]
+        if entry is not None:
+            keys.append(entry.key)
+            args += (entry.record_id, entry.value)
+        raw = await self._batched("preflight", keys, args)
         if raw == 0:
             return Preflight(Outcome.MISS, missing_policy=True)
         checks: list[tuple[Check, int | None, int | None]] = []
@@ -171,11 +175,55 @@ class RedisStore:
             args += [_uint(u.settled), limit, _ms(u.expires_at)]
         await self._batched("fill", [plan.policy_key, *(u.usage_key for u in usage)], args)
 
-    async def postflight(self, record_id: str, amount: int, usage_keys: Sequence[str]) -> int:
-        if not usage_keys:
-            return 0
-        applied = await self._batched("postflight", usage_keys, [record_id, _uint(amount)])
-        return int(applied)
+    async def postflight(
+        self,
+        record_id: str,
+        amount: int,
+        usage_keys: Sequence[str],
+        *,
+        entry_key: str | None = None,
+        closed: str = "",
+    ) -> int:
+        if entry_key is None:
+            if not usage_keys:
+                return 0
+            args = [record_id, _uint(amount)]
+            keys = usage_keys
+        else:
+            args = [record_id, _uint(amount), closed]
+            keys = [*usage_keys, entry_key]
+        return int(await self._batched("postflight", keys, args))
+
+    async def open_entries(self, entries_key: str) -> dict[str, str]:
+        entries = await self._call(lambda: self._client.hgetall(entries_key))
+        return {str(k): str(v) for k, v in entries.items()}
+
+    async def close_entries(self, by_key: Mapping[str, Sequence[str]]) -> None:
+        for key, ids in by_key.items():  # one call per team keeps it cluster-safe
+            if ids:
+                await self._call(lambda key=key, ids=ids: self._client.hdel(key, *ids))  # type: ignore[misc]
+
+    # -- OwnerLog -------------------------------------------------------------------------
+    async def heartbeat(self, owners_key: str, alive_key: str, owner: str, ttl_ms: int) -> None:
+        await self._call(lambda: self._client.set(alive_key, "1", px=ttl_ms))
+        await self._call(lambda: self._client.sadd(owners_key, owner))
+
+    async def add_member(self, key: str, member: str) -> None:
+        await self._call(lambda: self._client.sadd(key, member))
+
+    async def members(self, key: str) -> list[str]:
+        found = await self._call(lambda: self._client.smembers(key))
+        return sorted(str(m) for m in found)
+
+    async def exists(self, key: str) -> bool:
+        return bool(await self._call(lambda: self._client.exists(key)))
+
+    async def remove_member(self, key: str, member: str) -> None:
+        await self._call(lambda: self._client.srem(key, member))
+
+    async def delete(self, *keys: str) -> None:
+        for key in keys:  # one call per key: they live in different slots
+            await self._call(lambda key=key: self._client.delete(key))  # type: ignore[misc]
 
     async def refresh(self, entries: Sequence[RefreshEntry]) -> None:
         if not entries:

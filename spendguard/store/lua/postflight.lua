@@ -1,22 +1,29 @@
 -- Postflight (design.md, "Invariants" 1, 2 and 5): add one record's estimate to the usage keys that exist, once.
 --
 -- KEYS[i]  a usage hash the preflight found policy-bearing
+-- KEYS[#KEYS]  (with ARGV[3]) the team's admission entries
 -- ARGV[1]  record id
 -- ARGV[2]  estimate in micro-USD (decimal string)
+-- ARGV[3]  (optional) the record, to replace its admission entry with ("" removes the entry:
+--          an inference that is not charged)
 --
 -- Everything is validated before the first write. A missing key is not created from 0 (the
 -- next preflight reloads it from the ledger). Per key the record leaves a marker r:<id> holding
 -- its estimate, next to the running pending total p: the marker makes a re-sent postflight a
 -- no-op and lets settlement subtract exactly this estimate later. A tombstone d:<id> means
 -- settlement already handled the record: a postflight arriving that late adds nothing.
-local rid, amount = ARGV[1], ARGV[2]
+local rid, amount, closed = ARGV[1], ARGV[2], ARGV[3]
+local nkeys = #KEYS
+if closed then
+  nkeys = nkeys - 1
+end
 if type(rid) ~= 'string' or #rid == 0 or #rid > 64 or string.find(rid, '[^%w%-_]') then
   return redis.error_reply('spendguard postflight: bad record id')
 end
 if type(amount) ~= 'string' or #amount == 0 or #amount > 18 or not string.match(amount, '^%d+$') then
   return redis.error_reply('spendguard postflight: bad amount')
 end
-for i = 1, #KEYS do
+for i = 1, nkeys do
   local t = redis.call('TYPE', KEYS[i])['ok']
   if t ~= 'hash' and t ~= 'none' then
     return redis.error_reply('spendguard postflight: not a usage key')
@@ -24,11 +31,20 @@ for i = 1, #KEYS do
 end
 local applied = 0
 local marker, tomb = 'r:' .. rid, 'd:' .. rid
-for i = 1, #KEYS do
+for i = 1, nkeys do
   if redis.call('EXISTS', KEYS[i]) == 1 and redis.call('HEXISTS', KEYS[i], tomb) == 0
       and redis.call('HSETNX', KEYS[i], marker, amount) == 1 then
     redis.call('HINCRBY', KEYS[i], 'p', amount)
     applied = applied + 1
+  end
+end
+-- The entry now holds the whole record until the ledger has it. An entry already gone was
+-- recovered (its gateway looked dead) or written: the record is in the ledger, leave it so.
+if closed then
+  if closed == '' then
+    redis.call('HDEL', KEYS[#KEYS], rid)
+  elseif redis.call('HEXISTS', KEYS[#KEYS], rid) == 1 then
+    redis.call('HSET', KEYS[#KEYS], rid, closed)
   end
 end
 return applied

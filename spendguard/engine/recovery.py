@@ -1,0 +1,125 @@
+"""Recovery of the admission entries a dead gateway left (design.md, "Durable records").
+
+A settling worker runs :meth:`Recovery.run_once` before it settles: for every owner that no
+longer heartbeats, each entry it left becomes a record (see :mod:`.entries`), written
+idempotently, and the entry goes once the ledger has it. The database being down leaves the
+entries where they are for the next pass; a record the database refuses for what it is is
+dropped loudly, like the recorder does, so it cannot block the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from .. import metrics
+from ..errors import LedgerBusy, LedgerUnavailable
+from ..ledger import Ledger
+from ..limits import KeyCodec
+from ..record import InferenceRecord
+from ..store import OwnerLog, Store
+from .costing import Coster
+from .entries import is_open, owner_of, recovered_record
+
+log = logging.getLogger("spendguard.recovery")
+
+
+class Recovery:
+    def __init__(
+        self,
+        ledger: Ledger,
+        store: Store,
+        owners: OwnerLog,
+        codec: KeyCodec,
+        coster: Coster,
+        *,
+        me: str,
+    ) -> None:
+        self._ledger = ledger
+        self._store = store
+        self._owners = owners
+        self._codec = codec
+        self._coster = coster
+        self._me = me
+
+    async def run_once(self) -> int:
+        """Recover the entries of every dead owner; returns the records written."""
+        codec, owners = self._codec, self._owners
+        written = 0
+        for owner in await owners.members(codec.owners_key()):
+            if owner == self._me or await owners.exists(codec.owner_alive_key(owner)):
+                continue
+            teams_key = codec.owner_teams_key(owner)
+            for team in await owners.members(teams_key):
+                written += await self._recover_team(owner, team)
+            # Every entry it left is in the ledger now (a failure above raised): forget it.
+            await owners.delete(teams_key)
+            await owners.remove_member(codec.owners_key(), owner)
+        return written
+
+    async def _recover_team(self, owner: str, team: str) -> int:
+        key = self._codec.entries_key(team)
+        entries = await self._store.open_entries(key)
+        records: list[InferenceRecord] = []
+        done: list[str] = []
+        for rid, value in entries.items():
+            if owner_of(value) != owner:
+                continue
+            try:
+                record = recovered_record(rid, value, 0)
+            except ValueError as exc:
+                log.error("spendguard dropped admission entry %s of team %s: %s", rid, team, exc)
+                done.append(rid)
+                continue
+            if is_open(value):
+                # Never finished: charged what admission allowed it to use.
+                estimate = self._coster.cost(record.model, record.usage)
+                record = dataclasses.replace(record, estimate_micros=estimate)
+            records.append(record)
+        if not records and not done:
+            return 0
+        written = await self._write(records)
+        done += [r.id for r in records]
+        await self._store.close_entries({key: done})
+        for r in written:
+            metrics.RECOVERED_RECORDS.labels("open" if r.status_code == 0 else "closed").inc()
+        if written:
+            log.warning(
+                "spendguard recovered %d records of team %s from gateway %s, which stopped "
+                "without writing them",
+                len(written),
+                team,
+                owner,
+            )
+        return len(written)
+
+    async def _write(self, records: list[InferenceRecord]) -> list[InferenceRecord]:
+        """Write idempotently; the records the database refuses while it answers are dropped
+        (ERROR log, counted). LedgerUnavailable when it is down: everything stays."""
+        try:
+            await self._ledger.insert_records(records)
+            return records
+        except LedgerBusy:
+            raise
+        except LedgerUnavailable:
+            pass
+        kept: list[InferenceRecord] = []
+        refused: list[InferenceRecord] = []
+        for record in records:
+            try:
+                await self._ledger.insert_records([record])
+                kept.append(record)
+            except LedgerBusy:
+                raise
+            except LedgerUnavailable:
+                refused.append(record)
+        if refused:
+            await self._ledger.ping()  # down after all: raise, keep every entry for later
+            for record in refused:
+                metrics.RECORDS_DROPPED.inc()
+                log.error(
+                    "spendguard dropped recovered record %s of team %s: the database refuses it",
+                    record.id,
+                    record.identity.team,
+                )
+        return kept
