@@ -17,7 +17,7 @@ from spendguard.errors import StoreFull
 from spendguard.identity import Identity
 from spendguard.limits import Balance, KeyCodec, KeyPlan, Period, Target, key_limit, team_limit
 from spendguard.limits.codec import field_of
-from spendguard.store import Outcome, RefreshEntry, Store, UsageFill
+from spendguard.store import EntryWrite, Outcome, RefreshEntry, Store, UsageFill
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
 from tests.support import Clock
@@ -330,3 +330,64 @@ async def test_pending_records_lists_the_markers_of_existing_keys(harness: Harne
     assert sorted(got[day]) == ["r1", "r2"] and got[month] == ["r1"] and absent not in got
     await harness.store.refresh([RefreshEntry(day, 5, ("r1",))])
     assert (await harness.store.pending_records([day]))[day] == ["r2"]
+
+
+ENTRIES = "quota:{acme}:spend:open"
+
+
+def entry(rid: str, value: str = "v") -> EntryWrite:
+    return EntryWrite(ENTRIES, rid, value)
+
+
+async def test_an_admission_entry_is_written_exactly_when_the_request_is_allowed(
+    harness: Harness,
+) -> None:
+    p = keys_for(harness)
+    store = harness.store
+    assert (await store.preflight(p, entry("miss"))).outcome is Outcome.MISS
+    await store.fill(p, {}, [], policy_ttl=60)  # no policy: allowed, so an entry too
+    assert (await store.preflight(p, entry("nopolicy"))).outcome is Outcome.ALLOW
+    await store.evict_policy(p.policy_key)
+    await store.fill(p, fields({KEY_DAY: 100}), [], policy_ttl=60)
+    pf = await store.preflight(p, entry("usage-miss"))  # the policy's usage key is absent
+    assert pf.outcome is Outcome.MISS
+    await warm(harness, p, {KEY_DAY: 100}, settled=99)
+    assert (await store.preflight(p, entry("allowed", "x"))).outcome is Outcome.ALLOW
+    await store.postflight("r1", 1, [usage_key(p, KEY_DAY)])
+    assert (await store.preflight(p, entry("denied"))).outcome is Outcome.DENY
+    assert await store.open_entries(ENTRIES) == {"nopolicy": "v", "allowed": "x"}
+
+
+@pytest.mark.parametrize("big", [2**53 - 7, 2**53 + 1, 9 * 10**17 - 1])
+async def test_the_entry_follows_the_exact_decision_near_2_pow_53(
+    harness: Harness, big: int
+) -> None:
+    """The script decides whether to write the entry on its own; it must agree with the
+    caller's exact integers even where a double can't tell the amounts apart."""
+    p = keys_for(harness)
+    bal = p.find(BALANCE)
+    fill = UsageFill(bal.usage_key, big - 1, bal.expires_at, limit=big)
+    await harness.store.fill(p, fields({BALANCE: 1}), [fill], policy_ttl=60)
+    assert (await harness.store.preflight(p, entry("under"))).outcome is Outcome.ALLOW
+    await harness.store.postflight("r1", 1, [bal.usage_key])  # used == topped up
+    assert (await harness.store.preflight(p, entry("at"))).outcome is Outcome.DENY
+    assert set(await harness.store.open_entries(ENTRIES)) == {"under"}
+
+
+async def test_postflight_closes_the_entry_and_close_entries_removes_it(
+    harness: Harness,
+) -> None:
+    p = keys_for(harness)
+    store = harness.store
+    await warm(harness, p, {KEY_DAY: 10**6})
+    day = usage_key(p, KEY_DAY)
+    for rid in ("a", "b", "c"):
+        assert (await store.preflight(p, entry(rid, f"open-{rid}"))).outcome is Outcome.ALLOW
+    assert await store.postflight("a", 5, [day], entry_key=ENTRIES, closed="rec-a") == 1
+    assert await store.postflight("b", 0, [], entry_key=ENTRIES) == 0  # not charged: removed
+    # An entry already gone (recovered or written) is not brought back by a late postflight.
+    assert await store.postflight("gone", 5, [day], entry_key=ENTRIES, closed="rec") == 1
+    assert await store.open_entries(ENTRIES) == {"a": "rec-a", "c": "open-c"}
+    assert await store.read_usage([day]) == {day: 10}
+    await store.close_entries({ENTRIES: ["a", "c", "never"]})
+    assert await store.open_entries(ENTRIES) == {}
