@@ -17,10 +17,16 @@ which of their records are settled, only to reconcile: on a process's first pass
 records settled before it started, by anyone, however long ago), when it may have fallen behind
 the journal's pruning, when what it holds to retry grew too large, and once an hour as a
 backstop.
+
+A reconcile also finds estimates whose record will never come: a marker whose record is neither
+in the ledger nor in an admission entry (a record the database refused and the recorder
+dropped). Seen so twice, at least ``_ORPHAN_AFTER_US`` apart (a record being written through
+as the first reconcile looked is in the ledger by the second), the estimate is removed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -56,6 +62,9 @@ _FULL_SYNC_US = 3600 * _SECOND_US
 # Records held for a refresh that keeps failing; beyond this the cache is reconciled instead.
 _MAX_PENDING = 200_000
 _TEAMS_PER_READ = 500
+# A marker with no record and no admission entry is removed when a reconcile this much later
+# finds it so again.
+_ORPHAN_AFTER_US = 60 * _SECOND_US
 
 
 @dataclass(slots=True)
@@ -174,6 +183,10 @@ class CacheSync:
         # Teams to reconcile by their markers; None: every team (a first pass, a backstop).
         self._unreconciled: set[str] | None = None
         self._reconciled_at = start
+        # Markers with neither a record nor an entry: record id -> when first seen so.
+        self._orphans_seen: dict[str, int] = {}
+        # Those to remove on the team's next refresh: team -> usage key -> record ids.
+        self._orphans: dict[str, dict[str, list[str]]] = {}
 
     # -- what happened in this process ----------------------------------------------------
     def settled(self, batch: Settlement) -> None:
@@ -274,22 +287,45 @@ class CacheSync:
         keys = await self._keys(now, None if whole else sorted(self._unreconciled or ()))
         failed: set[str] = set()
         asked: dict[str, str] = {}  # record id -> team
+        where: dict[str, tuple[str, str]] = {}  # record id -> (team, usage key), no entry
         for team, team_keys in keys.items():
             try:
                 markers = await self._store.pending_records([k.usage_key for k in team_keys])
+                # Read after the markers: an entry leaves only once its record is written.
+                entries = (
+                    await self._store.open_entries(self._codec.entries_key(team)) if markers else {}
+                )
             except SpendGuardError as exc:
                 log.warning("spendguard could not read pending estimates of %s: %s", team, exc)
                 failed.add(team)
                 continue
             held = self._pending.get(team, {})
-            for ids in markers.values():
-                asked.update((rid, team) for rid in ids if rid not in held)
+            for usage_key, ids in markers.items():
+                for rid in ids:
+                    if rid not in held:
+                        asked[rid] = team
+                        if rid not in entries:
+                            where[rid] = (team, usage_key)
         found = await self._ledger.settled_records(sorted(asked)) if asked else {}
         self._unreconciled = failed
         if whole:
             self._reconciled_at = now_us
         self._hold(found.values())  # after: holding too many asks for a reconcile again
+        unsettled = [rid for rid in where if rid not in found]
+        recorded = await self._ledger.recorded(unsettled) if unsettled else set()
+        self._note_orphans({rid: where[rid] for rid in unsettled if rid not in recorded}, now_us)
         return set(keys) - failed
+
+    def _note_orphans(self, orphans: dict[str, tuple[str, str]], now_us: int) -> None:
+        """Estimates whose record will never come: removed on their second sighting."""
+        seen, self._orphans_seen = self._orphans_seen, {}
+        for rid, (team, usage_key) in orphans.items():
+            first = seen.get(rid, now_us)
+            if now_us - first >= _ORPHAN_AFTER_US:
+                self._orphans.setdefault(team, {}).setdefault(usage_key, []).append(rid)
+                self._dirty.add(team)
+            else:
+                self._orphans_seen[rid] = first
 
     def _hold(self, records: Iterable[SettledRecord]) -> None:
         for rec in records:
@@ -340,9 +376,18 @@ class CacheSync:
     async def _refresh_team(self, team: str, keys: list[_Key], result: SyncResult) -> bool:
         """One store call for the team's keys; False when it failed (retried next pass)."""
         held = self._pending.get(team, {})
+        orphans = self._orphans.get(team, {})
         if keys:
+            entries = _entries(keys, held.values())
+            if orphans:
+                # Removed like a record whose postflight outcome is unknown: the marker goes
+                # with its estimate (a tombstone where there is none).
+                entries = [
+                    dataclasses.replace(e, unknown=(*e.unknown, *orphans.get(e.usage_key, ())))
+                    for e in entries
+                ]
             try:
-                await self._store.refresh(_entries(keys, held.values()))
+                await self._store.refresh(entries)
             except Exception as exc:
                 # The ledger is committed; a failed refresh must not undo it (retried), and one
                 # team's failure, whatever it is (the store down, or a value its script refuses),
@@ -357,6 +402,14 @@ class CacheSync:
                 )
                 return False
             result.teams_refreshed += 1
+        if orphans:
+            gone = sum(len(ids) for ids in self._orphans.pop(team).values())
+            log.warning(
+                "spendguard removed %d pending estimates of team %s whose records never "
+                "reached the ledger",
+                gone,
+                team,
+            )
         # Done, or nothing cached is the team's any more (no policy, no account).
         self._pending_count -= len(self._pending.pop(team, {}))
         return True

@@ -111,6 +111,17 @@ class RecordQueries(LedgerDatabase):
         assert row is not None  # an aggregate query always returns one row
         return int(row[0]), int(row[1])
 
+    async def recorded(self, record_ids: Sequence[str]) -> set[str]:
+        """Which of these records are in the ledger, settled or not."""
+        out: set[str] = set()
+        ids = list(dict.fromkeys(record_ids))
+        async with self._guard("record read"):
+            for start in range(0, len(ids), ROWS_PER_STATEMENT):
+                chunk = ids[start : start + ROWS_PER_STATEMENT]
+                query = sa.select(records.c.id).where(records.c.id.in_(chunk))
+                out.update(str(row[0]) for row in await self._db.fetch_all(query))
+        return out
+
     async def settled_records(self, record_ids: Sequence[str]) -> dict[str, SettledRecord]:
         """Which of these records are settled (by any worker, at any time), and where they
         count. The worker asks this of estimates its cache still holds."""

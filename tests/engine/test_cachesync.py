@@ -20,7 +20,7 @@ from spendguard.identity import Identity
 from spendguard.ledger import Ledger, SettledRecord
 from spendguard.limits import Limit, Period, Policy, key_limit
 from spendguard.record import PostflightStatus
-from spendguard.store import RefreshEntry
+from spendguard.store import EntryWrite, RefreshEntry
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
 from spendguard.usage import Usage
@@ -370,3 +370,32 @@ async def test_a_team_whose_refresh_fails_for_any_reason_does_not_stop_the_other
     assert (await guard.store.read_usage([other_key]))[other_key] == 60  # refreshed: charge
     assert await cached(guard) == 40  # acme: still its estimate, retried next pass
     assert "cache refresh failed for team acme" in caplog.text
+
+
+async def test_an_estimate_whose_record_never_comes_is_removed_on_its_second_sighting(
+    guard: SpendGuard,
+) -> None:
+    """A marker with no record in the ledger and no admission entry (a record the database
+    refused) would inflate usage until its key expires; a later reconcile removes it. Markers
+    whose record is in the ledger, or still in an entry, stay."""
+    await set_limit(guard, 10**9)
+    spent = await spend(guard, 1)  # recorded, not settled here: its estimate stays
+    await guard.recorder.flush()
+    key = day_key(guard)
+    store = guard.store
+    entries = guard.codec.entries_key(ALPHA.team)
+    plan = guard.codec.plan(ALPHA, guard.clock())
+    await store.preflight(plan, EntryWrite(entries, "inflight", "entry"))
+    assert await store.postflight("inflight", 5, [key], entry_key=entries, closed="rec") == 1
+    assert await store.postflight("ghost", 7, [key]) == 1
+    assert await store.postflight("coming", 11, [key]) == 1
+    await guard.ledger.insert_records([make_record("coming", guard.clock(), 11)])
+    before = await cached(guard)
+    worker = SettlementWorker(guard.ledger, store, guard.coster, guard.codec, settle=False,
+                              clock=guard.clock)  # fmt: skip
+    await worker.run_once()  # a first pass reconciles: the ghost is seen once
+    assert await cached(guard) == before
+    guard.clock.now += timedelta(hours=1, seconds=1)  # type: ignore[attr-defined]
+    await worker.run_once()  # the hourly reconcile sees it again: removed
+    assert await cached(guard) == before - 7
+    assert set((await store.pending_records([key]))[key]) == {"inflight", "coming", spent}
