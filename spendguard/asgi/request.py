@@ -73,6 +73,7 @@ def parse_request(body: bytes) -> InferenceRequest:
         max_tokens=_max_tokens(obj),
         # Walked only if the provider reports no usage: one pass over the body otherwise.
         estimate=partial(_estimate_input_tokens, obj),
+        size=len(body),
     )
 
 

@@ -79,7 +79,7 @@ class InferenceRequest:
     requests never walk their prompt a second time.
     """
 
-    __slots__ = ("_estimate", "_estimated", "max_tokens", "model", "stream")
+    __slots__ = ("_estimate", "_estimated", "max_tokens", "model", "size", "stream")
 
     def __init__(
         self,
@@ -89,10 +89,12 @@ class InferenceRequest:
         estimated_input_tokens: int | None = None,
         *,
         estimate: Callable[[], int] | None = None,
+        size: int = 0,
     ) -> None:
         if (estimated_input_tokens is None) == (estimate is None):
             raise TypeError("give estimated_input_tokens or estimate, not both or neither")
         self.model = model
+        self.size = size  # bytes of the request body, 0 when unknown
         self.stream = stream
         self.max_tokens = max_tokens  # output cap (the largest of the APIs' cap fields)
         self._estimated = estimated_input_tokens

@@ -18,13 +18,14 @@ Values are compact JSON arrays: written on every request, read only on recovery.
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from json.encoder import encode_basestring_ascii as _quote
 from typing import Final
 
-from ..clock import from_micros, to_micros
+from ..clock import from_micros
 from ..identity import Identity
 from ..record import InferenceRecord, PostflightStatus
 from ..usage import Usage
+from ..usage.types import chars_to_tokens
 from .decision import InferenceRequest
 
 # The output an open entry is charged when the request set no output cap: a crashed stream's
@@ -34,63 +35,53 @@ RECOVERED_OUTPUT_TOKENS: Final = 4096
 RECOVERED_STATUS: Final = 0
 
 _OPEN, _CLOSED = 1, 2
-_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True).encode
+
+
+def admission_tokens(request: InferenceRequest) -> tuple[int, int]:
+    """What an inference may use at most, as far as admission knows without walking the
+    prompt: the whole body's size in tokens (about 4 bytes each; the JSON around the prompt
+    only adds to it) and its output cap (or :data:`RECOVERED_OUTPUT_TOKENS`)."""
+    output = request.max_tokens if request.max_tokens is not None else RECOVERED_OUTPUT_TOKENS
+    size = request.size
+    return (chars_to_tokens(size) if size else request.estimated_input_tokens), output
 
 
 def admission_usage(request: InferenceRequest) -> Usage:
-    """What an inference may use at most, as far as admission knows: its prompt estimate and
-    its output cap (or :data:`RECOVERED_OUTPUT_TOKENS`)."""
-    output = request.max_tokens if request.max_tokens is not None else RECOVERED_OUTPUT_TOKENS
-    return Usage(input_tokens=request.estimated_input_tokens, output_tokens=output, estimated=True)
+    tokens_in, tokens_out = admission_tokens(request)
+    return Usage(input_tokens=tokens_in, output_tokens=tokens_out, estimated=True)
+
+
+def _text(value: str | None) -> str:
+    return "null" if value is None else _quote(value)
 
 
 def open_entry(
     owner: str,
     identity: Identity,
-    t0: datetime,
+    t0_us: int,
     inference_id: str,
     request: InferenceRequest,
     route: str,
 ) -> str:
-    usage = admission_usage(request)
-    return _dumps(
-        [
-            _OPEN,
-            owner,
-            to_micros(t0),
-            identity.team_id,
-            identity.api_key_id,
-            inference_id,
-            request.model,
-            route,
-            usage.input_tokens,
-            usage.output_tokens,
-        ]
+    """The entry preflight writes (JSON, built by hand: it is on every request's path)."""
+    tokens_in, tokens_out = admission_tokens(request)
+    return (
+        f"[{_OPEN},{_quote(owner)},{t0_us},{_quote(identity.team_id)},"
+        f"{_text(identity.api_key_id)},{_quote(inference_id)},{_quote(request.model)},"
+        f"{_quote(route)},{tokens_in},{tokens_out}]"
     )
 
 
-def closed_entry(owner: str, record: InferenceRecord) -> str:
+def closed_entry(owner: str, record: InferenceRecord, t0_us: int) -> str:
+    """The entry postflight leaves: the whole record."""
     u = record.usage
     identity = record.identity
-    return _dumps(
-        [
-            _CLOSED,
-            owner,
-            to_micros(record.t0),
-            identity.team_id,
-            identity.api_key_id,
-            record.inference_id,
-            record.model,
-            record.route,
-            u.input_tokens,
-            u.output_tokens,
-            record.status_code,
-            u.cached_input_tokens,
-            u.cache_write_tokens,
-            u.estimated,
-            record.estimate_micros,
-            record.postflight.value,
-        ]
+    return (
+        f"[{_CLOSED},{_quote(owner)},{t0_us},{_quote(identity.team_id)},"
+        f"{_text(identity.api_key_id)},{_quote(record.inference_id)},{_quote(record.model)},"
+        f"{_quote(record.route)},{u.input_tokens},{u.output_tokens},{record.status_code},"
+        f"{u.cached_input_tokens},{u.cache_write_tokens},{int(u.estimated)},"
+        f"{record.estimate_micros},{_quote(record.postflight.value)}]"
     )
 
 

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import re
@@ -28,7 +29,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from .. import metrics
-from ..clock import as_utc, utcnow
+from ..clock import as_utc, to_micros, utcnow
 from ..errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnavailable
 from ..identity import Identity
 from ..ledger import Ledger
@@ -402,7 +403,9 @@ class SpendGuard:
         entry: EntryWrite | None = None
         if request is not None and self._entries_on:
             entry_key = self.codec.entries_key(identity.team)
-            value = open_entry(self.owner, identity, t0, inference_id or record_id, request, route)
+            value = open_entry(
+                self.owner, identity, to_micros(t0), inference_id or record_id, request, route
+            )
             entry = EntryWrite(entry_key, record_id, value)
 
         def conclude(
@@ -535,21 +538,13 @@ class SpendGuard:
         status = PostflightStatus.SKIPPED
         keys = [limit.check.usage_key for limit in decision.limits]
         entry_key, closed = decision.entry_key, ""
+        # The record as it will be if postflight applies (the common case); the entry takes it
+        # whole (as applied when it has keys: a key that vanished meanwhile only makes
+        # settlement look for a marker that is not there).
+        expected = PostflightStatus.APPLIED if keys else PostflightStatus.SKIPPED
+        record = self._record(decision, model, route, status_code, usage, estimate, expected)
         if entry_key is not None:
-            # The entry takes the whole record (written as applied when it has keys: a key
-            # that vanished only makes settlement look for a marker that is not there).
-            closed = closed_entry(
-                self.owner,
-                self._record(
-                    decision,
-                    model,
-                    route,
-                    status_code,
-                    usage,
-                    estimate,
-                    PostflightStatus.APPLIED if keys else PostflightStatus.SKIPPED,
-                ),
-            )
+            closed = closed_entry(self.owner, record, to_micros(decision.t0))
         if keys or entry_key is not None:
             try:
                 # No deadline here: every store bounds its own calls (the Redis store by its
@@ -563,7 +558,8 @@ class SpendGuard:
             except Exception as exc:  # the response is already out; never fail the request
                 log.warning("spendguard postflight outcome unknown: %r", exc)
                 status = PostflightStatus.UNKNOWN if keys else PostflightStatus.SKIPPED
-        record = self._record(decision, model, route, status_code, usage, estimate, status)
+        if status is not expected:
+            record = dataclasses.replace(record, postflight=status)
         self.recorder.submit(record)
         if not self.running:
             # No lifespan ran (e.g. an ASGI test client without it): write through, slowly

@@ -13,6 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from spendguard import Identity, Settings, SpendGuard
+from spendguard.clock import to_micros
 from spendguard.engine.costing import Coster
 from spendguard.engine.decision import InferenceRequest
 from spendguard.engine.entries import (
@@ -21,6 +22,7 @@ from spendguard.engine.entries import (
     admission_usage,
     closed_entry,
     open_entry,
+    recovered_record,
 )
 from spendguard.engine.pricing import PriceTable
 from spendguard.engine.recovery import Recovery
@@ -38,6 +40,7 @@ from tests.support.sql import sql_rows
 pytestmark = pytest.mark.anyio
 
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=5)
+T0_US = to_micros(T0)
 ALPHA = Identity("acme", "alpha")
 CODEC = KeyCodec("quota", timedelta(days=2))
 ENTRIES = CODEC.entries_key(ALPHA.team)
@@ -86,9 +89,9 @@ async def test_a_dead_gateways_entries_become_records_once(
         store,
         "dead",
         {
-            "done1": closed_entry("dead", finished),
-            "cut1": open_entry("dead", ALPHA, T0, "inf-1", request(), ROUTE),
-            "cut2": open_entry("dead", ALPHA, T0, "inf-2", request(None), ROUTE),
+            "done1": closed_entry("dead", finished, T0_US),
+            "cut1": open_entry("dead", ALPHA, T0_US, "inf-1", request(), ROUTE),
+            "cut2": open_entry("dead", ALPHA, T0_US, "inf-2", request(None), ROUTE),
         },
         alive=False,
     )
@@ -115,9 +118,9 @@ async def test_a_dead_gateways_entries_become_records_once(
 async def test_a_live_gateways_entries_are_left_alone(
     ledger: Ledger, database_url: str, store: RedisStore
 ) -> None:
-    value = open_entry("live", ALPHA, T0, "inf", request(), ROUTE)
+    value = open_entry("live", ALPHA, T0_US, "inf", request(), ROUTE)
     await leave(store, "live", {"running": value}, alive=True)
-    await leave(store, "dead", {"other": open_entry("dead", ALPHA, T0, "i", request(), ROUTE)},
+    await leave(store, "dead", {"other": open_entry("dead", ALPHA, T0_US, "i", request(), ROUTE)},
                 alive=False)  # fmt: skip
     assert await Recovery(ledger, store, store, CODEC, coster(), me="me").run_once() == 1
     assert await store.open_entries(ENTRIES) == {"running": value}
@@ -127,7 +130,7 @@ async def test_a_live_gateways_entries_are_left_alone(
 async def test_entries_wait_while_the_database_is_down(
     ledger: Ledger, database_url: str, store: RedisStore
 ) -> None:
-    value = closed_entry("dead", make_record("r1", T0, 7))
+    value = closed_entry("dead", make_record("r1", T0, 7), T0_US)
     await leave(store, "dead", {"r1": value}, alive=False)
     down = Ledger("postgresql://nobody@127.0.0.1:1/none")
     with pytest.raises(LedgerUnavailable):
@@ -145,8 +148,8 @@ async def test_an_entry_the_database_refuses_is_dropped_not_blocking(
         store,
         "dead",
         {
-            "poison": closed_entry("dead", poison),
-            "good": closed_entry("dead", make_record("good", T0, 3)),
+            "poison": closed_entry("dead", poison, T0_US),
+            "good": closed_entry("dead", make_record("good", T0, 3), T0_US),
             "junk": "not an entry",
         },
         alive=False,
@@ -202,3 +205,17 @@ async def test_a_guard_without_a_heartbeat_writes_no_entry(sqlite_url: str, redi
         await guard.stop()
         await store.aclose()
     await anyio.lowlevel.checkpoint()
+
+
+def test_an_entry_round_trips_any_text_exactly() -> None:
+    """Entries are JSON built by hand: quotes, backslashes, control and non-ASCII characters
+    in ids and model names come back exactly."""
+    odd = Identity('a"b\\c\n\u2028é', None)
+    req = InferenceRequest('m"\x00\u00e9', True, 7, estimated_input_tokens=3, size=41)
+    value = open_entry("o", odd, T0_US, "inf\t1", req, "/r")
+    record = recovered_record("rid", value, 99)
+    assert (record.identity, record.model, record.inference_id) == (odd, req.model, "inf\t1")
+    assert (record.usage.input_tokens, record.usage.output_tokens) == (11, 7)  # 41 bytes
+    assert record.t0 == T0 and record.estimate_micros == 99
+    again = recovered_record("rid", closed_entry("o", record, T0_US), 0)
+    assert again == record
