@@ -77,11 +77,13 @@ async def cmd_policy_set(args: argparse.Namespace, ctx: Ctx) -> int:
     amount = _amount("--limit-usd", args.limit_usd, "a limit", allow_zero=True)
     # A bad id or amount is a ValueError naming what is wrong: exit code 2.
     policy = await ctx.admin.set_policy(
-        args.team, args.api_key, window=args.period, limit_usd=amount
+        args.team, args.api_key, window=args.period, limit_usd=amount, hard=args.mode == "hard"
     )
     who = f"team {policy.team_id}" + (f" key {policy.api_key_id}" if policy.api_key_id else "")
     window = policy.limit.window.value
-    _emit(args, _policy_json(policy), f"policy set: {who} {window} limit ${_usd(policy.amount)}")
+    mode = "hard" if policy.hard else "soft"
+    text = f"policy set: {who} {window} limit ${_usd(policy.amount)} ({mode})"
+    _emit(args, _policy_json(policy), text)
     return 0
 
 
@@ -234,6 +236,7 @@ def _policy_json(policy: Policy) -> dict[str, Any]:
         "period": policy.limit.window.value,
         "limit_micros": policy.amount,
         "limit_usd": _usd(policy.amount),
+        "mode": "hard" if policy.hard else "soft",
     }
 
 
@@ -259,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--api-key", default=None)
         p.add_argument("--period", required=True, choices=[x.value for x in Period])
     p_set.add_argument("--limit-usd", required=True, help="e.g. 5.00; 0 blocks everything")
+    p_set.add_argument(
+        "--mode",
+        choices=("soft", "hard"),
+        default="soft",
+        help="soft (default): admitted while usage is below the limit; hard: admitted only "
+        "if the request's worst-case cost fits, held until it ends",
+    )
     p_set.set_defaults(handler=cmd_policy_set)
     p_rm.set_defaults(handler=cmd_policy_rm)
     p_ls = pol.add_parser("ls", parents=[common], help="list active limits")

@@ -110,14 +110,18 @@ class Admin:
         *,
         window: Window | str,
         limit_usd: Decimal | str | int,
+        hard: bool = False,
     ) -> Policy:
-        """Create or change a limit (0 blocks everything); ValueError on a bad argument."""
+        """Create or change a limit (0 blocks everything); ValueError on a bad argument.
+
+        ``hard``: a request is admitted only if its worst-case cost fits under the limit (held
+        until it ends); soft (the default): admitted while usage is below it."""
         identity = Identity(team_id, api_key_id)
         limit = Limit(Subject(identity.team, identity.api_key), _window(window))
         amount = checked_amount(usd_to_micros(limit_usd), "a limit", allow_zero=True)
         now = self.clock()
         policy = await self.ledger.set_policy(
-            Policy(limit, amount, identity.team_id, identity.api_key_id), now=now
+            Policy(limit, amount, identity.team_id, identity.api_key_id, hard=hard), now=now
         )
         await self._sync(limit.team, "policy saved", activated=(limit, limit.window.bucket(now)))
         return policy

@@ -52,6 +52,7 @@ def _policy_of(m: Any) -> Policy:
         amount=int(m["limit_micros"]),
         team_id=m["team_id"],
         api_key_id=m["api_key_id"],
+        hard=bool(m["hard"]),
     )
 
 
@@ -83,6 +84,7 @@ class PolicyQueries(BalanceQueries):
                 api_key_id=_text(policy.api_key_id),
                 limit_micros=policy.amount,
                 active=True,
+                hard=policy.hard,
                 created_us=now_us,
                 updated_us=now_us,
             )
@@ -91,6 +93,7 @@ class PolicyQueries(BalanceQueries):
                 set_={
                     "limit_micros": stmt.excluded.limit_micros,
                     "active": True,
+                    "hard": stmt.excluded.hard,
                     "updated_us": stmt.excluded.updated_us,
                 },
             )

@@ -23,6 +23,9 @@ policies = sa.Table(
     sa.Column("api_key_id", sa.Text, nullable=True),
     sa.Column("limit_micros", sa.BigInteger, nullable=False),
     sa.Column("active", sa.Boolean, nullable=False),
+    # Added after the first release: databases created before get it at start (see
+    # LedgerDatabase._add_missing_columns).
+    sa.Column("hard", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("created_us", sa.BigInteger, nullable=False),
     sa.Column("updated_us", sa.BigInteger, nullable=False),
     sa.CheckConstraint("limit_micros >= 0", name="spendguard_policy_limit_nonneg"),

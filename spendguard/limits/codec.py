@@ -35,6 +35,8 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # Marks a policy hash as loaded from the ledger, so a missing field means "no policy" (negative
 # caching) instead of "not loaded yet".
 LOADED_FIELD = "_loaded"
+# A hard limit's field in the policy hash: this prefix and its soft field (``h:team:month``).
+HARD_PREFIX = "h:"
 # The policy-hash field saying the team has a prepaid account (its value is 1). The balance
 # itself lives in the balance key: t (topped up), s (settled charges), p (pending estimates).
 BALANCE_FIELD = "balance"
@@ -227,7 +229,10 @@ class KeyCodec:
         # A limit stored before amounts were bounded (or written to the table by hand) is
         # cached at the bound: above it no store script would take it, and every request of
         # the team would fail instead of being checked.
-        fields = {field_of(p.limit): min(p.amount, MAX_AMOUNT_MICROS) for p in policies}
+        fields = {
+            (HARD_PREFIX if p.hard else "") + field_of(p.limit): min(p.amount, MAX_AMOUNT_MICROS)
+            for p in policies
+        }
         if balance:
             fields[BALANCE_FIELD] = 1
         return fields

@@ -40,7 +40,8 @@ class Outcome(StrEnum):
 class LimitState:
     check: Check
     limit: int  # micro-USD (a balance: topped up)
-    used: int  # micro-USD: settled + pending
+    used: int  # micro-USD: settled + pending (holds included)
+    hard: bool = False  # a hard limit: a request must fit its hold under it
 
     @property
     def is_balance(self) -> bool:
@@ -87,26 +88,29 @@ class EntryWrite:
     value: str
 
 
-def decide(checks: Sequence[tuple[Check, int | None, int | None]]) -> Preflight:
+def decide(
+    checks: Sequence[tuple[Check, int | None, int | None, bool]], hold: int = 0
+) -> Preflight:
     """The preflight rule shared by every store, on exact integers.
 
     ``checks`` holds, in check order, (check, limit or None for no policy, usage or None
-    for an absent key). The first limit with usage >= limit denies; otherwise any absent key
-    of a policy-bearing check is a miss; otherwise the request is allowed. A balance is
-    the same comparison (limit = topped up, usage = charges settled plus pending), so it
-    denies once nothing is left.
+    for an absent key, hard). The first soft limit with usage >= limit, or hard limit with
+    usage + ``hold`` > limit, denies; otherwise any absent key of a policy-bearing check is a
+    miss; otherwise the request is allowed (and holds ``hold`` in every hard limit). A balance
+    is the same comparison (limit = topped up, usage = charges settled plus pending), so a soft
+    one denies once nothing is left, a hard one once the hold no longer fits.
     """
     checked: list[LimitState] = []
     missing: list[Check] = []
-    for check, limit, used in checks:
+    for check, limit, used, hard in checks:
         if limit is None:
             continue
         if used is None:
             missing.append(check)
             continue
-        state = LimitState(check, limit, used)
+        state = LimitState(check, limit, used, hard)
         checked.append(state)
-        if used >= limit:
+        if used + hold > limit if hard else used >= limit:
             return Preflight(Outcome.DENY, tuple(checked))
     if missing:
         return Preflight(Outcome.MISS, tuple(checked), missing_usage=tuple(missing))
@@ -123,9 +127,17 @@ class Store(Protocol):
         """Checks worth a warning at start (e.g. an eviction policy that can drop keys)."""
         ...
 
-    async def preflight(self, plan: KeyPlan, entry: EntryWrite | None = None) -> Preflight:
-        """Check every policy-bearing check of ``plan``; one round trip. With ``entry``,
-        an ALLOW also writes it, in the same atomic step."""
+    async def preflight(
+        self,
+        plan: KeyPlan,
+        entry: EntryWrite | None = None,
+        *,
+        record_id: str = "",
+        hold: int = 0,
+    ) -> Preflight:
+        """Check every policy-bearing check of ``plan``; one round trip. An ALLOW also, in
+        the same atomic step, holds ``hold`` for ``record_id`` (or ``entry``'s) in every hard
+        limit, and writes ``entry``."""
         ...
 
     async def fill(
@@ -143,13 +155,14 @@ class Store(Protocol):
     async def postflight(
         self,
         record_id: str,
-        amount: int,
+        amount: int | None,
         usage_keys: Sequence[str],
         *,
         entry_key: str | None = None,
         closed: str = "",
     ) -> int:
         """Add ``amount`` to the existing ``usage_keys`` once; returns how many were charged.
+        The record's holds in those keys are released first (``amount`` None: only that).
 
         With ``entry_key``, the record's admission entry is closed in the same step: replaced
         by ``closed`` if it still exists, or removed when ``closed`` is empty."""

@@ -139,21 +139,31 @@ class RedisStore:
         return self.pipeline.submit(self._scripts[name], keys, args)
 
     # -- Store ----------------------------------------------------------------------------
-    async def preflight(self, plan: KeyPlan, entry: EntryWrite | None = None) -> Preflight:
-        keys = [plan.policy_key, *(c.usage_key for c in plan.checks)]
-        args = [c.field for c in plan.checks]
+    async def preflight(
+        self,
+        plan: KeyPlan,
+        entry: EntryWrite | None = None,
+        *,
+        record_id: str = "",
+        hold: int = 0,
+    ) -> Preflight:
+        checks = plan.checks
+        keys = [plan.policy_key, *(c.usage_key for c in checks)]
+        args = [str(len(checks)), *(c.field for c in checks)]
         if entry is not None:
             keys.append(entry.key)
-            args += (entry.record_id, entry.value)
+            args += (entry.record_id, _uint(hold), entry.value)
+        else:
+            args += (record_id, _uint(hold))
         raw = await self._batched("preflight", keys, args)
         if raw == 0:
             return Preflight(Outcome.MISS, missing_policy=True)
-        checks: list[tuple[Check, int | None, int | None]] = []
-        for i, check in enumerate(plan.checks):
-            limit, settled, pending = raw[3 * i : 3 * i + 3]
+        found: list[tuple[Check, int | None, int | None, bool]] = []
+        for i, check in enumerate(checks):
+            limit, settled, pending, hard = raw[4 * i : 4 * i + 4]
             used = None if settled is None else int(settled) + int(pending or 0)
-            checks.append((check, None if limit is None else int(limit), used))
-        return decide(checks)
+            found.append((check, None if limit is None else int(limit), used, hard is not None))
+        return decide(found, hold)
 
     async def fill(
         self,
@@ -178,19 +188,20 @@ class RedisStore:
     async def postflight(
         self,
         record_id: str,
-        amount: int,
+        amount: int | None,
         usage_keys: Sequence[str],
         *,
         entry_key: str | None = None,
         closed: str = "",
     ) -> int:
+        charge = "-" if amount is None else _uint(amount)
         if entry_key is None:
             if not usage_keys:
                 return 0
-            args = [record_id, _uint(amount)]
+            args = [record_id, charge]
             keys = usage_keys
         else:
-            args = [record_id, _uint(amount), closed]
+            args = [record_id, charge, closed]
             keys = [*usage_keys, entry_key]
         return int(await self._batched("postflight", keys, args))
 
