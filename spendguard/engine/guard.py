@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable
 from contextlib import AsyncExitStack, suppress
 from datetime import datetime, timedelta
+from functools import partial
 from types import TracebackType
 
 import anyio
@@ -47,6 +48,7 @@ from .outage import OutageTracker
 from .pricing import PriceTable
 from .recorder import Recorder
 from .recovery import Recovery
+from .singleflight import SingleFlight
 from .worker import SettlementWorker
 
 log = logging.getLogger("spendguard")
@@ -102,6 +104,7 @@ class SpendGuard:
         self._owners: OwnerLog | None = None  # set at start for a shared store
         self._entries_on = False  # while this process's heartbeat is current
         self._entry_teams: set[str] = set()  # teams listed under this owner
+        self._registering: SingleFlight[None] = SingleFlight()
         self._unclosed: dict[str, list[str]] = {}  # entries key -> ids to remove again
         self._unreleased: list[Decision] = []  # uncharged admissions whose release failed
         self.worker = SettlementWorker(
@@ -220,6 +223,11 @@ class SpendGuard:
                 started = True
                 task_status.started()
             await anyio.sleep(self.settings.owner_ttl / _HEARTBEATS_PER_TTL)
+
+    async def _register(self, team: str) -> None:
+        assert self._owners is not None
+        await self._owners.add_member(self.codec.owner_teams_key(self.owner), team)
+        self._entry_teams.add(team)
 
     async def _records_written(self, records: list[InferenceRecord]) -> None:
         """The ledger has these records: their admission entries go (one call per team)."""
@@ -443,10 +451,9 @@ class SpendGuard:
 
         try:
             if entry is not None and identity.team not in self._entry_teams:
-                # Once per team and process: recovery finds entries through this list.
-                assert self._owners is not None
-                await self._owners.add_member(self.codec.owner_teams_key(self.owner), identity.team)
-                self._entry_teams.add(identity.team)
+                # Once per team and process (concurrent first requests share one call):
+                # recovery finds entries through this list.
+                await self._registering.do(identity.team, partial(self._register, identity.team))
             for _ in range(_MAX_FILL_ROUNDS):
                 pf = await self.store.preflight(plan, entry, record_id=record_id, hold=hold)
                 if len(self.outage):

@@ -391,3 +391,45 @@ async def test_postflight_closes_the_entry_and_close_entries_removes_it(
     assert await store.read_usage([day]) == {day: 10}
     await store.close_entries({ENTRIES: ["a", "c", "never"]})
     assert await store.open_entries(ENTRIES) == {}
+
+
+async def test_a_hard_limit_holds_each_admission_until_postflight(harness: Harness) -> None:
+    p = keys_for(harness)
+    store = harness.store
+    day = usage_key(p, KEY_DAY)
+    await store.fill(p, {"h:" + field_of(KEY_DAY): 100}, [], policy_ttl=60)
+    await store.fill(p, None, [UsageFill(day, 0, p.find(KEY_DAY).expires_at)], policy_ttl=60)
+    for rid in ("a", "b", "c"):
+        pf = await store.preflight(p, record_id=rid, hold=30)
+        assert pf.outcome is Outcome.ALLOW and pf.limits[0].hard
+    assert await store.read_usage([day]) == {day: 90}  # the holds count as usage
+    pf = await store.preflight(p, record_id="d", hold=30)  # 90 + 30 > 100
+    assert pf.outcome is Outcome.DENY and pf.denied is not None and pf.denied.hard
+    assert await store.postflight("a", 10, [day]) == 1  # hold 30 replaced by 10
+    assert await store.postflight("b", None, [day]) == 0  # not charged: released only
+    assert await store.read_usage([day]) == {day: 40}
+    assert (await store.preflight(p, record_id="e", hold=60)).outcome is Outcome.ALLOW  # 100
+    assert (await store.preflight(p, record_id="f", hold=1)).outcome is Outcome.DENY
+    # Settlement of a record drops its hold too (a postflight that never came).
+    await store.refresh([RefreshEntry(day, 10, ("a", "c", "e"))])
+    assert await store.read_usage([day]) == {day: 10}
+    assert not any((await store.pending_records([day])).values())  # no marker left
+
+
+async def test_soft_and_hard_limits_on_one_request(harness: Harness) -> None:
+    p = keys_for(harness)
+    limits = {"h:" + field_of(KEY_DAY): 1_000, field_of(TEAM_MONTH): 50}
+    fills = [UsageFill(c.usage_key, 0, c.expires_at) for c in p.checks if c.target in
+             (KEY_DAY, TEAM_MONTH)]  # fmt: skip
+    await harness.store.fill(p, limits, fills, policy_ttl=60)
+    pf = await harness.store.preflight(p, record_id="a", hold=400)
+    assert pf.outcome is Outcome.ALLOW
+    by_target = {s.check.target: s for s in pf.limits}
+    assert by_target[KEY_DAY].hard and not by_target[TEAM_MONTH].hard
+    # The soft limit is not held; the hard one is.
+    reads = await harness.store.read_usage([usage_key(p, KEY_DAY), usage_key(p, TEAM_MONTH)])
+    assert reads == {usage_key(p, KEY_DAY): 400, usage_key(p, TEAM_MONTH): 0}
+    await harness.store.postflight("a", 60, [usage_key(p, KEY_DAY), usage_key(p, TEAM_MONTH)])
+    pf = await harness.store.preflight(p, record_id="b", hold=400)
+    assert pf.outcome is Outcome.DENY and pf.denied is not None
+    assert pf.denied.check.target == TEAM_MONTH  # the soft limit is reached (60 >= 50)
