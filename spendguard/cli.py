@@ -163,6 +163,14 @@ async def cmd_balance_topup(args: argparse.Namespace, ctx: Ctx) -> int:
     return 0
 
 
+async def cmd_balance_mode(args: argparse.Namespace, ctx: Ctx) -> int:
+    account = await ctx.admin.set_balance_mode(args.team, hard=args.mode == "hard")
+    data = _balance_json(args.team, account.topped_up, account.charged)
+    data["mode"] = args.mode
+    _emit(args, data, f"team {args.team}: {args.mode} balance")
+    return 0
+
+
 async def cmd_balance_show(args: argparse.Namespace, ctx: Ctx) -> int:
     report: BalanceReport | None = await ctx.admin.balance(args.team)
     if report is None:
@@ -287,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     b_top.add_argument("--team", required=True)
     b_top.add_argument("--usd", required=True, help="e.g. 100")
     b_top.set_defaults(handler=cmd_balance_topup)
+    b_mode = bal.add_parser("mode", parents=[common], help="make a team's balance hard or soft")
+    b_mode.add_argument("--team", required=True)
+    b_mode.add_argument("--mode", required=True, choices=("soft", "hard"))
+    b_mode.set_defaults(handler=cmd_balance_mode)
     b_show = bal.add_parser("show", parents=[common], help="a team's balance")
     b_show.add_argument("--team", required=True)
     b_show.set_defaults(handler=cmd_balance_show)

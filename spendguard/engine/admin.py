@@ -158,6 +158,16 @@ class Admin:
         await self._sync(identity.team, "top-up saved", account=account)
         return account
 
+    async def set_balance_mode(self, team_id: str, *, hard: bool) -> Account:
+        """Make a team's prepaid account hard (a request is admitted only if its worst case
+        fits what is left, held until it ends) or soft; ValueError when it has no account."""
+        identity = Identity(team_id)
+        account = await self.ledger.set_balance_mode(identity.team, hard=hard)
+        if account is None:
+            raise ValueError(f"team {team_id!r} has no balance account (top it up first)")
+        await self._sync(identity.team, "balance mode saved")
+        return account
+
     async def balance(self, team_id: str) -> BalanceReport | None:
         """The team's account, or None when it has none (not balance-limited)."""
         identity = Identity(team_id)

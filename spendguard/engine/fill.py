@@ -76,7 +76,11 @@ class CacheFiller:
         fields: dict[str, int] | None = None
         if miss.missing_policy:
             policies, account, fresh = await self._policies(plan.team)
-            fields = self._codec.policy_fields(policies, balance=account is not None)
+            fields = self._codec.policy_fields(
+                policies,
+                balance=account is not None,
+                balance_hard=account is not None and account.hard,
+            )
             if not fresh:
                 # The ledger is down: only the policy hash. Usage keys normally outlive it; the
                 # next preflight names any that are missing, and only those need the ledger.

@@ -185,7 +185,10 @@ class LedgerDatabase:
 
 
 # (table, column, its DDL) added after the first release, in the order they were added.
-_ADDED_COLUMNS = (("spendguard_policies", "hard", "BOOLEAN NOT NULL DEFAULT FALSE"),)
+_ADDED_COLUMNS = (
+    ("spendguard_policies", "hard", "BOOLEAN NOT NULL DEFAULT FALSE"),
+    ("spendguard_balances", "hard", "BOOLEAN NOT NULL DEFAULT FALSE"),
+)
 
 
 class SqliteBusy(Exception):

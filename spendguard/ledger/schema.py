@@ -103,6 +103,9 @@ balances = sa.Table(
     sa.Column("charged_micros", sa.BigInteger, nullable=False),
     sa.Column("created_us", sa.BigInteger, nullable=False),
     sa.Column("updated_us", sa.BigInteger, nullable=False),
+    # A hard balance admits a request only if its worst case fits what is left. Added after
+    # the first release (see LedgerDatabase._add_missing_columns).
+    sa.Column("hard", sa.Boolean, nullable=False, server_default=sa.false()),
 )
 
 topups = sa.Table(

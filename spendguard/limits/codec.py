@@ -223,7 +223,9 @@ class KeyCodec:
         return stems
 
     @staticmethod
-    def policy_fields(policies: Iterable[Policy], *, balance: bool) -> dict[str, int]:
+    def policy_fields(
+        policies: Iterable[Policy], *, balance: bool, balance_hard: bool = False
+    ) -> dict[str, int]:
         """A team's policy hash: field -> amount (empty: "no policy"), plus the balance
         marker when the team has a prepaid account."""
         # A limit stored before amounts were bounded (or written to the table by hand) is
@@ -234,5 +236,5 @@ class KeyCodec:
             for p in policies
         }
         if balance:
-            fields[BALANCE_FIELD] = 1
+            fields[(HARD_PREFIX if balance_hard else "") + BALANCE_FIELD] = 1
         return fields

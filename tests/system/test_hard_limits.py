@@ -18,7 +18,7 @@ from spendguard.asgi.request import parse_request
 from spendguard.clock import utcnow
 from spendguard.engine.entries import worst_case
 from spendguard.identity import Identity
-from spendguard.limits import Period, key_limit
+from spendguard.limits import Balance, Period, Target, key_limit
 from spendguard.money import micros_to_usd
 from spendguard.store import Store
 from spendguard.store.memory import MemoryStore
@@ -73,15 +73,22 @@ class HeldUpstream:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("cap", ["limit", "balance"])
 async def test_200_concurrent_requests_admit_only_what_fits_a_hard_limit(
-    tmp_path: Path, store: Store
+    tmp_path: Path, store: Store, cap: str
 ) -> None:
     async with Gateway(tmp_path, utcnow, store=store) as gw:
         hold = worst_case(parse_request(json.dumps(BODY).encode()), gw.guard.coster)
         limit = FIT * hold
-        await gw.guard.admin.set_policy(
-            "acme", "alpha", window=Period.DAY, limit_usd=micros_to_usd(limit), hard=True
-        )
+        if cap == "limit":
+            await gw.guard.admin.set_policy(
+                "acme", "alpha", window=Period.DAY, limit_usd=micros_to_usd(limit), hard=True
+            )
+            target: Target = key_limit(Identity("acme", "alpha"), Period.DAY)
+        else:  # a prepaid account worth FIT worst cases
+            await gw.guard.admin.topup("acme", micros_to_usd(limit))
+            await gw.guard.admin.set_balance_mode("acme", hard=True)
+            target = Balance(Identity("acme").team)
         upstream = HeldUpstream()
         app = StateAuth(SpendGuardMiddleware(upstream, guard=gw.guard))
         statuses: list[int] = []
@@ -101,7 +108,7 @@ async def test_200_concurrent_requests_admit_only_what_fits_a_hard_limit(
                 assert upstream.arrived == FIT  # exactly the worst cases that fit
                 upstream.release.set()
         assert statuses.count(200) == FIT and statuses.count(429) == CONCURRENT - FIT
-        key = gw.guard.codec.check(key_limit(Identity("acme", "alpha"), Period.DAY), utcnow())
+        key = gw.guard.codec.check(target, utcnow())
         # The holds were replaced by the actual estimates: nothing else is held.
         per_request = ACTUAL_IN + ACTUAL_OUT
         assert (await store.read_usage([key.usage_key]))[key.usage_key] == FIT * per_request
