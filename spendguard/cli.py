@@ -163,6 +163,19 @@ async def cmd_balance_topup(args: argparse.Namespace, ctx: Ctx) -> int:
     return 0
 
 
+async def cmd_models(args: argparse.Namespace, ctx: Ctx) -> int:
+    if args.models_cmd == "ls":
+        lists = await ctx.admin.list_models(args.team)
+    else:
+        lists = await ctx.admin.allow_models(
+            args.team, args.api_key, args.models, allowed=args.models_cmd == "allow"
+        )
+    data = {"team": args.team, "lists": {key or "": pats for key, pats in lists.items()}}
+    lines = [f"{key or '(team)'}: {', '.join(pats)}" for key, pats in lists.items()]
+    _emit(args, data, "\n".join(lines) or "no model lists: every model is allowed")
+    return 0
+
+
 async def cmd_balance_mode(args: argparse.Namespace, ctx: Ctx) -> int:
     account = await ctx.admin.set_balance_mode(args.team, hard=args.mode == "hard")
     data = _balance_json(args.team, account.topped_up, account.charged)
@@ -287,6 +300,19 @@ def build_parser() -> argparse.ArgumentParser:
     use.add_argument("--team", required=True)
     use.add_argument("--api-key", default=None)
     use.set_defaults(handler=cmd_usage)
+
+    mod = sub.add_parser("models", help="which models a key or team may call").add_subparsers(
+        dest="models_cmd", required=True
+    )
+    for name, text in (("allow", "allow models (names or globs)"), ("rm", "stop allowing")):
+        m = mod.add_parser(name, parents=[common], help=text)
+        m.add_argument("--team", required=True)
+        m.add_argument("--api-key", default=None, help="a key's list (default: the team's)")
+        m.add_argument("models", nargs="+", metavar="MODEL", help="e.g. gpt-4o-mini 'claude-*'")
+        m.set_defaults(handler=cmd_models)
+    m_ls = mod.add_parser("ls", parents=[common], help="a team's model lists")
+    m_ls.add_argument("--team", required=True)
+    m_ls.set_defaults(handler=cmd_models)
 
     bal = sub.add_parser("balance", help="prepaid credit").add_subparsers(
         dest="balance_cmd", required=True

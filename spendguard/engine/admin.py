@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -28,6 +28,7 @@ from ..errors import StoreUnavailable
 from ..identity import Identity
 from ..ledger import Account, Ledger
 from ..limits import Balance, KeyCodec, Limit, Period, Policy, Subject, Window, window_of
+from ..limits.models import check_pattern
 from ..money import MAX_TOTAL_MICROS, checked_amount, micros_to_usd, usd_to_micros
 from ..store import RefreshEntry, Store
 
@@ -135,6 +136,34 @@ class Admin:
         removed = await self.ledger.remove_policy(limit)
         await self._sync(limit.team, "policy removed")
         return removed
+
+    # -- model access ---------------------------------------------------------------------
+    async def allow_models(
+        self, team_id: str, api_key_id: str | None, patterns: Sequence[str], *, allowed: bool = True
+    ) -> dict[str | None, list[str]]:
+        """Add model names or globs (``gpt-4o*``) to the list of a key (or, with no key, of
+        the team); ``allowed=False`` takes them off. A request must match every list that
+        applies to it (its key's and its team's); no list: any model. Returns the team's lists
+        (by API key id, None for the team). ValueError on a bad id or pattern."""
+        identity = Identity(team_id, api_key_id)
+        if not patterns:
+            raise ValueError("name at least one model or pattern")
+        checked = [check_pattern(p) for p in patterns]
+        await self.ledger.set_models(
+            identity.team,
+            identity.api_key,
+            team_id=identity.team_id,
+            api_key_id=identity.api_key_id,
+            patterns=checked,
+            allowed=allowed,
+            now=self.clock(),
+        )
+        await self._sync(identity.team, "model list saved")
+        return await self.list_models(team_id)
+
+    async def list_models(self, team_id: str) -> dict[str | None, list[str]]:
+        """The team's model lists: by encoded API key (None: the team's own list)."""
+        return await self.ledger.load_models(Identity(team_id).team)
 
     async def list_policies(self, team_id: str | None = None) -> list[Policy]:
         team = None if team_id is None else Identity(team_id).team

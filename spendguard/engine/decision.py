@@ -26,6 +26,7 @@ class Verdict(StrEnum):
     PASS = "pass"  # no identity, and unidentified requests may pass: not limited, not recorded
     UNAUTHENTICATED = "unauthenticated"  # no identity: 401
     UNPRICED = "unpriced"  # the model has no price and unknown models are rejected: 400
+    MODEL_NOT_ALLOWED = "model_not_allowed"  # not on the key's (or team's) model list: 403
 
 
 class Unavailable(StrEnum):

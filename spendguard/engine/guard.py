@@ -412,6 +412,7 @@ class SpendGuard:
         entry: EntryWrite | None = None
         # What a hard limit holds for this request until it ends (soft limits ignore it).
         hold = worst_case(request, self.coster) if request is not None else 0
+        model = request.model if request is not None else ""
         if request is not None and self._entries_on:
             entry_key = self.codec.entries_key(identity.team)
             value = open_entry(
@@ -455,7 +456,9 @@ class SpendGuard:
                 # recovery finds entries through this list.
                 await self._registering.do(identity.team, partial(self._register, identity.team))
             for _ in range(_MAX_FILL_ROUNDS):
-                pf = await self.store.preflight(plan, entry, record_id=record_id, hold=hold)
+                pf = await self.store.preflight(
+                    plan, entry, record_id=record_id, hold=hold, model=model
+                )
                 if len(self.outage):
                     self.outage.clear()  # the store answers again
                 if pf.outcome is Outcome.ALLOW:
@@ -464,6 +467,8 @@ class SpendGuard:
                     return conclude(Verdict.ALLOW, pf)
                 if pf.outcome is Outcome.DENY:
                     return conclude(Verdict.DENY, pf)
+                if pf.outcome is Outcome.MODEL:
+                    return conclude(Verdict.MODEL_NOT_ALLOWED, pf)
                 await self.filler.fill(plan, pf)
         except StoreFull as exc:
             log.error("spendguard store full, refusing: %s", exc)

@@ -31,6 +31,20 @@ policies = sa.Table(
     sa.CheckConstraint("limit_micros >= 0", name="spendguard_policy_limit_nonneg"),
 )
 
+# Models a key (api_key '') or a whole team (api_key '' and team-wide) may call: exact names or
+# globs. No active row for a subject: every model is allowed.
+model_access = sa.Table(
+    "spendguard_model_access",
+    metadata,
+    sa.Column("team", sa.String(100), primary_key=True),
+    sa.Column("api_key", sa.String(100), primary_key=True),  # '' = the whole team
+    sa.Column("pattern", sa.String(256), primary_key=True),
+    sa.Column("team_id", sa.Text, nullable=False),
+    sa.Column("api_key_id", sa.Text, nullable=True),
+    sa.Column("active", sa.Boolean, nullable=False),
+    sa.Column("updated_us", sa.BigInteger, nullable=False),
+)
+
 records = sa.Table(
     "spendguard_records",
     metadata,

@@ -34,6 +34,7 @@ class Outcome(StrEnum):
     ALLOW = "allow"
     DENY = "deny"
     MISS = "miss"
+    MODEL = "model"  # the model is on none of the lists that apply: nothing was checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,16 +135,18 @@ class Store(Protocol):
         *,
         record_id: str = "",
         hold: int = 0,
+        model: str = "",
     ) -> Preflight:
-        """Check every policy-bearing check of ``plan``; one round trip. An ALLOW also, in
-        the same atomic step, holds ``hold`` for ``record_id`` (or ``entry``'s) in every hard
-        limit, and writes ``entry``."""
+        """Check every policy-bearing check of ``plan``; one round trip. With ``model``,
+        first the model lists of the plan's team and key (MODEL: none admits it). An ALLOW
+        also, in the same atomic step, holds ``hold`` for ``record_id`` (or ``entry``'s) in
+        every hard limit, and writes ``entry``."""
         ...
 
     async def fill(
         self,
         plan: KeyPlan,
-        policies: Mapping[str, int] | None,
+        policies: Mapping[str, int | str] | None,
         usage: Sequence[UsageFill],
         *,
         policy_ttl: float,

@@ -15,6 +15,7 @@ from ..clock import utcnow
 from ..errors import StoreFull
 from ..limits import Balance, Check, KeyPlan
 from ..limits.codec import HARD_PREFIX, LOADED_FIELD
+from ..limits.models import ALLOW_PREFIX, allows
 from .base import EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
 
 
@@ -33,6 +34,7 @@ class _Usage:
 class _Policy:
     limits: dict[str, int]
     expires_at: datetime
+    models: dict[str, str] = field(default_factory=dict)  # allow field -> encoded list
 
 
 class MemoryStore:
@@ -85,8 +87,15 @@ class MemoryStore:
         *,
         record_id: str = "",
         hold: int = 0,
+        model: str = "",
     ) -> Preflight:
         _check_amount(hold)
+        if model:
+            policy = self._live_policy(plan.policy_key, self._clock())
+            if policy is not None and any(
+                not allows(policy.models[f], model) for f in plan.allow_fields if f in policy.models
+            ):
+                return Preflight(Outcome.MODEL)
         pf = self._preflight(plan, hold)
         if pf.outcome is Outcome.ALLOW:
             rid = entry.record_id if entry is not None else record_id
@@ -123,14 +132,18 @@ class MemoryStore:
     async def fill(
         self,
         plan: KeyPlan,
-        policies: Mapping[str, int] | None,
+        policies: Mapping[str, int | str] | None,
         usage: Sequence[UsageFill],
         *,
         policy_ttl: float,
     ) -> None:
         now = self._clock()
-        for value in list((policies or {}).values()) + [u.settled for u in usage]:
-            _check_amount(value)
+        amounts = {k: v for k, v in (policies or {}).items() if not k.startswith(ALLOW_PREFIX)}
+        models = {k: v for k, v in (policies or {}).items() if k.startswith(ALLOW_PREFIX)}
+        for value in [*amounts.values(), *(u.settled for u in usage)]:
+            _check_amount(value)  # type: ignore[arg-type]  # a str fails the check
+        if not all(isinstance(v, str) and v for v in models.values()):
+            raise ValueError("a model list must be a non-empty string")
         for u in usage:
             if u.limit is not None:
                 _check_amount(u.limit)
@@ -140,8 +153,12 @@ class MemoryStore:
         ]
         self._make_room(len(new_usage) + int(new_policy), now)
         if new_policy and policies is not None:
-            limits = {k: v for k, v in policies.items() if k != LOADED_FIELD}
-            self._policies[plan.policy_key] = _Policy(limits, now + timedelta(seconds=policy_ttl))
+            limits = {k: v for k, v in amounts.items() if k != LOADED_FIELD}
+            self._policies[plan.policy_key] = _Policy(
+                limits,  # type: ignore[arg-type]  # checked above: integers only
+                now + timedelta(seconds=policy_ttl),
+                {k: str(v) for k, v in models.items()},
+            )
         for u in new_usage:
             self._usage[u.usage_key] = _Usage(u.settled, u.expires_at, limit=u.limit)
 

@@ -146,18 +146,21 @@ class RedisStore:
         *,
         record_id: str = "",
         hold: int = 0,
+        model: str = "",
     ) -> Preflight:
         checks = plan.checks
         keys = [plan.policy_key, *(c.usage_key for c in checks)]
         args = [str(len(checks)), *(c.field for c in checks)]
+        rid = entry.record_id if entry is not None else record_id
+        args += (rid, _uint(hold), model, *plan.allow_fields)
         if entry is not None:
             keys.append(entry.key)
-            args += (entry.record_id, _uint(hold), entry.value)
-        else:
-            args += (record_id, _uint(hold))
+            args.append(entry.value)
         raw = await self._batched("preflight", keys, args)
         if raw == 0:
             return Preflight(Outcome.MISS, missing_policy=True)
+        if raw == "model":
+            return Preflight(Outcome.MODEL)
         found: list[tuple[Check, int | None, int | None, bool]] = []
         for i, check in enumerate(checks):
             limit, settled, pending, hard = raw[4 * i : 4 * i + 4]
@@ -168,7 +171,7 @@ class RedisStore:
     async def fill(
         self,
         plan: KeyPlan,
-        policies: Mapping[str, int] | None,
+        policies: Mapping[str, int | str] | None,
         usage: Sequence[UsageFill],
         *,
         policy_ttl: float,
@@ -179,7 +182,7 @@ class RedisStore:
         else:
             args += [str(max(1, int(policy_ttl * 1000))), str(len(policies))]
             for field, value in policies.items():
-                args += [field, _uint(value)]
+                args += [field, value if isinstance(value, str) else _uint(value)]
         for u in usage:
             limit = "-" if u.limit is None else _uint(u.limit)
             args += [_uint(u.settled), limit, _ms(u.expires_at)]

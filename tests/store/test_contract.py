@@ -433,3 +433,42 @@ async def test_soft_and_hard_limits_on_one_request(harness: Harness) -> None:
     pf = await harness.store.preflight(p, record_id="b", hold=400)
     assert pf.outcome is Outcome.DENY and pf.denied is not None
     assert pf.denied.check.target == TEAM_MONTH  # the soft limit is reached (60 >= 50)
+
+
+@pytest.mark.parametrize(
+    ("model", "outcome"),
+    [
+        ("gpt-4o-mini", Outcome.ALLOW),  # on the key's list and the team's
+        ("gpt-4o", Outcome.MODEL),  # the team's list, not the key's
+        ("claude-3-x", Outcome.MODEL),  # the team's list, not the key's
+        ("o1", Outcome.MODEL),  # neither
+        ("a.b", Outcome.ALLOW),  # a glob's dot is a dot...
+        ("axb", Outcome.MODEL),  # ...not any character
+        ("50%(off)", Outcome.ALLOW),  # Lua's magic characters are literal
+    ],
+)
+async def test_model_lists_admit_only_what_every_list_allows(
+    harness: Harness, model: str, outcome: Outcome
+) -> None:
+    p = keys_for(harness)
+    lists = {
+        "allow:": "gpt-4o*\nclaude-?-x\na.b\n50%(off)",
+        "allow:alpha": "gpt-4o-mini\nclaude-9-*\na.b\n5?%(*)",
+    }
+    await harness.store.fill(p, {**fields({KEY_DAY: 10**6}), **lists}, [], policy_ttl=60)
+    await warm(harness, p, {KEY_DAY: 10**6})
+    pf = await harness.store.preflight(p, entry("r", "v"), hold=5, model=model)
+    assert pf.outcome is outcome
+    # A refused model touches nothing: no hold, no entry.
+    written = await harness.store.open_entries(ENTRIES)
+    used = await harness.store.read_usage([usage_key(p, KEY_DAY)])
+    assert (written == {}) == (outcome is Outcome.MODEL)
+    assert used == {usage_key(p, KEY_DAY): 0}  # soft limit: no hold either way
+
+
+async def test_a_team_list_applies_to_keys_without_one(harness: Harness) -> None:
+    p = keys_for(harness, key="beta")
+    await harness.store.fill(p, {"allow:": "gpt-*"}, [], policy_ttl=60)
+    assert (await harness.store.preflight(p, model="gpt-x")).outcome is Outcome.ALLOW
+    assert (await harness.store.preflight(p, model="claude")).outcome is Outcome.MODEL
+    assert (await harness.store.preflight(p)).outcome is Outcome.ALLOW  # no model: not checked

@@ -9,7 +9,13 @@
 -- ARGV[1+i]  the policy field of candidate i (team:month, api_key:<key>:day, balance, ...)
 -- ARGV[n+2]  the record id ("" with no entry and no hold)
 -- ARGV[n+3]  the hold in micro-USD a hard limit must fit (the request's worst case)
--- ARGV[n+4]  (optional) the entry's value
+-- ARGV[n+4]  the requested model ("" checks no model list)
+-- ARGV[n+5], ARGV[n+6]  the policy fields of the team's and the key's model lists
+-- ARGV[n+7]  (optional) the entry's value
+--
+-- A model list is newline-separated globs (* any run, ? any one byte, the rest literal); a
+-- request whose model matches no glob of a list that exists gets "model" back, and nothing is
+-- read or written further.
 --
 -- A limit is soft under its field, hard under "h:" .. field. Returns 0 when the policy hash is
 -- absent (a miss: the caller loads it from the ledger). Otherwise a flat list, 4 entries per
@@ -25,13 +31,38 @@
 -- its entry, so a gateway killed while the request runs cannot lose it. Amounts are compared
 -- exactly, as decimal strings when they are too long for a double.
 local n = tonumber(ARGV[1])
-if n == nil or #KEYS < n + 1 or #ARGV < n + 3 then
+if n == nil or #KEYS < n + 1 or #ARGV < n + 6 then
   return redis.error_reply('spendguard preflight: argument count')
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
 end
-local rid, hold, entry = ARGV[n + 2], ARGV[n + 3], ARGV[n + 4]
+local rid, hold, model, entry = ARGV[n + 2], ARGV[n + 3], ARGV[n + 4], ARGV[n + 7]
+
+local function glob_matches(glob, name)
+  local pattern = string.gsub(glob, '[%^%$%(%)%%%.%[%]%+%-]', '%%%0')
+  pattern = string.gsub(pattern, '%*', '.*')
+  pattern = string.gsub(pattern, '%?', '.')
+  return string.find(name, '^' .. pattern .. '$') ~= nil
+end
+if model ~= '' then
+  local lists = redis.call('HMGET', KEYS[1], ARGV[n + 5], ARGV[n + 6])
+  for i = 1, 2 do
+    local list = lists[i]
+    if list then
+      local allowed = false
+      for glob in string.gmatch(list, '[^\n]+') do
+        if glob_matches(glob, model) then
+          allowed = true
+          break
+        end
+      end
+      if not allowed then
+        return 'model'
+      end
+    end
+  end
+end
 
 local function add(a, b)
   local out, carry, i, j = {}, 0, #a, #b
