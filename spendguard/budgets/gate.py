@@ -133,7 +133,7 @@ class BudgetGate:
         self.source = source
         self.prices = prices
         self.redis = redis_store
-        self.memory = memory_store or MemoryBudgetStore()
+        self.memory = memory_store if memory_store is not None else MemoryBudgetStore()
         # Fail open: what a replica admits while Redis is down, bounded (full: refused).
         self.fallback = MemoryBudgetStore(max_buckets=fallback_max_buckets)
         self.overrides = overrides

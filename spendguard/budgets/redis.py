@@ -90,7 +90,8 @@ class RedisBudgetStore:
     def _base(self, bucket: Bucket) -> str:
         return f"{self._prefix}:{{{bucket.tag}}}:budget"
 
-    def _keys(self, bucket: Bucket, windows: Sequence[BudgetWindow]) -> list[str]:
+    def keys(self, bucket: Bucket, windows: Sequence[BudgetWindow]) -> list[str]:
+        """The bucket's keys: holds, expiry, then one per window (one hash tag, one slot)."""
         base = self._base(bucket)
         return [
             f"{base}:holds",
@@ -141,7 +142,7 @@ class RedisBudgetStore:
                     "-" if lim.tokens is None else str(lim.tokens),
                     "-" if lim.cost_micros is None else str(lim.cost_micros),
                 ]
-            keys = self._keys(call.bucket, call.windows)
+            keys = self.keys(call.bucket, call.windows)
             pending.append(self.pipeline.submit(self._scripts["reserve"], keys, args))
         out = []
         for raw in await self._gather(pending):
@@ -167,7 +168,7 @@ class RedisBudgetStore:
         pending = [
             self.pipeline.submit(
                 self._scripts["commit"],
-                self._keys(call.bucket, call.windows),
+                self.keys(call.bucket, call.windows),
                 head + [str(w.slice_ms) for w in call.windows],
             )
             for call in calls
@@ -176,14 +177,14 @@ class RedisBudgetStore:
 
     async def release(self, buckets: Sequence[Bucket], hold_id: str) -> None:
         pending = [
-            self.pipeline.submit(self._scripts["release"], self._keys(b, ()), [hold_id])
+            self.pipeline.submit(self._scripts["release"], self.keys(b, ()), [hold_id])
             for b in buckets
         ]
         await self._gather(pending)
 
     async def inspect(self, call: BucketCheck, now_ms: int) -> BucketUsage:
         script = self._scripts["inspect"]
-        keys = self._keys(call.bucket, call.windows)
+        keys = self.keys(call.bucket, call.windows)
         args = [str(now_ms), *(str(w.slice_ms) for w in call.windows)]
         raw = await self._call(lambda: script(keys=keys, args=args))
         values = [int(x) for x in raw]
@@ -193,7 +194,7 @@ class RedisBudgetStore:
         return BucketUsage(call.bucket, values[0], values[1], rows)
 
     async def reset(self, bucket: Bucket, windows: Sequence[BudgetWindow]) -> None:
-        keys = self._keys(bucket, windows)[2:]
+        keys = self.keys(bucket, windows)[2:]
         if keys:
             await self._call(lambda: self._client.delete(*keys))
 
