@@ -20,13 +20,16 @@ from datetime import datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from ..clock import to_micros, utcnow
-from ..errors import StoreFull, StoreUnavailable
+import anyio
+
+from ..clock import from_micros, to_micros, utcnow
+from ..errors import LedgerUnavailable, StoreFull, StoreUnavailable
 from ..identity import Identity, encode_id
 from ..ledger import BudgetOverride, Ledger
 from ..usage import Usage
 from . import metrics
 from .config import (
+    SLICES,
     BudgetLimit,
     BudgetsConfig,
     BudgetWindow,
@@ -48,6 +51,8 @@ log = logging.getLogger("spendguard.budgets")
 
 _SCOPE_RANK = {Scope.PER_API_KEY: 0, Scope.PER_MODEL: 1, Scope.GLOBAL: 2}
 OUTAGE_RETRY_AFTER = 5
+
+EnsureConnected = Callable[[], Awaitable[None]]
 
 HEADER_LIMIT = b"x-budget-api-key-limit"
 HEADER_REMAINING = b"x-budget-api-key-remaining"
@@ -128,9 +133,15 @@ class BudgetGate:
         memory_store: MemoryBudgetStore | None = None,
         fallback_max_buckets: int = 10_000,
         overrides: OverrideCache | None = None,
+        ledger: Ledger | None = None,
+        ensure_connected: EnsureConnected | None = None,
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.source = source
+        self.ledger = ledger  # where a bucket Redis lost is rebuilt from
+        # One rebuild per lost bucket at a time in this process; the others wait for it.
+        self._rebuilding: dict[Bucket, anyio.Event] = {}
+        self._ensure_connected = ensure_connected
         self.prices = prices
         self.redis = redis_store
         self.memory = memory_store if memory_store is not None else MemoryBudgetStore()
@@ -214,7 +225,7 @@ class BudgetGate:
         )
         store = self.store_for(config)
         try:
-            answers = await store.reserve(calls, hold)
+            answers = await self._reserve(store, calls, hold, model)
         except StoreFull:
             return self._tracker_full(calls, model)
         except StoreUnavailable as exc:
@@ -241,6 +252,80 @@ class BudgetGate:
         if default_key:
             admission.headers = _key_headers(calls[0], answers[0], now_ms)
         return admission
+
+    async def _reserve(
+        self, store: BudgetStore, calls: tuple[BucketCheck, ...], hold: Hold, model: str
+    ) -> list[Reserved]:
+        answers = await store.reserve(calls, hold)
+        unseeded = [i for i, a in enumerate(answers) if a.unseeded]
+        if unseeded:  # Redis lost these buckets: rebuild them, then ask them again
+            lost = [calls[i] for i in unseeded]
+            await self._rebuild(store, lost, model, hold)
+            for i, answer in zip(unseeded, await store.reserve(lost, hold), strict=True):
+                answers[i] = answer
+        return answers
+
+    async def _rebuild(
+        self, store: BudgetStore, calls: list[BucketCheck], model: str, hold: Hold
+    ) -> None:
+        """Seed buckets Redis lost (a restart, a flush) from the ledger's records instead of
+        starting them from zero. A ledger that can't be read either: they start from zero."""
+        for call in calls:
+            running = self._rebuilding.get(call.bucket)
+            if running is not None:
+                await running.wait()
+                continue
+            done = self._rebuilding[call.bucket] = anyio.Event()
+            try:
+                await self._rebuild_one(store, call, model, hold)
+            finally:
+                del self._rebuilding[call.bucket]
+                done.set()
+
+    async def _rebuild_one(
+        self, store: BudgetStore, call: BucketCheck, model: str, hold: Hold
+    ) -> None:
+        try:
+            slices = await self._used_slices(call, model, hold.now_ms)
+        except (LedgerUnavailable, TimeoutError) as exc:
+            log.warning("budget bucket lost by Redis starts from zero (ledger: %r)", exc)
+            slices = [[] for _ in call.windows]
+        await store.seed(call, slices, hold.ttl_ms)
+        log.info("budget bucket %s rebuilt from the ledger", call.bucket.scope.value)
+
+    async def _used_slices(
+        self, call: BucketCheck, model: str, now_ms: int
+    ) -> list[list[tuple[int, int, int]]]:
+        """Per window, the (slice, tokens, cost) its bucket counted, from the records."""
+        if self.ledger is None:
+            return [[] for _ in call.windows]
+        if self._ensure_connected is not None:
+            await self._ensure_connected()
+        bucket = call.bucket
+        filters: dict[str, str] = {}
+        if bucket.scope is Scope.PER_API_KEY:
+            filters["team"], _, filters["api_key"] = bucket.subject.partition(":")
+        elif bucket.scope is Scope.PER_MODEL:
+            filters["model"] = model
+        out = []
+        for window in call.windows:
+            slice_ms = window.slice_ms
+            first = (now_ms // slice_ms - SLICES + 1) * slice_ms
+            rows = await self.ledger.used_slices(
+                since=from_micros(first * 1000), slice_us=slice_ms * 1000, **filters
+            )
+            merged: dict[int, list[int]] = {}
+            for row in rows:
+                u = row.usage
+                tokens = u.input_tokens + u.output_tokens + u.cached_input_tokens
+                tokens += u.cache_write_tokens
+                price = self.prices.lookup(row.model)
+                cost = 0 if price is None else int(price.cost(u))
+                entry = merged.setdefault(row.start_us // 1000 // slice_ms, [0, 0])
+                entry[0] += tokens
+                entry[1] += cost
+            out.append([(idx, t, c) for idx, (t, c) in sorted(merged.items())])
+        return out
 
     def _deny(
         self, admission: BudgetAdmission, denied: list[tuple[int, Reserved]], model: str
@@ -377,9 +462,6 @@ def _key_headers(
     )
 
 
-EnsureConnected = Callable[[], Awaitable[None]]
-
-
 def make_gate(
     source: BudgetsSource,
     prices: PriceTable,
@@ -400,7 +482,9 @@ def make_gate(
     if redis_url is not None:
         from .redis import RedisBudgetStore
 
-        redis_store = RedisBudgetStore.from_url(redis_url, prefix=key_prefix, timeout=redis_timeout)
+        redis_store = RedisBudgetStore.from_url(
+            redis_url, prefix=key_prefix, timeout=redis_timeout, require_seed=ledger is not None
+        )
     overrides = (
         OverrideCache(ledger, ttl=override_ttl, ensure_connected=ensure_connected)
         if ledger is not None
@@ -413,5 +497,7 @@ def make_gate(
         memory_store=MemoryBudgetStore(max_buckets=memory_max_buckets),
         fallback_max_buckets=fallback_max_buckets,
         overrides=overrides,
+        ledger=ledger,
+        ensure_connected=ensure_connected,
         clock=clock,
     )

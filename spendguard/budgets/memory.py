@@ -161,6 +161,11 @@ class MemoryBudgetStore:
                 slices.tokens[idx] = slices.tokens.get(idx, 0) + tokens
                 slices.cost[idx] = slices.cost.get(idx, 0) + cost
 
+    async def seed(
+        self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
+    ) -> bool:
+        return False  # never unseeded: a process's counters live and die with it
+
     async def release(self, buckets: Sequence[Bucket], hold_id: str) -> None:
         for bucket in buckets:
             state = self._buckets.get(bucket)

@@ -36,7 +36,7 @@ from .config import BudgetWindow, Unit
 from .store import Bucket, BucketCheck, BucketUsage, Hold, Reserved, WindowUsage
 
 T = TypeVar("T")
-_SCRIPTS = ("reserve", "commit", "release", "inspect")
+_SCRIPTS = ("reserve", "commit", "release", "inspect", "seed")
 _UNITS = {1: Unit.TOKENS, 2: Unit.COST}
 
 
@@ -74,8 +74,16 @@ class RedisBudgetStore:
     shared = True
 
     def __init__(
-        self, client: aioredis.Redis | RedisCluster, *, prefix: str, timeout: float = 0.5
+        self,
+        client: aioredis.Redis | RedisCluster,
+        *,
+        prefix: str,
+        timeout: float = 0.5,
+        require_seed: bool = False,
     ) -> None:
+        # require_seed: a bucket Redis has no marker for is answered "unseeded" so the engine
+        # rebuilds it from the ledger (after a restart) instead of starting from zero.
+        self._require_seed = require_seed
         self._client = client
         self._prefix = prefix
         self._timeout = timeout
@@ -83,8 +91,12 @@ class RedisBudgetStore:
         self.pipeline = ScriptPipeline(client, timeout=timeout)
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str, timeout: float = 0.5) -> RedisBudgetStore:
-        return cls(client_for(url, timeout), prefix=prefix, timeout=timeout)
+    def from_url(
+        cls, url: str, *, prefix: str, timeout: float = 0.5, require_seed: bool = False
+    ) -> RedisBudgetStore:
+        return cls(
+            client_for(url, timeout), prefix=prefix, timeout=timeout, require_seed=require_seed
+        )
 
     # -- key names ------------------------------------------------------------------------
     def _base(self, bucket: Bucket) -> str:
@@ -131,6 +143,7 @@ class RedisBudgetStore:
             str(hold.cost),
             "1" if hold.count_cost else "0",
             str(hold.ttl_ms),
+            "1" if self._require_seed else "0",
         ]
         pending = []
         for call in calls:
@@ -146,7 +159,9 @@ class RedisBudgetStore:
             pending.append(self.pipeline.submit(self._scripts["reserve"], keys, args))
         out = []
         for raw in await self._gather(pending):
-            if int(raw[0]) == 1:
+            if int(raw[0]) == -1:
+                out.append(Reserved(False, unseeded=True))
+            elif int(raw[0]) == 1:
                 out.append(Reserved(True, tuple(int(x) for x in raw[1:])))
             else:
                 unit = _UNITS[int(raw[2])]
@@ -174,6 +189,19 @@ class RedisBudgetStore:
             for call in calls
         ]
         await self._gather(pending)
+
+    async def seed(
+        self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
+    ) -> bool:
+        args = [str(ttl_ms)]
+        for rows in slices:
+            args.append(str(len(rows)))
+            for idx, tokens, cost in rows:
+                args += [str(idx), str(tokens), str(cost)]
+        # Pipelined like the hot calls: after a restart every request finds its buckets lost at
+        # once, and one connection per seed would exhaust the pool.
+        keys = self.keys(call.bucket, call.windows)
+        return bool(int(await self.pipeline.submit(self._scripts["seed"], keys, args)))
 
     async def release(self, buckets: Sequence[Bucket], hold_id: str) -> None:
         pending = [

@@ -78,6 +78,7 @@ class Reserved:
     window: int = -1
     unit: Unit = Unit.TOKENS
     retry_ms: int = 0
+    unseeded: bool = False  # Redis lost the bucket: rebuild it from the ledger, then retry
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,13 @@ class BudgetStore(Protocol):
 
     async def reset(self, bucket: Bucket, windows: Sequence[BudgetWindow]) -> None:
         """Forget the committed usage of ``windows`` (holds stay: their requests still end)."""
+        ...
+
+    async def seed(
+        self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
+    ) -> bool:
+        """Fill a bucket the store lost with rebuilt usage: per window, (slice index, tokens,
+        cost) triples. False when another process seeded it first (nothing written)."""
         ...
 
     async def buckets(self) -> list[Bucket]:

@@ -12,7 +12,7 @@ cache sync) and :mod:`.reports` (CLI reports). Callers pass and get typed values
 from __future__ import annotations
 
 from .balances import Account
-from .budgets import BudgetOverride, BudgetQueries, UsedRecord
+from .budgets import BudgetOverride, BudgetQueries, UsedSlice
 from .journal import JournalQueries, SettledRecord
 from .policies import Aggregate, PolicyQueries
 from .records import RecordQueries
@@ -40,5 +40,5 @@ __all__ = [
     "SettledRecord",
     "Settlement",
     "SpendRow",
-    "UsedRecord",
+    "UsedSlice",
 ]

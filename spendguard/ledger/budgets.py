@@ -1,9 +1,8 @@
 """What the budgets section keeps in the ledger: per-key token budgets (overrides of the fleet
-default), and the records a lost Redis bucket is rebuilt from."""
+default), and the usage a lost Redis bucket is rebuilt from (the inference records)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -28,10 +27,10 @@ class BudgetOverride:
 
 
 @dataclass(frozen=True, slots=True)
-class UsedRecord:
-    """One charged record, as a budget bucket counts it."""
+class UsedSlice:
+    """The usage of one model's charged records that started in one slice of a window."""
 
-    t0_us: int
+    start_us: int
     model: str
     usage: Usage
 
@@ -83,41 +82,46 @@ class BudgetQueries(LedgerDatabase):
             )
         return [_override_of(r._mapping) for r in rows]
 
-    async def used_records(
+    async def used_slices(
         self,
         *,
         since: datetime,
+        slice_us: int,
         team: str | None = None,
         api_key: str | None = None,
-        models: Sequence[str] | None = None,
-    ) -> list[UsedRecord]:
-        """Charged (2xx) records with ``t0`` from ``since``, of one key, some models or all."""
-        query = sa.select(
-            records.c.t0_us,
-            records.c.model,
-            records.c.input_tokens,
-            records.c.output_tokens,
-            records.c.cached_input_tokens,
-            records.c.cache_write_tokens,
-        ).where(
-            records.c.t0_us >= to_micros(since),
-            records.c.status_code >= 200,
-            records.c.status_code < 300,
+        model: str | None = None,
+    ) -> list[UsedSlice]:
+        """Usage of charged (2xx) records with ``t0`` from ``since``, summed per slice of
+        ``slice_us`` (by start) and model: of one key, one model or everyone."""
+        # Integer division on both backends (SQLAlchemy renders // as / for integers there);
+        # t0 is positive, so it truncates to the slice's start.
+        start = (records.c.t0_us // slice_us) * slice_us
+        query = (
+            sa.select(
+                start.label("start"),
+                records.c.model,
+                sa.func.sum(records.c.input_tokens),
+                sa.func.sum(records.c.output_tokens),
+                sa.func.sum(records.c.cached_input_tokens),
+                sa.func.sum(records.c.cache_write_tokens),
+            )
+            .where(
+                records.c.t0_us >= to_micros(since),
+                records.c.status_code >= 200,
+                records.c.status_code < 300,
+            )
+            .group_by(start, records.c.model)
         )
         if team is not None:
             query = query.where(records.c.team == team)
         if api_key is not None:
             query = query.where(records.c.api_key == api_key)
-        if models is not None:
-            query = query.where(records.c.model.in_(list(models)))
+        if model is not None:
+            query = query.where(records.c.model == model)
         async with self._guard("budget usage read"):
             rows = await self._db.fetch_all(query)
         return [
-            UsedRecord(
-                int(r[0]),
-                str(r[1]),
-                Usage(int(r[2]), int(r[3]), int(r[4]), int(r[5])),
-            )
+            UsedSlice(int(r[0]), str(r[1]), Usage(int(r[2]), int(r[3]), int(r[4]), int(r[5])))
             for r in rows
         ]
 

@@ -51,20 +51,20 @@ async def test_concurrent_requests_never_overrun_a_key_budget(
     kind = "redis" if storage else "memory"
     budgets = section(storage=kind, scopes={"per_api_key": {"tokens": K * EST}})
     statuses: list[int] = []
-    async with BudgetGateway(tmp_path, budgets=budgets, app=gated, **storage) as gw:
-        async with gw.client() as c:
+    gw = BudgetGateway(tmp_path, budgets=budgets, app=gated, **storage)
+    async with gw, gw.client() as c:
 
-            async def one() -> None:
-                r = await c.post("/v1/chat/completions", json=chat_body(max_tokens=98))
-                statuses.append(r.status_code)
+        async def one() -> None:
+            r = await c.post("/v1/chat/completions", json=chat_body(max_tokens=98))
+            statuses.append(r.status_code)
 
-            async with anyio.create_task_group() as tg:
-                for _ in range(N):
-                    tg.start_soon(one)
-                with anyio.fail_after(30):
-                    while entered + len(statuses) < N:
-                        await anyio.sleep(0.01)
-                admitted_while_held = entered
-                release.set()
+        async with anyio.create_task_group() as tg:
+            for _ in range(N):
+                tg.start_soon(one)
+            with anyio.fail_after(30):
+                while entered + len(statuses) < N:
+                    await anyio.sleep(0.01)
+            admitted_while_held = entered
+            release.set()
     assert admitted_while_held == K
     assert statuses.count(200) == K and statuses.count(429) == N - K

@@ -133,10 +133,10 @@ def test_settings_refuse_an_invalid_section(
     bad = tmp_path / "budgets.yaml"
     bad.write_text("windows: [{id: d, period: soon}]\n")
     monkeypatch.setenv("SPENDGUARD_BUDGETS_FILE", str(bad))
-    with pytest.raises(ConfigurationError, match="SPENDGUARD_BUDGETS_FILE.*windows\\[0\\].period"):
+    with pytest.raises(ConfigurationError, match=r"SPENDGUARD_BUDGETS_FILE.*windows\[0\]\.period"):
         load_settings()
     monkeypatch.delenv("SPENDGUARD_BUDGETS_FILE")
-    with pytest.raises(ConfigurationError, match="SPENDGUARD_BUDGETS.*global.tokens"):
+    with pytest.raises(ConfigurationError, match=r"SPENDGUARD_BUDGETS.*global\.tokens"):
         load_settings(budgets={"scopes": {"global": {"tokens": -1}}})
 
 

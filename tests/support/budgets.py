@@ -7,10 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from starlette.types import ASGIApp
+
 from spendguard import SpendGuardMiddleware
 from spendguard.budgets import BudgetGate, gate_for
 from spendguard.budgets.admin import BudgetAdmin
-from starlette.types import ASGIApp
 
 from .asgi import StateAuth
 from .gateway import Gateway

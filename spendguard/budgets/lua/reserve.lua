@@ -1,9 +1,11 @@
 -- Reserve one admission's estimate in one bucket if every window can afford it.
 -- KEYS: holds, expiry, then one slices hash per window.
--- ARGV: now_ms, hold id, expires_ms, tokens, cost, count_cost (1|0), ttl_ms,
+-- ARGV: now_ms, hold id, expires_ms, tokens, cost, count_cost (1|0), ttl_ms, seeded (1: the
+--       bucket must have been seeded: rebuilt from the ledger, or found empty there),
 --       then per window: slice_ms, token limit or '-', cost limit or '-'.
 -- Reply: {1, used tokens per window (this hold included)...} or {0, window, unit, retry_ms}
--- (window 1-based; unit 1 tokens, 2 cost). Denied: nothing is reserved.
+-- (window 1-based; unit 1 tokens, 2 cost), or {-1} when the bucket is not seeded (Redis lost
+-- it: a restart, a flush). Denied or unseeded: nothing is reserved.
 local now = arg_int(ARGV[1])
 local id = ARGV[2]
 local expires = arg_int(ARGV[3])
@@ -14,10 +16,13 @@ local ttl = arg_int(ARGV[7])
 for _, v in ipairs({now, expires, tokens, cost, ttl}) do
   if type(v) == 'table' then return v end
 end
+if ARGV[8] == '1' and redis.call('HEXISTS', KEYS[1], '_seeded') == 0 then
+  return {-1}
+end
 local held_t, held_c = prune(KEYS[1], KEYS[2], now)
 local used = {}
 for w = 1, #KEYS - 2 do
-  local base = 7 + (w - 1) * 3
+  local base = 8 + (w - 1) * 3
   local slice_ms = tonumber(ARGV[base + 1])
   local lim_t = tonumber(ARGV[base + 2])
   local lim_c = tonumber(ARGV[base + 3])
