@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from spendguard.budgets import BudgetGate
+from spendguard.budgets.http import budget_admin_app
 from spendguard.limits import Period
 from spendguard.testing import StreamingASGITransport, fake_upstream
 from tests.support import chat_body
@@ -311,3 +312,26 @@ async def test_budgets_file_hot_reload(tmp_path: Path) -> None:
         )
         assert gw.gate.source.reload()
         assert (await c.post("/v1/chat/completions", json=req())).status_code == 200
+
+
+async def test_admin_routes_inspect_and_reset(tmp_path: Path) -> None:
+    budgets = section(scopes={"global": {"tokens": 110}})
+    async with BudgetGateway(tmp_path, budgets=budgets) as gw, gw.client() as c:
+        admin = budget_admin_app(gw.gate, token="s3cret", ledger=gw.guard.ledger)
+        auth = {"authorization": "Bearer s3cret"}
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=admin), base_url="http://admin"
+        ) as a:
+            assert (await a.get("/budgets")).status_code == 401
+            await c.post("/v1/chat/completions", json=req())
+            report = (await a.get("/budgets", headers=auth)).json()
+            assert report["config"]["scopes"]["global"] == {"tokens": 110}
+            assert {"scope": "global", "window": "hourly", "tokens": USED}.items() <= next(
+                r for r in report["counters"] if r["window"] == "hourly"
+            ).items()
+            assert (await c.post("/v1/chat/completions", json=req())).status_code == 429
+            bad = await a.post("/budgets/reset", headers=auth, json={"scope": "nope"})
+            assert bad.status_code == 400
+            done = await a.post("/budgets/reset", headers=auth, json={"scope": "global"})
+            assert done.json() == {"reset": 1}
+            assert (await c.post("/v1/chat/completions", json=req())).status_code == 200
