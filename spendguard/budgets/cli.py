@@ -17,7 +17,15 @@ from ..errors import ConfigurationError
 from ..ledger import BudgetOverride, Ledger
 from ..settings import Settings
 from .admin import BudgetAdmin
-from .config import DISABLED, BudgetConfigError, BudgetsConfig, Scope, parse_budgets, read_budgets
+from .config import (
+    DISABLED,
+    BudgetConfigError,
+    BudgetsConfig,
+    Scope,
+    Storage,
+    parse_budgets,
+    read_budgets,
+)
 from .store import BudgetStore
 
 
@@ -52,7 +60,7 @@ def admin_for(settings: Settings, ledger: Ledger) -> tuple[BudgetAdmin, BudgetSt
     """An admin on the shared counters (None as the store without Redis)."""
     config = configured(settings)
     store: BudgetStore | None = None
-    if settings.redis_url is not None:
+    if settings.redis_url is not None and config.storage is Storage.REDIS:
         from .redis import RedisBudgetStore
 
         store = RedisBudgetStore.from_url(
@@ -87,8 +95,8 @@ async def _dispatch(args: argparse.Namespace, admin: BudgetAdmin, store: BudgetS
     cmd = args.budgets_cmd
     if cmd in ("inspect", "reset") and store is None:
         raise ConfigurationError(
-            "budget counters in memory live inside each gateway: set SPENDGUARD_REDIS_URL, or "
-            "use the gateway's admin API"
+            "budget counters in memory live inside each gateway: use storage: redis with "
+            "SPENDGUARD_REDIS_URL, or the gateway's admin API"
         )
     if cmd == "inspect":
         report = await admin.inspect()
