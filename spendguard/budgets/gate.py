@@ -228,7 +228,9 @@ class BudgetGate:
             answers = await self._reserve(store, calls, hold, model)
         except StoreFull:
             return self._tracker_full(calls, model)
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, ValueError) as exc:
+            # ValueError: a script refused its input (a bug): a request gets the outage answer,
+            # never a 500.
             if not (store.shared and config.fail_open):
                 log.warning("budget store unavailable, refusing (fail_open false): %s", exc)
                 metrics.STORAGE_UNAVAILABLE.labels("refused").inc()

@@ -154,8 +154,9 @@ def retry_ms(
     ``wanted`` to fit under ``limit``. Mirrors reserve.lua.
 
     A request larger than the limit itself never fits: the whole period is answered. When the
-    committed slices are not enough (live holds fill the rest) it is the time until all of them
-    have left, at least one slice.
+    committed slices are not enough (live holds of requests in flight fill the rest) it is the
+    time until all of them have left, or a second when there are none: holds end with their
+    requests, typically within seconds, and nothing says when.
     """
     slice_ms = window.slice_ms
     if wanted > limit:
@@ -172,7 +173,7 @@ def retry_ms(
         last = (idx + SLICES) * slice_ms - now_ms
         if drained >= need:
             return max(last, 1)
-    return max(last, slice_ms)
+    return max(last, 1000)
 
 
 def reset_at_ms(window: BudgetWindow, now_ms: int) -> int:

@@ -335,3 +335,14 @@ async def test_admin_routes_inspect_and_reset(tmp_path: Path) -> None:
             done = await a.post("/budgets/reset", headers=auth, json={"scope": "global"})
             assert done.json() == {"reset": 1}
             assert (await c.post("/v1/chat/completions", json=req())).status_code == 200
+
+
+async def test_redis_storage_without_a_redis_url_counts_in_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    budgets = section(storage="redis", scopes={"per_api_key": {"tokens": 110}})
+    async with BudgetGateway(tmp_path, budgets=budgets) as gw, gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=req())).status_code == 200
+        assert (await c.post("/v1/chat/completions", json=req())).status_code == 429
+        assert (await gw.budgets.inspect()).storage == "memory"
+    assert "no Redis URL is set: counting in memory" in caplog.text

@@ -128,6 +128,13 @@ async def test_a_rolling_window_drains_slice_by_slice(store: BudgetStore) -> Non
     assert usage.windows[0].tokens == 0  # minute 10's slice is gone too (and no commits since)
 
 
+async def test_holds_in_the_way_ask_for_a_retry_in_a_second(store: BudgetStore) -> None:
+    call = tokens(100, HOUR)
+    assert (await store.reserve([call], hold(T0, 80)))[0].ok
+    [denied] = await store.reserve([call], hold(T0, 30))
+    assert not denied.ok and denied.retry_ms == 1000
+
+
 async def test_a_hold_left_by_a_dead_request_expires(store: BudgetStore) -> None:
     call = tokens(100, HOUR)
     assert (await store.reserve([call], hold(T0, 100, hold_ms=5000)))[0].ok

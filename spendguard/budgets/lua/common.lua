@@ -100,6 +100,6 @@ local function retry(slices, slice_ms, now, used, wanted, limit)
       end
     end
   end
-  if last < slice_ms then return slice_ms end
+  if last < 1000 then return 1000 end
   return last
 end
