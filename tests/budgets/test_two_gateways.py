@@ -1,9 +1,13 @@
-"""Two gateway processes share one Redis budget: a key exhausted through one is refused by the
-other, and a reset through the CLI is seen by both at once."""
+"""Gateway processes sharing one Redis budget: a key exhausted through one is refused by the
+other, a reset through the CLI is seen by both at once, and the hold of a gateway killed
+mid-request expires by itself."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +28,7 @@ def env(tmp_path: Path, redis_url: str) -> dict[str, str]:
             {
                 "enabled": True,
                 "storage": "redis",
+                "hold_seconds": 10,
                 "windows": [{"id": "daily", "period": "24h"}],
                 "scopes": {"per_api_key": {"tokens": 95}},
             }
@@ -72,3 +77,41 @@ def test_reset_is_seen_by_two_gateway_processes(gateways: list[str], env: dict[s
     ) == {"reset": 1}
     assert post(two) == 200
     assert post(one) == 429
+
+
+def held(env: dict[str, str]) -> bool:
+    counters = run_cli(env, "budgets", "inspect")["counters"]
+    return any(c["scope"] == "per_api_key" and c["tokens"] >= 90 for c in counters)
+
+
+@pytest.mark.timeout(120)
+def test_a_hold_left_by_a_killed_gateway_expires(env: dict[str, str], tmp_path: Path) -> None:
+    port, log = free_port(), tmp_path / "doomed.log"
+    doomed = uvicorn("examples.gateway:app", port, env, log)
+    survivor_port, survivor_log = free_port(), tmp_path / "survivor.log"
+    survivor = uvicorn("examples.gateway:app", survivor_port, env, survivor_log)
+    try:
+        base, other = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{survivor_port}"
+        wait_healthy(base, doomed, log)
+        wait_healthy(other, survivor, survivor_log)
+
+        def stalled() -> None:  # the provider never answers; the gateway dies meanwhile
+            headers = {**ALPHA, "x-fake-stall-after": "0"}
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{base}/v1/chat/completions", json=BODY, headers=headers, timeout=30)
+
+        threading.Thread(target=stalled, daemon=True).start()
+        deadline = time.monotonic() + 20
+        while not held(env):  # until the stalled request's hold is in place
+            assert time.monotonic() < deadline, "the stalled request never reserved"
+            time.sleep(0.05)
+        held_at = time.monotonic()
+        doomed.kill()
+        doomed.wait(10)
+        assert post(other) == 429  # the dead gateway's hold still counts ...
+        while post(other) == 429:  # ... until it expires (hold_seconds: 10)
+            assert time.monotonic() - held_at < 15, "the hold never expired"
+            time.sleep(0.25)
+        assert time.monotonic() - held_at >= 5  # expired by its time, not by the kill
+    finally:
+        stop([doomed, survivor], timeout=20)
