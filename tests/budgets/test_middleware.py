@@ -312,6 +312,13 @@ async def test_budgets_file_hot_reload(tmp_path: Path) -> None:
         )
         assert gw.gate.source.reload()
         assert (await c.post("/v1/chat/completions", json=req())).status_code == 200
+        # Left to the requests themselves: noticed within about a second.
+        path.write_text(
+            "enabled: true\nwindows: [{id: hourly, period: 1h}]\n"
+            "scopes: {per_api_key: {tokens: 60}}\n"
+        )
+        await anyio.sleep(1.1)
+        assert (await c.post("/v1/chat/completions", json=req())).status_code == 429
 
 
 async def test_admin_routes_inspect_and_reset(tmp_path: Path) -> None:
@@ -346,3 +353,15 @@ async def test_redis_storage_without_a_redis_url_counts_in_memory(
         assert (await c.post("/v1/chat/completions", json=req())).status_code == 429
         assert (await gw.budgets.inspect()).storage == "memory"
     assert "no Redis URL is set: counting in memory" in caplog.text
+
+
+async def test_headers_report_the_tightest_window(tmp_path: Path) -> None:
+    budgets = section(scopes={"per_api_key": {"tokens": 1000}})
+    async with BudgetGateway(tmp_path, budgets=budgets) as gw, gw.client() as c:
+        await c.post("/v1/chat/completions", json=req())
+        gw.clock.now += timedelta(minutes=61)  # the hour has drained, the day has not
+        ok = await c.post("/v1/chat/completions", json=req())
+    assert ok.headers["x-budget-api-key-remaining"] == str(1000 - USED - EST)
+    # The daily window empties when its current 24-minute slice has left it.
+    slice_start = int(gw.clock.now.timestamp()) // 1440 * 1440
+    assert int(ok.headers["x-budget-api-key-reset"]) == slice_start + 86_400
