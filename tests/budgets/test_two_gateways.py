@@ -8,20 +8,26 @@ import contextlib
 import json
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support import clean_env, free_port, run_cli, stop, uvicorn, wait_healthy
+from tests.support import RedisCluster, clean_env, free_port, run_cli, stop, uvicorn, wait_healthy
 
 ALPHA = {"authorization": "Bearer sk-demo-alpha"}
 BODY = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 90}
 
 
-@pytest.fixture
-def env(tmp_path: Path, redis_url: str) -> dict[str, str]:
+@pytest.fixture(params=["redis", "cluster"])
+def env(tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, str]:
+    if request.param == "redis":
+        url: str = request.getfixturevalue("redis_url")
+    else:
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        url = cluster.url
     budgets = tmp_path / "budgets.json"
     budgets.write_text(
         json.dumps(
@@ -36,7 +42,9 @@ def env(tmp_path: Path, redis_url: str) -> dict[str, str]:
     )
     return clean_env(
         SPENDGUARD_DATABASE_URL=f"sqlite:///{tmp_path / 'ledger.db'}",
-        SPENDGUARD_REDIS_URL=redis_url,
+        SPENDGUARD_REDIS_URL=url,
+        # The session's cluster is shared: a prefix of this test's own.
+        SPENDGUARD_KEY_PREFIX=f"gw{uuid.uuid4().hex[:8]}",
         SPENDGUARD_REDIS_TIMEOUT="2",
         SPENDGUARD_BUDGETS_FILE=str(budgets),
     )
