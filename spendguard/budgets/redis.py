@@ -18,6 +18,7 @@ on every write, whatever TTL the spend-limit keys use.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
 from typing import Any, TypeVar
@@ -38,6 +39,10 @@ from .store import Bucket, BucketCheck, BucketUsage, Hold, Reserved, WindowUsage
 T = TypeVar("T")
 _SCRIPTS = ("reserve", "commit", "release", "inspect", "seed")
 _UNITS = {1: Unit.TOKENS, 2: Unit.COST}
+
+
+def _reserved(reply: Any) -> bool:
+    return isinstance(reply, list) and bool(reply) and int(reply[0]) == 1
 
 
 def _lua(name: str) -> str:
@@ -157,8 +162,23 @@ class RedisBudgetStore:
                 ]
             keys = self.keys(call.bucket, call.windows)
             pending.append(self.pipeline.submit(self._scripts["reserve"], keys, args))
+        replies: list[Any] = []
+        for waiting in pending:
+            try:
+                replies.append(await waiting)
+            except Exception as exc:
+                replies.append(exc)
+        failed = next((r for r in replies if isinstance(r, Exception)), None)
+        if failed is not None:
+            # Buckets that reserved before another call failed give their holds back (best
+            # effort; they would expire anyway), so a fail-open retry doesn't count twice.
+            taken = [c.bucket for c, r in zip(calls, replies, strict=True) if _reserved(r)]
+            if taken:
+                with contextlib.suppress(Exception):
+                    await self.release(taken, hold.id)
+            raise failed
         out = []
-        for raw in await self._gather(pending):
+        for raw in replies:
             if int(raw[0]) == -1:
                 out.append(Reserved(False, unseeded=True))
             elif int(raw[0]) == 1:
