@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 
+from .budgets import cli as budgets_cli
 from .engine.admin import Admin, BalanceReport, LimitUsage
 from .engine.costing import Coster
 from .engine.pricing import PriceTable
@@ -335,7 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("worker", parents=[common], help="run settlement in a loop").set_defaults(
         handler=cmd_worker
     )
+    budgets_cli.add_commands(sub, common)
     return parser
+
+
+async def cmd_budgets(args: argparse.Namespace, ctx: Ctx) -> int:
+    return await budgets_cli.run(args, ctx.settings, ctx.ledger)
 
 
 async def _run(args: argparse.Namespace, settings: Settings) -> int:
@@ -361,6 +367,11 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "standalone", None) is not None:  # needs no settings (budgets validate)
+        code: int = args.standalone(args)
+        return code
+    if getattr(args, "budgets_cmd", None) is not None:
+        args.handler = cmd_budgets
     try:
         settings = load_settings()
         return anyio.run(_run, args, settings)

@@ -157,3 +157,18 @@ settlements = sa.Table(
     # skip the rows that took it again.
     sqlite_autoincrement=True,
 )
+
+# A key's own token budget (a per-key override of the budgets section's per_api_key default):
+# ``max_tokens`` over a rolling ``budget_window`` (a period such as 24h). One row per key.
+budget_overrides = sa.Table(
+    "spendguard_budget_overrides",
+    metadata,
+    sa.Column("team", sa.String(100), primary_key=True),
+    sa.Column("api_key", sa.String(100), primary_key=True),
+    sa.Column("team_id", sa.Text, nullable=False),
+    sa.Column("api_key_id", sa.Text, nullable=False),
+    sa.Column("max_tokens", sa.BigInteger, nullable=False),
+    sa.Column("budget_window", sa.String(32), nullable=False),
+    sa.Column("updated_us", sa.BigInteger, nullable=False),
+    sa.CheckConstraint("max_tokens > 0", name="spendguard_budget_override_positive"),
+)
