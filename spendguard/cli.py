@@ -144,6 +144,15 @@ def _usage_json(row: LimitUsage) -> dict[str, Any]:
         "aggregate_micros": row.aggregate,
         "remaining_micros": row.remaining,
         "resets_at": row.resets_at.isoformat(),
+        # The shared cache's view (None without one): what settlement folded in, estimates of
+        # finished inferences still pending, and holds of running ones on a hard limit.
+        "cache": None
+        if row.parts is None
+        else {
+            "settled_micros": row.parts.settled,
+            "pending_micros": row.parts.pending,
+            "held_micros": row.parts.held,
+        },
     }
 
 

@@ -30,7 +30,7 @@ from ..ledger import Account, Ledger
 from ..limits import Balance, KeyCodec, Limit, Period, Policy, Subject, Window, window_of
 from ..limits.models import check_pattern
 from ..money import MAX_TOTAL_MICROS, checked_amount, micros_to_usd, usd_to_micros
-from ..store import RefreshEntry, Store
+from ..store import CachedParts, RefreshEntry, Store
 
 log = logging.getLogger("spendguard.admin")
 
@@ -47,6 +47,7 @@ class LimitUsage:
     aggregate: int | None  # the ledger's running total for the limit (None: no row yet)
     cached: int | None  # settled + pending in the cache; None when not readable here
     resets_at: datetime
+    parts: CachedParts | None = None  # the cache's settled, pending and held parts
 
     @property
     def used(self) -> int:
@@ -235,6 +236,9 @@ class Admin:
         cached, error = await self._cached(
             [(limit, bucket) for limit, _, bucket, _ in rows if limit in policies]
         )
+        parts = (
+            await self._parts([(limit, bucket) for limit, _, bucket, _ in rows]) if cached else {}
+        )
         limits = tuple(
             LimitUsage(
                 limit=limit,
@@ -245,6 +249,7 @@ class Admin:
                 aggregate=aggregates.get((limit, bucket)),
                 cached=cached.get((limit, bucket)),
                 resets_at=limit.window.end(now),
+                parts=parts.get((limit, bucket)),
             )
             for limit, key_id, bucket, settled in rows
         )
@@ -270,6 +275,16 @@ class Admin:
             return {}, str(exc)
         found = {w: values[key] for w, key in keys.items()}
         return {w: v for w, v in found.items() if v is not None}, None
+
+    async def _parts(self, wanted: list[tuple[Limit, str]]) -> dict[tuple[Limit, str], CachedParts]:
+        if self.store is None or not wanted:
+            return {}
+        keys = {w: self.codec.usage_key(*w) for w in wanted}
+        try:
+            values = await self.store.read_parts(list(keys.values()))
+        except StoreUnavailable:
+            return {}
+        return {w: v for w, key in keys.items() if (v := values[key]) is not None}
 
     # -- cache sync -----------------------------------------------------------------------
     async def _sync(

@@ -81,6 +81,15 @@ class UsageFill:
 
 
 @dataclass(frozen=True, slots=True)
+class CachedParts:
+    """A usage key's parts: usage = settled + pending + held."""
+
+    settled: int
+    pending: int  # estimates of finished inferences not settled yet
+    held: int  # holds of running inferences on a hard limit
+
+
+@dataclass(frozen=True, slots=True)
 class EntryWrite:
     """An admission entry for preflight to write if, and only if, it allows the request."""
 
@@ -197,6 +206,11 @@ class Store(Protocol):
 
     async def evict_policy(self, policy_key: str) -> None:
         """Drop a cached policy hash now (spendguard's own policy changes)."""
+        ...
+
+    async def read_parts(self, usage_keys: Sequence[str]) -> dict[str, CachedParts | None]:
+        """Each key's settled part, its pending estimates and its holds (None: absent); for
+        the CLI and tests."""
         ...
 
     async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:

@@ -16,7 +16,7 @@ from ..errors import StoreFull
 from ..limits import Balance, Check, KeyPlan
 from ..limits.codec import HARD_PREFIX, LOADED_FIELD
 from ..limits.models import ALLOW_PREFIX, allows
-from .base import EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
+from .base import CachedParts, EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
 
 
 @dataclass(slots=True)
@@ -242,6 +242,18 @@ class MemoryStore:
 
     async def evict_policy(self, policy_key: str) -> None:
         self._policies.pop(policy_key, None)
+
+    async def read_parts(self, usage_keys: Sequence[str]) -> dict[str, CachedParts | None]:
+        now = self._clock()
+        out: dict[str, CachedParts | None] = {}
+        for key in usage_keys:
+            usage = self._live_usage(key, now)
+            if usage is None:
+                out[key] = None
+                continue
+            held = sum(usage.holds.values())
+            out[key] = CachedParts(usage.settled, usage.pending - held, held)
+        return out
 
     async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:
         now = self._clock()

@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from ..errors import ConfigurationError, StoreUnavailable
 from ..limits import Check, KeyPlan
-from .base import EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
+from .base import CachedParts, EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
 from .pipeline import ScriptPipeline, store_error
 
 log = logging.getLogger("spendguard.store")
@@ -264,6 +264,20 @@ class RedisStore:
 
     async def evict_policy(self, policy_key: str) -> None:
         await self._call(lambda: self._client.delete(policy_key))
+
+    async def read_parts(self, usage_keys: Sequence[str]) -> dict[str, CachedParts | None]:
+        out: dict[str, CachedParts | None] = {}
+        for key in usage_keys:  # a CLI/test helper: one call per key keeps it cluster-safe
+            fields = await self._call(
+                lambda key=key: self._client.hgetall(key)  # type: ignore[misc]
+            )
+            if "s" not in fields:
+                out[key] = None
+                continue
+            held = sum(int(v) for f, v in fields.items() if str(f).startswith("h:"))
+            pending = int(fields.get("p") or 0)
+            out[key] = CachedParts(int(fields["s"]), pending - held, held)
+        return out
 
     async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:
         out: dict[str, int | None] = {}

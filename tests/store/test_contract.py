@@ -17,7 +17,7 @@ from spendguard.errors import StoreFull
 from spendguard.identity import Identity
 from spendguard.limits import Balance, KeyCodec, KeyPlan, Period, Target, key_limit, team_limit
 from spendguard.limits.codec import field_of
-from spendguard.store import EntryWrite, Outcome, RefreshEntry, Store, UsageFill
+from spendguard.store import CachedParts, EntryWrite, Outcome, RefreshEntry, Store, UsageFill
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
 from tests.support import Clock
@@ -472,3 +472,18 @@ async def test_a_team_list_applies_to_keys_without_one(harness: Harness) -> None
     assert (await harness.store.preflight(p, model="gpt-x")).outcome is Outcome.ALLOW
     assert (await harness.store.preflight(p, model="claude")).outcome is Outcome.MODEL
     assert (await harness.store.preflight(p)).outcome is Outcome.ALLOW  # no model: not checked
+
+
+async def test_read_parts_tells_settled_pending_and_held_apart(harness: Harness) -> None:
+    p = keys_for(harness)
+    day = usage_key(p, KEY_DAY)
+    await harness.store.fill(p, {"h:" + field_of(KEY_DAY): 1_000}, [], policy_ttl=60)
+    await harness.store.fill(
+        p, None, [UsageFill(day, 7, p.find(KEY_DAY).expires_at)], policy_ttl=60
+    )
+    await harness.store.preflight(p, record_id="running", hold=100)
+    await harness.store.preflight(p, record_id="done", hold=100)
+    await harness.store.postflight("done", 20, [day])
+    parts = await harness.store.read_parts([day, "quota:{acme}:absent"])
+    assert parts[day] == CachedParts(settled=7, pending=20, held=100)
+    assert parts["quota:{acme}:absent"] is None

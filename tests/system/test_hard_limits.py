@@ -23,9 +23,11 @@ from spendguard.money import micros_to_usd
 from spendguard.store import Store
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
-from tests.support import Gateway, chat_body
+from spendguard.usage import Dialect
+from tests.support import Gateway, chat_body, run_cli
 from tests.support.asgi import StateAuth
 from tests.support.prices import UNIT_MODEL
+from tests.support.processes import clean_env
 
 pytestmark = pytest.mark.anyio
 
@@ -139,3 +141,30 @@ async def test_a_hard_limit_releases_the_hold_of_an_upstream_error(
             assert r.status_code == 502
             assert (await store.read_usage([key.usage_key]))[key.usage_key] == 0
         assert await gw.guard.ledger.unsettled() == (0, 0)  # nothing charged
+
+
+async def test_usage_json_shows_holds_next_to_settled_and_pending(
+    tmp_path: Path, redis_url: str
+) -> None:
+    store = RedisStore.from_url(redis_url, timeout=2.0)
+    async with Gateway(tmp_path, utcnow, store=store) as gw:
+        await gw.guard.admin.set_policy("acme", "alpha", window=Period.DAY, limit_usd=1, hard=True)
+        request = parse_request(json.dumps(BODY).encode())
+        running = await gw.guard.admit(
+            Identity("acme", "alpha"), request, route="/v1/chat/completions", dialect=Dialect.OPENAI
+        )
+        assert running.allowed
+        env = clean_env(
+            SPENDGUARD_DATABASE_URL=gw.settings.database_url.get_secret_value(),
+            SPENDGUARD_REDIS_URL=redis_url,
+        )
+        report = await anyio.to_thread.run_sync(
+            lambda: run_cli(env, "usage", "--team", "acme", "--api-key", "alpha")
+        )
+        day = next(r for r in report["scopes"] if (r["scope"], r["period"]) == ("api_key", "day"))
+        hold = worst_case(request, gw.guard.coster)
+        assert day["cache"] == {"settled_micros": 0, "pending_micros": 0, "held_micros": hold}, (
+            report
+        )
+        await gw.guard.finish(running, 502, None)
+    await store.aclose()
