@@ -54,7 +54,7 @@ class StreamingASGITransport(httpx.AsyncBaseTransport, httpx.BaseTransport):
         portal = self._sync_portal()
         request.read()
         response = portal.call(self.handle_async_request, request)
-        stream = _flavour(type(response)).sync_stream(response.stream, portal)
+        stream = _flavour_of(response).sync_stream(response.stream, portal)
         return type(response)(response.status_code, headers=response.headers.raw, stream=stream)
 
     def close(self) -> None:
@@ -133,7 +133,7 @@ class StreamingASGITransport(httpx.AsyncBaseTransport, httpx.BaseTransport):
             task.cancel()
             raise
         headers = [(bytes(k), bytes(v)) for k, v in start.get("headers", [])]
-        flavour = _flavour(type(request))
+        flavour = _flavour_of(request)
         return flavour.response(
             start["status"], headers=headers, stream=flavour.async_stream(chunks, task, gone)
         )
@@ -211,7 +211,11 @@ class _Flavour:
         self.sync_stream: Any = type("_SyncAppStream", (_SyncAppStream, module.SyncByteStream), {})
 
 
+def _flavour_of(message: object) -> _Flavour:
+    """The flavour of a request or response, by the library that defines its class."""
+    return _flavour(type(message).__module__.partition(".")[0])
+
+
 @cache
-def _flavour(message_type: type) -> _Flavour:
-    """The flavour of a request or response class, by the library that defines it."""
-    return _Flavour(importlib.import_module(message_type.__module__.partition(".")[0]))
+def _flavour(library: str) -> _Flavour:
+    return _Flavour(importlib.import_module(library))
