@@ -171,8 +171,7 @@ def table() -> PriceTable:
         ("o3-pro-2025-06-10", "o3-pro"),
         ("o3-2025-04-16", "o3"),
         # Longest prefix at a '-' boundary.
-        ("gpt-4o-mini-audio-preview", "gpt-4o-mini"),
-        ("gpt-4o-search-preview", "gpt-4o"),
+        ("gpt-4o-mini-preview", "gpt-4o-mini"),
         ("claude-sonnet-4-5-latest", "claude-sonnet-4-5"),
         ("claude-sonnet-4-7", "claude-sonnet-4"),
     ],
@@ -200,6 +199,15 @@ def test_lookup_rules(table: PriceTable, model: str, entry: str) -> None:
         "-",
         "-2024-07-18",
         "@20250101",
+        # Variants bill audio, images, searches... apart: never the text model's price.
+        "gpt-4o-mini-audio-preview",
+        "gpt-4o-audio-preview-2024-12-17",
+        "gpt-4o-search-preview",
+        "gpt-4o-realtime-preview",
+        "gpt-4o-mini-transcribe",
+        "gpt-4o-mini-tts",
+        "o3-deep-research",
+        "gpt-4o-image",
     ],
 )
 def test_lookup_misses(table: PriceTable, model: str) -> None:
