@@ -240,9 +240,7 @@ class PriceTable:
         key = self.resolve(model)
         if key is None:
             return None
-        return PriceMatch(
-            key, self._prices[key], key in self._from_file, self._providers.get(key)
-        )
+        return PriceMatch(key, self._prices[key], key in self._from_file, self._providers.get(key))
 
     def resolve(self, model: str) -> str | None:
         """The table entry that prices ``model``, or None: for logs and 'priced as' answers."""
