@@ -107,23 +107,14 @@ async def send_refusal(
         await send_error(send, dialect, 403, "model_not_allowed", message)
     elif admission.verdict is Verdict.DENY and decision is not None and decision.denied:
         limit = decision.denied_limit
+        denial = [_NO_RETRY, *headers]
         if limit is None:  # the prepaid balance is used up: it never resets by itself
             message = "Account balance exhausted."
-            denial = [_NO_RETRY, *headers]
             await send_error(send, dialect, 429, "insufficient_quota", message, headers=denial)
         else:
-            message = limit_message(limit)
-            retry = decision.retry_after
-            denial = [_NO_RETRY, *headers]
-            await send_error(
-                send,
-                dialect,
-                429,
-                "spend_limit_exceeded",
-                message,
-                retry_after=retry,
-                headers=denial,
-            )
+            message, retry = limit_message(limit), decision.retry_after
+            code = "spend_limit_exceeded"
+            await send_error(send, dialect, 429, code, message, retry_after=retry, headers=denial)
     else:
         message = "Spend limits cannot be checked right now; retry shortly."
         retry = (decision.retry_after if decision is not None else None) or 1
