@@ -187,7 +187,7 @@ class PriceMatch:
 class PriceTable:
     """Immutable model → :class:`Price` table with forgiving name lookup."""
 
-    __slots__ = ("_by_length", "_from_file", "_prices", "_providers", "as_of", "user_as_of")
+    __slots__ = ("_from_file", "_longest", "_prices", "_providers", "as_of", "user_as_of")
 
     as_of: str
     """Date (``YYYY-MM-DD``) the shipped prices were taken from the providers' pages."""
@@ -210,8 +210,8 @@ class PriceTable:
                 raise ValueError("empty model name in price table")
             normalised[key] = price
         self._prices: Mapping[str, Price] = MappingProxyType(normalised)
-        # Longest first, so the first prefix hit in lookup() is the longest one.
-        self._by_length: tuple[str, ...] = tuple(sorted(normalised, key=len, reverse=True))
+        # No entry is longer than this: the prefix search needs to look no further.
+        self._longest = max(map(len, normalised), default=0)
         self._providers: Mapping[str, str] = MappingProxyType(
             {name.strip().lower(): who for name, who in (providers or {}).items()}
         )
@@ -259,8 +259,10 @@ class PriceTable:
         undated = _DATE_SUFFIX.sub("", bare)
         if undated in prices:
             return undated
-        for key in self._by_length:
-            if len(key) < len(undated) and undated.startswith(key) and undated[len(key)] == "-":
+        # The name's own '-'-bounded prefixes, longest first, each one dict lookup: the cost
+        # depends on the longest entry, not on the table's size (LiteLLM's file has thousands).
+        for end in range(min(len(undated) - 1, self._longest), 0, -1):
+            if undated[end] == "-" and (key := undated[:end]) in prices:
                 if _crosses_a_variant(key, undated):
                     return None  # the longest prefix is the family: no shorter one may do
                 return key

@@ -698,3 +698,14 @@ def test_shipped_table_says_where_each_providers_prices_come_from() -> None:
     assert providers == {"openai", "anthropic", "google", "mistral", "deepseek", "meta", "xai"}
     assert set(raw["sources"]) == providers
     assert all(raw["sources"].values())
+
+
+def test_a_miss_costs_the_same_in_a_table_of_thousands(tmp_path: Path) -> None:
+    # LiteLLM's file has thousands of entries; a name none prices is looked up on every
+    # request, so the prefix search must not walk the whole table.
+    price = Price.of("1", "1")
+    table = PriceTable({f"vendor{i}/model-{i}-x": price for i in range(20_000)}, as_of="2026-01-01")
+    started = time.perf_counter()
+    for i in range(200):
+        assert table.resolve(f"no-such-model-{i}-at-all") is None
+    assert time.perf_counter() - started < 0.5
