@@ -94,7 +94,7 @@ async def send_refusal(
     send: Send, admission: Admission, headers: Sequence[tuple[bytes, bytes]] = ()
 ) -> None:
     """The response to an admission that was not allowed (nothing was charged); ``headers``
-    go on a spend-limit or balance 429 (the remaining-budget headers)."""
+    go on a spend-limit or balance 429 (the remaining-spend headers)."""
     dialect, decision = admission.dialect, admission.decision
     if admission.verdict is Verdict.UNAUTHENTICATED:
         message = "This route needs an authenticated team and API key."

@@ -26,10 +26,10 @@ from ..ledger import Ledger
 from ..settings import Settings, load_settings
 from ..store import Store
 from ..usage import BodyObserver, Dialect
-from .budget import budget_headers
 from .errors import send_error, send_refusal
 from .identity import IdentityResolver, resolve
 from .lifespan import run_lifespan
+from .remaining import remaining_headers
 from .request import BadRequest, parse_request
 from .routes import RouteTable
 
@@ -145,7 +145,7 @@ class SpendGuardMiddleware:
         if not admission.allowed or admission.decision is None:
             if budget is not None and self.budgets is not None:
                 await self.budgets.release(budget)  # spend limits refused: return the hold
-            await send_refusal(send, admission, self._budget_headers(admission))
+            await send_refusal(send, admission, self._remaining_headers(admission))
             return
         decision = admission.decision
         state[STATE_INFERENCE_ID] = decision.inference_id
@@ -179,7 +179,7 @@ class SpendGuardMiddleware:
         observer: BodyObserver | None = None
         added = [
             (_INFERENCE_ID_HEADER, admission.decision.inference_id.encode()),
-            *self._budget_headers(admission),
+            *self._remaining_headers(admission),
         ]
 
         async def observed_send(message: Message) -> None:
@@ -213,11 +213,11 @@ class SpendGuardMiddleware:
                     else:
                         await self.budgets.finish(budget, record.usage, record.model)
 
-    def _budget_headers(self, admission: Admission) -> list[tuple[bytes, bytes]]:
+    def _remaining_headers(self, admission: Admission) -> list[tuple[bytes, bytes]]:
         decision = admission.decision
-        if not self.settings.budget_headers or decision is None:
+        if not self.settings.remaining_headers or decision is None:
             return []
-        return budget_headers(decision)
+        return remaining_headers(decision)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_body_bytes

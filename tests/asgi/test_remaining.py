@@ -1,4 +1,4 @@
-"""Remaining-budget headers (spendguard.asgi.budget): the caller's own key limits only, from
+"""Remaining-spend headers (spendguard.asgi.remaining): the caller's own key limits only, from
 the preflight's values, on the provider's answer and on spendguard's 429; off by default."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from spendguard.asgi.budget import budget_headers
+from spendguard.asgi.remaining import remaining_headers
 from spendguard.engine.decision import Decision, Verdict
 from spendguard.identity import Identity
 from spendguard.limits import Balance, KeyCodec, Period, Target, key_limit, team_limit
@@ -42,7 +42,7 @@ def test_only_the_callers_own_key_limits_are_told() -> None:
             state(Balance("acme"), 9, 1),
         ),
     )
-    assert budget_headers(decision) == [
+    assert remaining_headers(decision) == [
         (b"x-spendguard-limit-usd-day", b"5.000000"),
         (b"x-spendguard-remaining-usd-day", b"3.217400"),
         (b"x-spendguard-reset-day", b"2026-10-01T00:00:00Z"),
@@ -56,11 +56,11 @@ def test_no_key_limit_no_headers() -> None:
     decision = Decision(
         Verdict.ALLOW, ALPHA, T0, "r1", "r1", limits=(state(team_limit(ALPHA, Period.DAY), 9, 1),)
     )
-    assert budget_headers(decision) == []
+    assert remaining_headers(decision) == []
 
 
 async def test_the_gateway_tells_the_remaining_budget_when_asked(tmp_path: Path) -> None:
-    async with Gateway(tmp_path, budget_headers=True) as gw:
+    async with Gateway(tmp_path, remaining_headers=True) as gw:
         await gw.policy(Period.DAY, 30)
         await gw.policy(Period.MONTH, 1_000, key=None)  # the team's: not told
         first = await gw.post()  # 15 micro-USD

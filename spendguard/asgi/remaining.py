@@ -1,6 +1,6 @@
-"""Remaining-budget headers: what the caller's own API key may still spend (opt-in).
+"""Remaining-spend headers: what the caller's own API key may still spend (opt-in).
 
-With ``SPENDGUARD_BUDGET_HEADERS=true`` every answer to a checked inference (the provider's
+With ``SPENDGUARD_REMAINING_HEADERS=true`` every answer to a checked inference (the provider's
 response and spendguard's own 429) carries, for each window in which the caller's key has a
 limit::
 
@@ -22,13 +22,13 @@ from ..engine.decision import Decision
 from ..limits import Limit, SubjectKind
 from ..money import micros_to_usd
 
-__all__ = ["budget_headers"]
+__all__ = ["remaining_headers"]
 
 _PREFIX: Final = "x-spendguard-"
 
 
-def budget_headers(decision: Decision) -> list[tuple[bytes, bytes]]:
-    """The remaining-budget headers of ``decision``'s identity's own key limits."""
+def remaining_headers(decision: Decision) -> list[tuple[bytes, bytes]]:
+    """The remaining-spend headers of ``decision``'s identity's own key limits."""
     headers: list[tuple[bytes, bytes]] = []
     api_key = decision.identity.api_key
     for state in decision.limits:
