@@ -12,18 +12,14 @@ Redis (and the connection), not how long a request waited for the event loop. A 
 waits for long in the queue either: it is queued only while every sender is busy, and when a
 batch fails (its deadline, a broken connection) the calls queued behind it fail with it
 instead of being sent to a Redis that just did not answer. So a call ends within about twice
-the timeout however Redis fails, and the time a call waits to leave is never counted.
-
-A call made while nothing is in flight has no batch to join: it leaves at once, from its
-caller's own task, instead of a loop turn later from a sender's (one request at a time saves a
-task and two loop turns per call). The calls made while it is in flight form the next batch.
+the timeout however Redis fails, and a slow event loop alone never fails one.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -110,48 +106,20 @@ class ScriptPipeline:
         # When a batch last failed as a whole: calls queued before then are not sent.
         self._failed_at = float("-inf")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inline = 0  # calls sent from their caller's task, now in flight
         self.stats = BatchStats()
 
-    def submit(self, script: Script, keys: Sequence[str], args: Sequence[str]) -> Awaitable[Any]:
-        """One EVALSHA: await it for its reply or the store's exception."""
+    def submit(
+        self, script: Script, keys: Sequence[str], args: Sequence[str]
+    ) -> asyncio.Future[Any]:
+        """Queue one EVALSHA; the future holds its reply or the store's exception."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._bind(loop)
         future: asyncio.Future[Any] = loop.create_future()
-        call = _Call(script, keys, args, future, loop.time())
-        if not self._senders and not self._inline:
-            # Nothing is in flight, so there is no batch to wait for: this call leaves at once,
-            # from its caller's own task, and the calls made meanwhile form the next batch.
-            return self._send_inline(call)
-        self._queue.append(call)
-        if self._starting is None and self._in_flight() < self._max_in_flight:
+        self._queue.append(_Call(script, keys, args, future, loop.time()))
+        if self._starting is None and len(self._senders) < self._max_in_flight:
             self._spawn()
         return future
-
-    async def _send_inline(self, call: _Call) -> Any:
-        loop = self._loop
-        self._inline += 1
-        try:
-            await self._send([call])
-        except asyncio.CancelledError:
-            # The caller learns of its cancellation; the batch's error is nobody's to read.
-            if call.future.done() and not call.future.cancelled():
-                call.future.exception()
-            raise
-        finally:
-            if self._loop is loop:  # else a later event loop started afresh (_bind)
-                self._inline -= 1
-                if (
-                    self._queue
-                    and self._starting is None
-                    and self._in_flight() < self._max_in_flight
-                ):
-                    self._spawn()  # calls queued behind it while no other sender could start
-        return call.future.result()
-
-    def _in_flight(self) -> int:
-        return len(self._senders) + self._inline
 
     async def aclose(self) -> None:
         """Stop every sender and fail what is still queued (the store is closing)."""
@@ -170,7 +138,6 @@ class ScriptPipeline:
         self._queue.clear()  # callers of a finished loop wait no more
         self._senders = set()
         self._starting = None
-        self._inline = 0
         self._failed_at = float("-inf")
         self._transport.forget()
 
@@ -196,7 +163,7 @@ class ScriptPipeline:
                 if (
                     self._queue
                     and self._starting is None
-                    and self._in_flight() < self._max_in_flight
+                    and len(self._senders) < self._max_in_flight
                 ):
                     self._spawn()  # more than one batch is waiting: send the next alongside
                 await self._send(batch)

@@ -51,11 +51,6 @@ def commands(server: RedisServer) -> dict[str, int]:
     return {m[0]: int(m[1]) for m in re.findall(r"cmdstat_([a-z|]+):calls=(\d+)", stats)}
 
 
-def noscript_replies(server: RedisServer) -> int:
-    found = re.search(r"errorstat_NOSCRIPT:count=(\d+)", server.cli("INFO", "errorstats"))
-    return int(found.group(1)) if found else 0
-
-
 def evalsha_connections(server: RedisServer) -> int:
     return sum("cmd=evalsha" in line for line in server.cli("CLIENT", "LIST").splitlines())
 
@@ -79,38 +74,16 @@ async def test_concurrent_calls_share_one_round_trip(redis_server: RedisServer) 
     redis_server.cli("CONFIG", "RESETSTAT")
     before = store.pipeline.stats.batches
     results = await asyncio.gather(*(store.preflight(p) for p in plans))
-    # The first call found nothing in flight and left at once; one pipeline carried the other
-    # ninety-nine, on a second connection; the server ran each script once.
-    assert store.pipeline.stats.batches - before == 2
-    assert store.pipeline.stats.largest == 99
+    # One pipeline carried all hundred, on one connection; the server ran each script once.
+    assert store.pipeline.stats.batches - before == 1
+    assert store.pipeline.stats.largest == 100
     assert commands(redis_server)["evalsha"] == 100
-    assert evalsha_connections(redis_server) == 2
+    assert evalsha_connections(redis_server) == 1
     # Each caller got its own reply: team i's usage is i.
     for i, pf in enumerate(results):
         assert pf.outcome is Outcome.ALLOW
         assert {state.used for state in pf.limits} == {i}
     await store.aclose()
-
-
-async def test_a_call_on_an_idle_pipeline_is_sent_before_its_caller_yields(
-    store: RedisStore,
-) -> None:
-    # One request at a time: no batch to wait for, so no sender task and no loop turn first.
-    p = plan("acme")
-    await warm(store, p)
-    before = store.pipeline.stats.batches
-    call = asyncio.ensure_future(store.preflight(p))
-    await asyncio.sleep(0)  # the call ran up to its first wait: the reply
-    assert store.pipeline.stats.batches - before == 1
-    assert (await call).outcome is Outcome.ALLOW
-    # Calls made while it is in flight are not sent alone: they wait for the next batch.
-    first = asyncio.ensure_future(store.preflight(p))
-    await asyncio.sleep(0)
-    rest = [asyncio.ensure_future(store.preflight(p)) for _ in range(10)]
-    await asyncio.sleep(0)
-    assert store.pipeline.stats.batches - before == 2  # only the first has left
-    assert all(pf.outcome is Outcome.ALLOW for pf in await asyncio.gather(first, *rest))
-    assert store.pipeline.stats.batches - before == 3
 
 
 async def test_calls_made_while_a_batch_is_in_flight_form_the_next_one(
@@ -195,8 +168,7 @@ async def test_a_refused_call_fails_alone(store: RedisStore, shared_redis: Redis
         store.postflight("ok-2", 5, keys),
         return_exceptions=True,
     )
-    # The first left at once (nothing was in flight); the other four in one pipeline.
-    assert store.pipeline.stats.batches - before == 2
+    assert store.pipeline.stats.batches - before == 1  # all five in one pipeline
     first, refused, broken, checked, last = results
     assert first == len(keys) and last == len(keys)
     assert isinstance(refused, ValueError) and "bad record id" in str(refused)
@@ -214,19 +186,17 @@ async def test_script_flush_reloads_and_resends_only_the_lost_calls(
         await warm(store, p)
     redis_server.cli("SCRIPT", "FLUSH")
     redis_server.cli("CONFIG", "RESETSTAT")
+    before = store.pipeline.stats.batches
     keys = [c.usage_key for c in plans[0].checks]
     results = await asyncio.gather(
         *(store.preflight(p) for p in plans), store.postflight("r1", 7, keys)
     )
     assert all(pf.outcome is Outcome.ALLOW for pf in results[:-1])
     assert results[-1] == len(keys)
-    # The first call left at once, the other twenty in one batch; whichever was sent before
-    # a reload lost its script. Exactly those were sent again, after loading what they use.
+    # The batch, then the same calls again after loading the two scripts they use.
+    assert store.pipeline.stats.batches - before == 2
     seen = commands(redis_server)
-    lost = noscript_replies(redis_server)
-    assert 1 <= lost <= 21
-    assert seen["evalsha"] == 21 + lost
-    assert 2 <= seen["script|load"] <= 3  # both scripts; the first call's once more at most
+    assert seen["script|load"] == 2 and seen["evalsha"] == 2 * 21
     assert (await store.read_usage(keys))[keys[0]] == 7  # applied once
     await store.aclose()
 
@@ -274,8 +244,7 @@ async def test_calls_queued_behind_a_hung_server_do_not_wait_for_their_turn(
     redis_server: RedisServer,
 ) -> None:
     # One batch of two at a time: without the queue bound the fortieth call would wait for
-    # twenty timeouts in a row. The first call leaves alone (nothing was in flight); the
-    # thirty-nine queued behind it fail when it does.
+    # twenty timeouts in a row.
     timeout = 0.2
     store = RedisStore.from_url(redis_server.url, timeout=timeout, max_batch=2, max_in_flight=1)
     p = plan("acme")
@@ -290,7 +259,7 @@ async def test_calls_queued_behind_a_hung_server_do_not_wait_for_their_turn(
     finally:
         redis_server.resume()
     assert all(isinstance(r, StoreUnavailable) for r in results)
-    assert sum("batch ahead of this call failed" in str(r) for r in results) == 39
+    assert sum("batch ahead of this call failed" in str(r) for r in results) == 38
     assert elapsed < 2 * timeout + 0.5
     await store.aclose()
 
@@ -301,15 +270,11 @@ async def test_time_spent_waiting_for_the_event_loop_is_not_counted(redis_url: s
     p = plan("acme")
     await warm(store, p)
     calls = [asyncio.ensure_future(store.preflight(p)) for _ in range(50)]
-    # The first call left at once (nothing was in flight); the other 49 are queued behind it,
-    # their batch not sent yet.
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # every call is queued; their batch has not been sent yet
     time.sleep(0.2)  # noqa: ASYNC251 - the event loop is stuck in other code for 4 timeouts
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    # Redis answered at once when asked: no queued caller is told it is unavailable. (The
-    # first call's deadline ran while the loop was stuck, as any sent batch's does.)
-    assert all(not isinstance(pf, BaseException) for pf in results[1:])
-    assert all(pf.outcome is Outcome.ALLOW for pf in results[1:])  # type: ignore[union-attr]
+    results = await asyncio.gather(*calls)
+    # Redis answered at once when asked: no caller is told it is unavailable.
+    assert all(pf.outcome is Outcome.ALLOW for pf in results)
     await store.aclose()
 
 
@@ -339,7 +304,7 @@ async def test_batches_are_bounded(redis_url: str) -> None:
     results = await asyncio.gather(*(store.preflight(p) for p in plans))
     assert all(pf.outcome is Outcome.ALLOW for pf in results)
     assert store.pipeline.stats.largest == 8
-    assert store.pipeline.stats.batches - before == 1 + 7  # the first alone, ceil(49 / 8)
+    assert store.pipeline.stats.batches - before == 7  # ceil(50 / 8)
     await store.aclose()
 
 
@@ -348,13 +313,11 @@ async def test_a_call_whose_caller_gave_up_is_not_sent(store: RedisStore) -> Non
     await warm(store, p)
     keys = [c.usage_key for c in p.checks]
     sent = store.pipeline.stats.calls
-    busy = asyncio.ensure_future(store.preflight(p))  # in flight: the next calls queue
     task = asyncio.ensure_future(store.postflight("gone", 5, keys))
     await asyncio.sleep(0)  # queued, not yet sent
     task.cancel()
     assert await store.postflight("kept", 1, keys) == len(keys)
-    assert (await busy).outcome is Outcome.ALLOW
-    assert store.pipeline.stats.calls - sent == 2  # the busy call and "kept"
+    assert store.pipeline.stats.calls - sent == 1
     assert (await store.read_usage(keys))[keys[0]] == 1
 
 
@@ -415,9 +378,7 @@ async def test_cluster_batches_per_node_and_recovers_lost_scripts(
     before = store.pipeline.stats.batches
     results = await asyncio.gather(*(store.preflight(p) for p in plans))
     assert [{s.used for s in pf.limits} for pf in results] == [{i} for i in range(30)]
-    # The first call at once and the other 29 together, each sent again after the reload
-    # (the batch's may find the script already reloaded by the first call's).
-    assert 3 <= store.pipeline.stats.batches - before <= 4
+    assert store.pipeline.stats.batches - before == 2  # the batch, then after the reload
     await store.aclose()
 
 
@@ -478,9 +439,6 @@ async def test_a_warm_inference_is_two_script_calls_and_nothing_else(
         assert seen["evalsha"] == 2 * 25
         inside_scripts = {"exists", "hexists", "hsetnx", "hincrby", "hmget", "hget", "type"}
         inside_scripts |= {"hgetall", "time", "pexpireat", "hset", "config|resetstat"}
-        # A connection the pipeline opens for a batch in flight beside another says HELLO once:
-        # per connection (at most one per batch in flight), never per inference.
-        assert seen.get("hello", 0) <= 4, seen
-        assert set(seen) - {"evalsha", "hello"} <= inside_scripts, seen
+        assert set(seen) - {"evalsha"} <= inside_scripts, seen
     finally:
         await store.aclose()
