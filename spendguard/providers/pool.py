@@ -28,15 +28,15 @@ from .memory import MemoryPoolStore
 from .model import MAX_AMOUNT, WINDOW_MS, KeyState, Lease, NoCapacity, ProviderKey, Refusal
 from .redis import RedisPoolStore
 
-PoolStoreFactory = Callable[[str, Settings], PoolStore]
+PoolStoreFactory = Callable[[str, str, float], PoolStore]
 
 
-def _memory(url: str, settings: Settings) -> PoolStore:
+def _memory(url: str, prefix: str, timeout: float) -> PoolStore:
     return MemoryPoolStore()
 
 
-def _redis(url: str, settings: Settings) -> PoolStore:
-    return RedisPoolStore.from_url(url, prefix=settings.key_prefix, timeout=settings.redis_timeout)
+def _redis(url: str, prefix: str, timeout: float) -> PoolStore:
+    return RedisPoolStore.from_url(url, prefix=prefix, timeout=timeout)
 
 
 POOL_STORES: dict[str, PoolStoreFactory] = {
@@ -47,7 +47,7 @@ POOL_STORES: dict[str, PoolStoreFactory] = {
     "redis+cluster": _redis,
     "rediss+cluster": _redis,
 }
-"""URL scheme -> pool store; ``SPENDGUARD_REDIS_URL`` unset reads as ``memory://``."""
+"""URL scheme -> pool store (``memory://``: in this process only)."""
 
 MAX_COOLDOWN = 3600.0
 """Seconds a single cooldown may last by default: a provider's absurd Retry-After must not
@@ -80,18 +80,36 @@ class ProviderPool:
         self._max_cooldown = max_cooldown
 
     @classmethod
-    def from_settings(
-        cls, settings: Settings | None = None, *, clock: Callable[[], datetime] = utcnow
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "quota",
+        timeout: float = 0.5,
+        clock: Callable[[], datetime] = utcnow,
     ) -> ProviderPool:
-        """The pool on the store spendguard's settings name: Redis when
-        ``SPENDGUARD_REDIS_URL`` is set (its key prefix and timeout too), else in process."""
-        settings = settings or load_settings()
-        url = "memory://" if settings.redis_url is None else settings.redis_url.get_secret_value()
+        """The pool on ``memory://`` or a Redis URL (``redis://``, ``rediss://``, ``unix://``,
+        ``redis+cluster://``); ``timeout`` bounds each Redis call."""
         scheme = url.partition("://")[0]
         factory = POOL_STORES.get(scheme)
         if factory is None:
-            raise ConfigurationError(f"unsupported store URL scheme {scheme!r}")
-        return cls(factory(url, settings), clock=clock)
+            raise ConfigurationError(
+                f"unsupported pool URL scheme {scheme!r}: use one of "
+                + ", ".join(f"{s}://" for s in POOL_STORES)
+            )
+        return cls(factory(url, prefix, timeout), clock=clock)
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings | None = None, *, clock: Callable[[], datetime] = utcnow
+    ) -> ProviderPool:
+        """The pool where spendguard's cache is: on ``SPENDGUARD_REDIS_URL`` (with its key
+        prefix and timeout) when it is set, else in this process."""
+        settings = settings or load_settings()
+        url = "memory://" if settings.redis_url is None else settings.redis_url.get_secret_value()
+        return cls.from_url(
+            url, prefix=settings.key_prefix, timeout=settings.redis_timeout, clock=clock
+        )
 
     async def register(self, *keys: ProviderKey) -> None:
         """Add keys, or change their provider and capacity; their counters and cooldowns
