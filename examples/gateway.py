@@ -8,8 +8,9 @@ Its router picks the upstream key through spendguard's provider-key pool: the fa
 reached through two keys, ``fake-key-1`` (which answers every call with a 429) and
 ``fake-key-2``; the pool puts the first in a cooldown after its first 429 and every later
 request goes straight to the second. Each key allows ``GATEWAY_PROVIDER_RPM`` requests and
-``GATEWAY_PROVIDER_TPM`` tokens per minute (unset: unlimited); a 429 without ``Retry-After`` cools a key for ``GATEWAY_COOLDOWN`` seconds.
-The pool is shared by replicas through ``GATEWAY_POOL_URL`` (a Redis URL; unset: in process).
+``GATEWAY_PROVIDER_TPM`` tokens per minute (unset: unlimited); a 429 without ``Retry-After``
+cools a key for ``GATEWAY_COOLDOWN`` seconds (default 30). Replicas share the pool through
+``GATEWAY_POOL_URL`` (a Redis URL; unset: in this process).
 
     uvicorn examples.gateway:app --port 8000
 """
@@ -22,6 +23,7 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from starlette.background import BackgroundTask
@@ -183,7 +185,9 @@ async def _proxy(request: Request, path: str) -> Response:
                 stream=True,
             )
         except BaseException:
-            await pool.release(lease)  # the call never reached the provider
+            # The call never reached the provider; give the lease back even when cancelled.
+            with anyio.CancelScope(shield=True):
+                await pool.release(lease)
             raise
         if upstream.status_code != 429:
             break
