@@ -13,9 +13,11 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 
+from spendguard.providers import KeyState, ProviderPool
 from tests.support import clean_env, free_port, stop, uvicorn, wait_healthy
 
 ALPHA = {"authorization": "Bearer sk-demo-alpha"}
@@ -67,6 +69,17 @@ def two_gateways(tmp_path: Path, redis_url: str) -> Iterator[list[str]]:
     yield from _gateways(tmp_path, 2, GATEWAY_POOL_URL=redis_url, GATEWAY_PROVIDER_RPM="3")
 
 
+def _pool_state(redis_url: str, key_id: str) -> KeyState | None:
+    async def read() -> KeyState | None:
+        pool = ProviderPool.from_url(redis_url, timeout=2)
+        try:
+            return await pool.state(key_id)
+        finally:
+            await pool.aclose()
+
+    return anyio.run(read)
+
+
 @pytest.mark.timeout(180)
 def test_demo_routes_around_the_key_that_answers_429(one_gateway: str) -> None:
     first = _chat(one_gateway)
@@ -78,15 +91,27 @@ def test_demo_routes_around_the_key_that_answers_429(one_gateway: str) -> None:
 
 @pytest.mark.timeout(240)
 def test_two_gateways_share_cooldowns_and_capacity_through_redis(
-    two_gateways: list[str],
+    two_gateways: list[str], redis_url: str
 ) -> None:
     gw0, gw1 = two_gateways
     _away_from_a_minute_end()
     # gw0 meets fake-key-1's 429 and cools it down in Redis; gw1 never calls it.
-    assert _served(_chat(gw0)) == (200, "fake-key-2", "2")
-    assert _served(_chat(gw1)) == (200, "fake-key-2", "1")
+    served = [_chat(gw0), _chat(gw1)]
+    assert [_served(r) for r in served] == [(200, "fake-key-2", "2"), (200, "fake-key-2", "1")]
     # fake-key-2 allows 3 requests a minute across both gateways: one is left.
-    assert _served(_chat(gw1)) == (200, "fake-key-2", "1")
+    served.append(_chat(gw1))
+    assert _served(served[-1]) == (200, "fake-key-2", "1")
+    # Each lease was settled to the tokens its response reported (not its ~4,100-token
+    # estimate); fake-key-1's lease was released after its 429.
+    used = sum(r.json()["usage"]["total_tokens"] for r in served)
+    deadline = time.monotonic() + 10
+    while (state := _pool_state(redis_url, "fake-key-2")) is None or state.tokens != used:
+        assert time.monotonic() < deadline, (state, used)
+        time.sleep(0.1)
+    assert state.requests == 3
+    cooling = _pool_state(redis_url, "fake-key-1")
+    assert cooling is not None and (cooling.requests, cooling.tokens) == (0, 0)
+    assert cooling.cooling_until is not None
     for base in (gw0, gw1):
         refused = _chat(base)
         assert refused.status_code == 429
