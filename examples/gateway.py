@@ -4,23 +4,45 @@ Its own auth maps bearer tokens to a team and an API key in the request state; i
 inference routes to ``GATEWAY_UPSTREAM_URL`` (an OpenAI/Anthropic-compatible base URL, e.g.
 ``https://api.openai.com``) or, by default, to spendguard's fake upstream provider.
 
+Its router picks the upstream key through spendguard's provider-key pool: the fake upstream is
+reached through two keys, ``fake-key-1`` (which answers every call with a 429) and
+``fake-key-2``; the pool puts the first in a cooldown after its first 429 and every later
+request goes straight to the second. Each key allows ``GATEWAY_PROVIDER_RPM`` requests and
+``GATEWAY_PROVIDER_TPM`` tokens per minute (unset: unlimited); a 429 without ``Retry-After``
+cools a key for ``GATEWAY_COOLDOWN`` seconds (default 30). Replicas share the pool through
+``GATEWAY_POOL_URL`` (a Redis URL; unset: in this process).
+
     uvicorn examples.gateway:app --port 8000
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from spendguard import SpendGuardMiddleware
+from spendguard import (
+    Lease,
+    NoCapacity,
+    ProviderKey,
+    ProviderPool,
+    SpendGuardMiddleware,
+    StoreUnavailable,
+    retry_after_seconds,
+)
 from spendguard.testing import StreamingASGITransport, fake_upstream
+from spendguard.usage import Dialect, Usage, UsageObserver
+
+log = logging.getLogger("gateway")
 
 # The gateway's own key store: bearer token -> (team, api key).
 DEMO_KEYS = {
@@ -47,6 +69,20 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+def _provider_keys() -> dict[str, dict[str, str]]:
+    """The router's provider keys: id -> the headers that call the upstream with that key.
+    Only the ids reach the pool; the secrets stay here."""
+    if os.environ.get("GATEWAY_UPSTREAM_URL"):
+        secret = os.environ.get("GATEWAY_UPSTREAM_API_KEY")
+        auth = {"authorization": f"Bearer {secret}", "x-api-key": secret} if secret else {}
+        return {"upstream": auth}
+    # Two keys on the fake provider; the first one is always rate limited there.
+    return {"fake-key-1": {"x-fake-fail": "429"}, "fake-key-2": {}}
+
+
+PROVIDER_KEYS = _provider_keys()
+
+
 def _upstream_client() -> httpx.AsyncClient:
     url = os.environ.get("GATEWAY_UPSTREAM_URL")
     if url:
@@ -57,11 +93,26 @@ def _upstream_client() -> httpx.AsyncClient:
     )
 
 
+def _capacity(name: str) -> int | None:
+    raw = os.environ.get(name)
+    return None if raw is None else int(raw)  # unset: unlimited
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    async with _upstream_client() as client:
-        app.state.upstream = client
-        yield
+    # Replicas share capacity and cooldowns through Redis (GATEWAY_POOL_URL=redis://...); the
+    # default keeps the pool in this process. (ProviderPool.from_settings() would follow
+    # SPENDGUARD_REDIS_URL instead.)
+    pool = ProviderPool.from_url(os.environ.get("GATEWAY_POOL_URL", "memory://"), timeout=2)
+    rpm, tpm = _capacity("GATEWAY_PROVIDER_RPM"), _capacity("GATEWAY_PROVIDER_TPM")
+    try:
+        # Every replica registers the same keys at start; counters and cooldowns are kept.
+        await pool.register(*(ProviderKey(k, "fake", tpm=tpm, rpm=rpm) for k in PROVIDER_KEYS))
+        async with _upstream_client() as client:
+            app.state.upstream, app.state.pool = client, pool
+            yield
+    finally:
+        await pool.aclose()
 
 
 app = FastAPI(title="demo gateway", lifespan=lifespan)
@@ -69,32 +120,119 @@ app = FastAPI(title="demo gateway", lifespan=lifespan)
 _FORWARD = ("content-type", "anthropic-version", "anthropic-beta", "openai-beta")
 
 
+COOLDOWN = float(os.environ.get("GATEWAY_COOLDOWN", "30"))
+
+
+def _estimate(body: bytes) -> int:
+    """Tokens to reserve: about 4 bytes of body per prompt token, plus the output cap."""
+    try:
+        fields = json.loads(body)
+    except ValueError:
+        fields = {}
+    cap = 4096
+    if isinstance(fields, dict):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+            if isinstance(fields.get(name), int) and fields[name] > 0:
+                cap = fields[name]
+                break
+    return len(body) // 4 + cap
+
+
+def _used(usage: Usage | None, estimate: int) -> int:
+    if usage is None:
+        return estimate  # the provider reported nothing: keep the reservation
+    return (
+        usage.input_tokens
+        + usage.output_tokens
+        + usage.cached_input_tokens
+        + usage.cache_write_tokens
+    )
+
+
+def _no_capacity(exc: NoCapacity) -> Response:
+    headers = {} if exc.retry_after is None else {"retry-after": str(exc.retry_after)}
+    error = {"type": "rate_limit_error", "code": "no_provider_capacity", "message": str(exc)}
+    return JSONResponse({"error": error}, status_code=429, headers=headers)
+
+
 async def _proxy(request: Request, path: str) -> Response:
     client: httpx.AsyncClient = request.app.state.upstream
+    pool: ProviderPool = request.app.state.pool
     headers = {
         k: v
         for k, v in request.headers.items()
         # x-fake-* lets tests and the curious steer the fake provider (errors, stalls...).
         if k in _FORWARD or k.startswith("x-fake-")
     }
-    key = os.environ.get("GATEWAY_UPSTREAM_API_KEY")
-    if key:
-        headers["authorization"] = f"Bearer {key}"
-        headers["x-api-key"] = key
-    upstream = await client.send(
-        client.build_request("POST", path, content=await request.body(), headers=headers),
-        stream=True,
+    body = await request.body()
+    estimate = _estimate(body)
+    candidates = list(PROVIDER_KEYS)
+    attempts = 0
+    while True:
+        # 1. acquire: the first key with room for this request that is not cooling down.
+        try:
+            lease = await pool.acquire(candidates, tokens=estimate)
+        except NoCapacity as exc:
+            return _no_capacity(exc)
+        except StoreUnavailable:
+            return JSONResponse({"error": {"type": "unavailable"}}, status_code=503)
+        attempts += 1
+        try:
+            upstream = await client.send(
+                client.build_request(
+                    "POST", path, content=body, headers=headers | PROVIDER_KEYS[lease.key_id]
+                ),
+                stream=True,
+            )
+        except BaseException:
+            # The call never reached the provider; give the lease back even when cancelled.
+            with anyio.CancelScope(shield=True):
+                await pool.release(lease)
+            raise
+        if upstream.status_code != 429:
+            break
+        # 2. a 429: cool the key on every replica for as long as the provider asks, give the
+        # lease back, and try the keys not tried yet.
+        await upstream.aclose()
+        await pool.cooldown(lease.key_id, retry_after_seconds(upstream.headers, default=COOLDOWN))
+        await pool.release(lease)
+        candidates.remove(lease.key_id)
+
+    dialect = Dialect.ANTHROPIC if path.endswith("/messages") else Dialect.OPENAI
+    content_type = upstream.headers.get("content-type")
+    # Compressed bodies are not read here: such a lease keeps its estimate.
+    observer = (
+        None if upstream.headers.get("content-encoding") else UsageObserver(dialect, content_type)
     )
+
+    async def relay() -> AsyncIterator[bytes]:
+        async for chunk in upstream.aiter_raw():
+            if observer is not None:
+                observer.feed(chunk)
+            yield chunk
+
+    async def finish(lease: Lease) -> None:
+        await upstream.aclose()
+        # 3. settle: true the lease up to what the call used.
+        used = _used(None if observer is None else observer.result(), estimate)
+        try:
+            await pool.settle(lease, tokens=used)
+        except (StoreUnavailable, ValueError) as exc:
+            log.warning("could not settle provider lease on %s: %s", lease.key_id, exc)
+
     passed = {
         k: v
         for k, v in upstream.headers.items()
         if k in ("content-type", "content-encoding", "retry-after")
     }
+    # Which key served it and after how many tries: for the demo's readers and its tests.
+    passed["x-gateway-provider-key"] = lease.key_id
+    passed["x-gateway-attempts"] = str(attempts)
     return StreamingResponse(
-        upstream.aiter_raw(),
+        relay(),
         status_code=upstream.status_code,
         headers=passed,
-        background=BackgroundTask(upstream.aclose),
+        background=BackgroundTask(finish, lease),
     )
 
 

@@ -19,6 +19,15 @@ from .errors import (
 )
 from .identity import Identity
 from .limits import Balance, Limit, Period, Policy, Subject
+from .providers import (
+    KeyState,
+    Lease,
+    NoCapacity,
+    ProviderKey,
+    ProviderPool,
+    Refusal,
+    retry_after_seconds,
+)
 from .settings import Settings
 from .usage import Dialect, Usage
 
@@ -32,11 +41,17 @@ __all__ = [
     "Dialect",
     "Identity",
     "InferenceRequest",
+    "KeyState",
+    "Lease",
     "LedgerUnavailable",
     "Limit",
     "LimitUsage",
+    "NoCapacity",
     "Period",
     "Policy",
+    "ProviderKey",
+    "ProviderPool",
+    "Refusal",
     "Settings",
     "SpendGuard",
     "SpendGuardError",
@@ -47,5 +62,6 @@ __all__ = [
     "Usage",
     "UsageReport",
     "Verdict",
+    "retry_after_seconds",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,43 @@
+"""The provider-key pool: supply-side limits for the gateway's router.
+
+Provider keys are registered with their capacity per minute (TPM, RPM); a request acquires a
+lease on the first candidate key with room for it (one request and the estimated tokens,
+reserved atomically, shared across replicas through Redis), settles or releases it after the
+call, and a key the provider answered 429 goes into a cooldown every replica skips.
+
+    pool = ProviderPool.from_settings()      # Redis if SPENDGUARD_REDIS_URL is set
+    await pool.register(ProviderKey("openai-1", "openai", tpm=200_000, rpm=500))
+    lease = await pool.acquire(["openai-1", "openai-2"], tokens=estimate)
+    await pool.settle(lease, tokens=used)    # or: cooldown(lease.key_id, s) + release(lease)
+
+Modules: :mod:`.model` (values and :class:`NoCapacity`), :mod:`.base` (the store Protocol and
+its shared semantics), :mod:`.memory` and :mod:`.redis` (the stores; Lua in ``lua/``),
+:mod:`.pool` (the API), :mod:`.retry_after` (reading a 429's wait).
+"""
+
+from __future__ import annotations
+
+from .base import Attempt, PoolStore, StoredKey
+from .memory import MemoryPoolStore
+from .model import WINDOW_MS, KeyState, Lease, NoCapacity, ProviderKey, Refusal
+from .pool import MAX_COOLDOWN, POOL_STORES, ProviderPool
+from .redis import RedisPoolStore
+from .retry_after import retry_after_seconds
+
+__all__ = [
+    "MAX_COOLDOWN",
+    "POOL_STORES",
+    "WINDOW_MS",
+    "Attempt",
+    "KeyState",
+    "Lease",
+    "MemoryPoolStore",
+    "NoCapacity",
+    "PoolStore",
+    "ProviderKey",
+    "ProviderPool",
+    "RedisPoolStore",
+    "Refusal",
+    "StoredKey",
+    "retry_after_seconds",
+]

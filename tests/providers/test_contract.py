@@ -1,0 +1,258 @@
+"""One contract, every pool store: the embedded one, one Redis server and a 3-master Cluster.
+
+The pool's clock is injected and every store call carries the time, so the same frozen clock
+drives windows and cooldowns on all three: no test sleeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import anyio
+import pytest
+
+from spendguard.providers import (
+    MemoryPoolStore,
+    NoCapacity,
+    PoolStore,
+    ProviderKey,
+    ProviderPool,
+    RedisPoolStore,
+    Refusal,
+)
+from tests.support import Clock
+
+pytestmark = pytest.mark.anyio
+
+# Ten seconds into a minute: a window ends 50 s later.
+START = datetime(2026, 9, 30, 12, 0, 10, tzinfo=UTC)
+NEXT_MINUTE = datetime(2026, 9, 30, 12, 1, tzinfo=UTC)
+
+
+@dataclass
+class Harness:
+    pool: ProviderPool
+    store: PoolStore
+    clock: Clock
+
+    def advance(self, seconds: float) -> None:
+        self.clock.now += timedelta(seconds=seconds)
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def h(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    clock = Clock(START)
+    store: PoolStore
+    if request.param == "memory":
+        store = MemoryPoolStore()
+    elif request.param == "redis":
+        store = RedisPoolStore.from_url(request.getfixturevalue("redis_url"), timeout=2.0)
+    else:
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flushall()
+        store = RedisPoolStore.from_url(cluster.url, timeout=2.0)
+    pool = ProviderPool(store, clock=clock)
+    try:
+        yield Harness(pool, store, clock)
+    finally:
+        await pool.aclose()
+
+
+async def test_acquire_reserves_a_request_and_tokens(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai", tpm=1000, rpm=10))
+    lease = await h.pool.acquire(["a"], tokens=300)
+    assert (lease.key_id, lease.tokens) == ("a", 300)
+    state = await h.pool.state("a")
+    assert state is not None
+    assert (state.provider, state.tpm, state.rpm) == ("openai", 1000, 10)
+    assert (state.requests, state.tokens, state.cooling_until) == (1, 300, None)
+    assert state.window_ends == NEXT_MINUTE
+
+
+async def test_rpm_is_a_hard_cap_per_window(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai", rpm=2))
+    await h.pool.acquire(["a"], tokens=1)
+    await h.pool.acquire(["a"], tokens=1)
+    with pytest.raises(NoCapacity) as full:
+        await h.pool.acquire(["a"], tokens=1)
+    assert full.value.refusals == {"a": Refusal.FULL}
+    assert full.value.retry_at == NEXT_MINUTE
+    assert full.value.retry_after == 50
+    h.clock.now = NEXT_MINUTE  # a new window: the counters start again
+    await h.pool.acquire(["a"], tokens=1)
+    state = await h.pool.state("a")
+    assert state is not None and state.requests == 1
+
+
+async def test_tpm_takes_what_fits_and_refuses_the_rest(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai", tpm=100))
+    await h.pool.acquire(["a"], tokens=60)
+    with pytest.raises(NoCapacity):
+        await h.pool.acquire(["a"], tokens=41)
+    await h.pool.acquire(["a"], tokens=40)  # exactly full
+    with pytest.raises(NoCapacity):
+        await h.pool.acquire(["a"], tokens=1)
+    state = await h.pool.state("a")
+    assert state is not None and (state.requests, state.tokens) == (2, 100)
+
+
+async def test_an_estimate_over_the_whole_tpm_never_fits(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai", tpm=100))
+    with pytest.raises(NoCapacity) as refused:
+        await h.pool.acquire(["a"], tokens=101)
+    assert refused.value.refusals == {"a": Refusal.TOO_LARGE}
+    assert refused.value.retry_at is None and refused.value.retry_after is None
+
+
+async def test_candidates_are_tried_in_order(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai", rpm=1), ProviderKey("b", "openai", rpm=1))
+    assert (await h.pool.acquire(["a", "b"], tokens=1)).key_id == "a"
+    assert (await h.pool.acquire(["a", "b"], tokens=1)).key_id == "b"  # a is full
+    with pytest.raises(NoCapacity) as full:
+        await h.pool.acquire(["a", "b", "nobody"], tokens=1)
+    assert full.value.refusals == {"a": Refusal.FULL, "b": Refusal.FULL, "nobody": Refusal.UNKNOWN}
+    assert full.value.retry_at == NEXT_MINUTE
+
+
+async def test_unknown_keys_are_refused(h: Harness) -> None:
+    with pytest.raises(NoCapacity) as refused:
+        await h.pool.acquire(["ghost"], tokens=1)
+    assert refused.value.refusals == {"ghost": Refusal.UNKNOWN}
+    assert refused.value.retry_at is None
+    assert await h.pool.state("ghost") is None
+    assert await h.pool.cooldown("ghost", 5) is None
+
+
+async def test_settle_trues_up_the_reservation_in_its_window(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai", tpm=100))
+    lease = await h.pool.acquire(["a"], tokens=80)
+    await h.pool.settle(lease, tokens=20)  # the call used less than its estimate
+    await h.pool.acquire(["a"], tokens=80)  # fits only because 60 came back
+    state = await h.pool.state("a")
+    assert state is not None and (state.requests, state.tokens) == (2, 100)
+    lease = await h.pool.acquire(["a"], tokens=0)
+    await h.pool.settle(lease, tokens=30)  # more than estimated: over capacity, as it was
+    state = await h.pool.state("a")
+    assert state is not None and state.tokens == 130
+
+
+async def test_settle_in_a_later_window_charges_only_the_excess(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai", tpm=100))
+    short = await h.pool.acquire(["a"], tokens=50)
+    long = await h.pool.acquire(["a"], tokens=10)
+    h.clock.now = NEXT_MINUTE + timedelta(seconds=5)
+    await h.pool.settle(short, tokens=20)  # under its estimate: nothing to give back now
+    await h.pool.settle(long, tokens=40)  # 30 beyond its estimate land in this window
+    state = await h.pool.state("a")
+    assert state is not None and (state.requests, state.tokens) == (0, 30)
+    with pytest.raises(NoCapacity):
+        await h.pool.acquire(["a"], tokens=71)
+    await h.pool.acquire(["a"], tokens=70)
+
+
+async def test_release_gives_back_the_request_and_tokens(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai", tpm=100, rpm=1))
+    lease = await h.pool.acquire(["a"], tokens=100)
+    await h.pool.release(lease)
+    state = await h.pool.state("a")
+    assert state is not None and (state.requests, state.tokens) == (0, 0)
+    await h.pool.acquire(["a"], tokens=100)
+
+
+async def test_release_in_a_later_window_leaves_that_window_alone(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai", tpm=100, rpm=5))
+    old = await h.pool.acquire(["a"], tokens=60)
+    h.clock.now = NEXT_MINUTE
+    await h.pool.acquire(["a"], tokens=50)
+    await h.pool.release(old)
+    state = await h.pool.state("a")
+    assert state is not None and (state.requests, state.tokens) == (1, 50)
+
+
+async def test_cooldown_is_skipped_until_it_ends(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai"), ProviderKey("b", "openai"))
+    ends = await h.pool.cooldown("a", 30)
+    assert ends == START + timedelta(seconds=30)
+    assert (await h.pool.acquire(["a", "b"], tokens=1)).key_id == "b"
+    state = await h.pool.state("a")
+    assert state is not None and state.cooling_until == ends and state.requests == 0
+    await h.pool.cooldown("b", 10)
+    with pytest.raises(NoCapacity) as cooling:
+        await h.pool.acquire(["a", "b"], tokens=1)
+    assert cooling.value.refusals == {"a": Refusal.COOLING, "b": Refusal.COOLING}
+    assert cooling.value.retry_at == START + timedelta(seconds=10)  # the earliest to free
+    h.advance(30)
+    assert (await h.pool.acquire(["a", "b"], tokens=1)).key_id == "a"
+    state = await h.pool.state("a")
+    assert state is not None and state.cooling_until is None
+
+
+async def test_a_cooldown_is_never_shortened(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai"))
+    await h.pool.cooldown("a", 60)
+    assert await h.pool.cooldown("a", 5) == START + timedelta(seconds=60)
+    h.advance(59)
+    with pytest.raises(NoCapacity):
+        await h.pool.acquire(["a"], tokens=1)
+    h.advance(1)
+    await h.pool.acquire(["a"], tokens=1)
+
+
+async def test_a_cooldown_is_bounded(h: Harness) -> None:
+    pool = ProviderPool(h.store, clock=h.clock, max_cooldown=120)
+    await pool.register(ProviderKey("a", "openai"))
+    assert await pool.cooldown("a", 86_400) == START + timedelta(seconds=120)
+
+
+async def test_registering_again_keeps_counters_and_cooldown(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai", tpm=100, rpm=10))
+    await h.pool.acquire(["a"], tokens=70)
+    await h.pool.cooldown("a", 5)
+    await h.pool.register(ProviderKey("a", "azure", tpm=200))  # rpm now unlimited
+    state = await h.pool.state("a")
+    assert state is not None
+    assert (state.provider, state.tpm, state.rpm, state.requests, state.tokens) == (
+        "azure",
+        200,
+        None,
+        1,
+        70,
+    )
+    assert state.cooling_until == START + timedelta(seconds=5)
+    h.advance(5)
+    await h.pool.acquire(["a"], tokens=130)  # the new capacity, counted on the old usage
+
+
+async def test_removed_keys_are_unknown(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai"))
+    await h.pool.remove("a")
+    with pytest.raises(NoCapacity) as refused:
+        await h.pool.acquire(["a"], tokens=1)
+    assert refused.value.refusals == {"a": Refusal.UNKNOWN}
+
+
+async def test_ids_are_kept_apart_whatever_they_contain(h: Harness) -> None:
+    ids = ["a:b", "a}b{", "a%3Ab", "x" * 500, "ключ 🔑"]
+    await h.pool.register(*(ProviderKey(i, "openai", rpm=1) for i in ids))
+    for i in ids:
+        assert (await h.pool.acquire([i], tokens=1)).key_id == i
+    for i in ids:
+        state = await h.pool.state(i)
+        assert state is not None and state.requests == 1
+
+
+async def test_100_concurrent_callers_at_a_capacity_of_5(h: Harness) -> None:
+    await h.pool.register(ProviderKey("a", "openai", rpm=5), ProviderKey("b", "openai", tpm=50))
+    granted: list[str] = []
+
+    async def one() -> None:
+        with contextlib.suppress(NoCapacity):
+            granted.append((await h.pool.acquire(["a", "b"], tokens=10)).key_id)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(100):
+            tg.start_soon(one)
+    assert sorted(granted) == ["a"] * 5 + ["b"] * 5

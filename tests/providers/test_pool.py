@@ -1,0 +1,33 @@
+"""How a pool is built: the URL-scheme registry and spendguard's settings."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import SecretStr
+
+from spendguard import ConfigurationError, Settings
+from spendguard.providers import MemoryPoolStore, ProviderPool, RedisPoolStore
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_without_a_redis_url_the_pool_is_in_process() -> None:
+    pool = ProviderPool.from_settings(Settings())
+    assert isinstance(pool.store, MemoryPoolStore)
+    assert isinstance(ProviderPool.from_url("memory://").store, MemoryPoolStore)
+
+
+async def test_the_pool_follows_spendguards_redis_url_and_prefix() -> None:
+    settings = Settings(redis_url=SecretStr("redis://127.0.0.1:1/0"), key_prefix="gw")
+    pool = ProviderPool.from_settings(settings)
+    try:
+        assert isinstance(pool.store, RedisPoolStore)
+        assert pool.store.key_name("openai-1") == "gw:pool:{openai-1}"
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.parametrize("url", ["http://x", "nonsense", "postgresql://db/x"])
+def test_an_unknown_scheme_is_a_configuration_error(url: str) -> None:
+    with pytest.raises(ConfigurationError):
+        ProviderPool.from_url(url)

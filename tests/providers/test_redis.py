@@ -1,0 +1,99 @@
+"""What only the Redis pool store has: key names and slots, script reloads, failures."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from spendguard.errors import StoreUnavailable
+from spendguard.providers import ProviderKey, ProviderPool, RedisPoolStore
+from tests.support import Clock, RedisCluster, RedisServer, free_port
+
+pytestmark = pytest.mark.anyio
+
+NOW = datetime(2026, 9, 30, 12, 0, 10, tzinfo=UTC)
+
+
+async def test_each_key_has_its_own_hash_and_slot(redis_cluster: RedisCluster) -> None:
+    redis_cluster.flushall()
+    store = RedisPoolStore.from_url(redis_cluster.url, timeout=2.0)
+    pool = ProviderPool(store, clock=Clock(NOW))
+    try:
+        ids = [f"openai-{i}" for i in range(8)]
+        await pool.register(*(ProviderKey(i, "openai", rpm=1) for i in ids))
+        for i in ids:
+            await pool.acquire([i], tokens=1)
+        names = [store.key_name(i) for i in ids]
+        assert names[0] == "quota:pool:{openai-0}"
+        # The hash tag is the key's id alone: keys spread over the cluster's masters, and each
+        # script touches the one slot of its key.
+        assert len({redis_cluster.slot_of(n) for n in names}) == len(ids)
+        holders = set()
+        for name in names:
+            for node in redis_cluster.servers:
+                if node.cli("EXISTS", name).strip() == "1":
+                    holders.add(node.port)
+        assert len(holders) > 1
+    finally:
+        await pool.aclose()
+
+
+async def test_nothing_secret_is_stored(redis_server: RedisServer) -> None:
+    pool = ProviderPool(RedisPoolStore.from_url(redis_server.url, timeout=2.0), clock=Clock(NOW))
+    try:
+        await pool.register(ProviderKey("openai-1", "openai", tpm=10, rpm=5))
+        lease = await pool.acquire(["openai-1"], tokens=3)
+        await pool.settle(lease, tokens=4)
+        await pool.cooldown("openai-1", 1)
+        assert redis_server.cli("KEYS", "*").split() == ["quota:pool:{openai-1}"]
+        fields = redis_server.cli("HGETALL", "quota:pool:{openai-1}").split()
+        assert dict(zip(fields[::2], fields[1::2], strict=True)) == {
+            "p": "openai",
+            "rpm": "5",
+            "tpm": "10",
+            "w": str(int(NOW.timestamp()) // 60),
+            "r": "1",
+            "t": "4",
+            "cu": str(int(NOW.timestamp()) * 1000 + 1000),
+        }
+    finally:
+        await pool.aclose()
+
+
+async def test_scripts_come_back_after_a_script_flush(redis_server: RedisServer) -> None:
+    pool = ProviderPool(RedisPoolStore.from_url(redis_server.url, timeout=2.0), clock=Clock(NOW))
+    try:
+        await pool.register(ProviderKey("a", "openai", rpm=2))
+        await pool.acquire(["a"], tokens=1)
+        redis_server.cli("SCRIPT", "FLUSH")
+        await pool.acquire(["a"], tokens=1)
+        state = await pool.state("a")
+        assert state is not None and state.requests == 2
+    finally:
+        await pool.aclose()
+
+
+async def test_an_unreachable_redis_is_store_unavailable() -> None:
+    store = RedisPoolStore.from_url(f"redis://127.0.0.1:{free_port()}/0", timeout=0.5)
+    pool = ProviderPool(store, clock=Clock(NOW))
+    try:
+        with pytest.raises(StoreUnavailable) as failed:
+            await pool.acquire(["a"], tokens=1)
+        assert failed.value.__cause__ is not None
+        with pytest.raises(StoreUnavailable):
+            await pool.cooldown("a", 1)
+    finally:
+        await pool.aclose()
+
+
+async def test_scripts_refuse_bad_input_as_value_error(redis_url: str) -> None:
+    store = RedisPoolStore.from_url(redis_url, timeout=2.0)
+    try:
+        await store.register(ProviderKey("a", "openai"))
+        with pytest.raises(ValueError, match="spendguard pool acquire"):
+            await store.acquire("a", 10**14, 0)  # past what Lua's doubles keep exact
+        with pytest.raises(ValueError, match="spendguard pool cooldown"):
+            await store.cooldown("a", -1)
+    finally:
+        await store.aclose()
