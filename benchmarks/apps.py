@@ -1,8 +1,8 @@
 """The gateways under test: the example gateway (examples/gateway.py), rebuilt per variant.
 
-Every variant has the example's own routes, handlers, lifespan (the fake upstream provider,
-called in process and streamed) and bearer auth; they differ only in the one middleware between
-auth and the app:
+Every variant has the example's routes, lifespan (the fake upstream provider, called in process
+and streamed) and bearer auth, and the same plain proxy handler (the example's handler without
+its provider-key router); they differ only in the one middleware between auth and the app:
 
 * ``bare``: none, the baseline every ratio is taken against;
 * ``embedded``: ``SpendGuardMiddleware`` on the embedded store (SQLite ledger);
@@ -23,8 +23,11 @@ import json
 import os
 from typing import Final
 
+import httpx
 from fastapi import FastAPI
+from starlette.background import BackgroundTask
 from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp
 
 from examples import gateway
@@ -75,12 +78,42 @@ def chat_body(*, stream: bool = False) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+async def _plain_proxy(request: Request, path: str) -> Response:
+    """The example's proxy without its provider-key router: one upstream, bytes relayed as
+    they come. The router (a pool lease, a JSON parse of the body, usage read from every
+    chunk) is the gateway's own work, not spendguard's: in the baseline it would inflate every
+    ratio taken against it."""
+    client: httpx.AsyncClient = request.app.state.upstream
+    headers = {k: v for k, v in request.headers.items() if k == "content-type"}
+    upstream = await client.send(
+        client.build_request("POST", path, content=await request.body(), headers=headers),
+        stream=True,
+    )
+    passed = {
+        k: v for k, v in upstream.headers.items() if k in ("content-type", "content-encoding")
+    }
+    return StreamingResponse(
+        upstream.aiter_raw(),
+        status_code=upstream.status_code,
+        headers=passed,
+        background=BackgroundTask(upstream.aclose),
+    )
+
+
+async def _inference(request: Request) -> Response:
+    return await _plain_proxy(request, request.url.path)
+
+
+async def _anthropic(request: Request) -> Response:
+    return await _plain_proxy(request, "/v1/messages")
+
+
 def _base_app() -> FastAPI:
     app = FastAPI(title="demo gateway", lifespan=gateway.lifespan)
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"):
-        app.add_api_route(path, gateway.inference, methods=["POST"])
-    app.add_api_route("/v1/messages", gateway.inference, methods=["POST"])
-    app.add_api_route("/anthropic/v1/messages", gateway.anthropic_messages, methods=["POST"])
+        app.add_api_route(path, _inference, methods=["POST"])
+    app.add_api_route("/v1/messages", _inference, methods=["POST"])
+    app.add_api_route("/anthropic/v1/messages", _anthropic, methods=["POST"])
     app.add_api_route(HEALTH_PATH, gateway.health, methods=["GET"])
     return app
 
