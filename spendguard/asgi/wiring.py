@@ -127,6 +127,44 @@ def _lists_guard(dependant: Any) -> bool:
     return False
 
 
+@dataclass(frozen=True, slots=True)
+class RouteReport:
+    """The configured inference routes against the app's routes."""
+
+    posts: tuple[str, ...]  # the app's POST routes
+    unmatched: tuple[str, ...]  # configured routes that match no POST route of the app
+    uncovered: tuple[str, ...]  # app routes that look like inference but match no configured one
+    stray: tuple[str, ...]  # app routes with Depends(spendguard_guard) that are not configured
+    deferred: tuple[str, ...]  # app routes whose admission waits for Depends(spendguard_guard)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.uncovered or self.stray)
+
+
+def route_report(table: RouteTable, found: list[AppRoute]) -> RouteReport:
+    posts = [r for r in found if r.takes_post]
+
+    def configured(route: AppRoute) -> bool:
+        return table.match({"method": "POST", "path": sample_path(route.path)}) is not None
+
+    return RouteReport(
+        posts=tuple(r.path for r in posts),
+        unmatched=tuple(
+            path
+            for path in table.paths
+            if not any(r.pattern.match(sample_path(path)) for r in posts)
+        ),
+        uncovered=tuple(
+            r.path
+            for r in posts
+            if r.methods is not None and r.path.endswith(_INFERENCE_ENDINGS) and not configured(r)
+        ),
+        stray=tuple(r.path for r in found if r.guarded and not configured(r)),
+        deferred=tuple(r.path for r in found if r.guarded and configured(r)),
+    )
+
+
 def _relative_path(scope: Scope) -> str:
     """The request path as the app's router sees it (``root_path`` stripped)."""
     path: str = scope["path"]
@@ -210,55 +248,38 @@ class Wiring:
         self.check_routes(found)
 
     def check_routes(self, found: list[AppRoute]) -> None:
-        posts = [r for r in found if r.takes_post]
-        configured = self.routes.paths
-        unmatched = [
-            path
-            for path in configured
-            if not any(r.pattern.match(sample_path(path)) for r in posts)
-        ]
-        uncovered = [
-            r.path
-            for r in posts
-            if r.methods is not None
-            and r.path.endswith(_INFERENCE_ENDINGS)
-            and self.routes.match({"method": "POST", "path": sample_path(r.path)}) is None
-        ]
-        listed = ", ".join(r.path for r in posts) or "none"
-        if uncovered:
+        report = route_report(self.routes, found)
+        configured = ", ".join(self.routes.paths)
+        if report.uncovered:
             log.warning(
                 "spendguard: these POST routes of the app look like inference routes but match "
                 "no configured route, so they are NOT limited or recorded: %s. Set "
                 "SPENDGUARD_ROUTES to the paths as the app serves them, relative to where "
                 "SpendGuardMiddleware sits (configured: %s)",
-                ", ".join(uncovered),
-                ", ".join(configured),
+                ", ".join(report.uncovered),
+                configured,
             )
-        if unmatched and (configured != DEFAULT_ROUTES or len(unmatched) == len(configured)):
+        if report.unmatched and (
+            self.routes.paths != DEFAULT_ROUTES or len(report.unmatched) == len(self.routes.paths)
+        ):
             log.warning(
                 "spendguard: these inference routes match no POST route of the app: %s "
                 "(the app's POST routes: %s). Paths are relative to where SpendGuardMiddleware "
                 "sits; path parameters are written like /openai/deployments/{deployment}/"
                 "chat/completions",
-                ", ".join(unmatched),
-                listed,
+                ", ".join(report.unmatched),
+                ", ".join(report.posts) or "none",
             )
-        elif unmatched:
-            log.info("spendguard: default routes the app does not serve: %s", ", ".join(unmatched))
-        guarded = [r for r in found if r.guarded]
-        stray = [
-            r.path
-            for r in guarded
-            if self.routes.match({"method": "POST", "path": sample_path(r.path)}) is None
-        ]
-        if stray:
+        elif report.unmatched:
+            log.info("spendguard: default routes the app does not serve: %s", report.unmatched)
+        if report.stray:
             log.warning(
                 "spendguard: routes with Depends(spendguard_guard) that are not configured "
                 "inference routes, so they are NOT limited: %s (configured: %s)",
-                ", ".join(stray),
-                ", ".join(configured),
+                ", ".join(report.stray),
+                configured,
             )
-        self._deferred = tuple(r.pattern for r in guarded)
+        self._deferred = tuple(r.pattern for r in found if r.guarded)
 
     # -- per request (only on requests that have no identity) ------------------------------
     def defers(self, scope: Scope) -> bool:
