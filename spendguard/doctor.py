@@ -8,7 +8,8 @@ is reported, not made.
 
 The hook for what comes next: a check of a *running* gateway (whether its lifespan ran and its
 writer and worker are up, read through its admin routes) will be one more entry in
-:data:`CHECKS`, reading the gateway's URL from :class:`DoctorContext`.
+:data:`CHECKS`, reading the gateway's URL from :class:`DoctorContext`; the gateway side serves
+``SpendGuardMiddleware.wiring.status()`` and ``guard.running``.
 """
 
 from __future__ import annotations

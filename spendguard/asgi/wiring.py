@@ -184,15 +184,16 @@ class Wiring:
         self.routes = routes
         self.resolver = resolver
         self.pending = True  # neither a lifespan nor a request seen yet
-        self._lifespan = False
-        self._started = False  # started by the first inference request (no lifespan)
+        self.unstarted = True  # no lifespan started the guard, nor the first inference
+        self.started_by: str | None = None  # "lifespan" or "first request"
         self._explained = False
         self._deferred: tuple[re.Pattern[str], ...] = ()
 
     # -- the first lifespan or request ----------------------------------------------------
     def lifespan(self, scope: Scope, app: object) -> None:
         """The app's lifespan starts: the guard starts with it."""
-        self._lifespan = True
+        self.unstarted = False
+        self.started_by = "lifespan"
         if self.pending:
             self.pending = False
             self.inspect(scope, app)
@@ -203,17 +204,13 @@ class Wiring:
             self.pending = False
             self.inspect(scope, app)
 
-    @property
-    def unstarted(self) -> bool:
-        """No lifespan started the guard, and this has not either (yet)."""
-        return not self._lifespan and not self._started
-
     async def start_without_lifespan(self, guard: SpendGuard) -> None:
         """The first inference request, and no lifespan ran: start the background tasks (once;
         concurrent first requests do not wait)."""
-        if self._started:
+        if not self.unstarted:
             return
-        self._started = True
+        self.unstarted = False
+        self.started_by = "first request"
         if guard.running:  # started by the host app itself
             return
         log.warning(
@@ -280,6 +277,15 @@ class Wiring:
                 configured,
             )
         self._deferred = tuple(r.pattern for r in found if r.guarded)
+
+    def status(self) -> dict[str, object]:
+        """What the checks found, for an operator (the hook for a gateway's admin routes and
+        ``spendguard doctor``): who started the background tasks, and the deferred routes."""
+        return {
+            "checked": not self.pending,
+            "background_started_by": self.started_by,
+            "deferred_routes": [p.pattern for p in self._deferred],
+        }
 
     # -- per request (only on requests that have no identity) ------------------------------
     def defers(self, scope: Scope) -> bool:

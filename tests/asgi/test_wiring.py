@@ -262,3 +262,22 @@ async def test_a_resolver_finding_nothing_is_named_and_allow_says_so(
     assert len(said) == 1
     assert "passed through unlimited and unrecorded" in said[0]
     assert "resolve_identity=from_user(team='org', api_key=None) returned no identity" in said[0]
+
+
+async def test_the_status_says_who_started_the_background_tasks(tmp_path: Path) -> None:
+    with_lifespan = SpendGuardMiddleware(upstream(), guard=SpendGuard(settings(tmp_path)))
+    assert with_lifespan.wiring.status()["checked"] is False
+    async with lifespan(with_lifespan):
+        assert with_lifespan.wiring.status() == {
+            "checked": True,
+            "background_started_by": "lifespan",
+            "deferred_routes": [],
+        }
+    guard = SpendGuard(settings(tmp_path))
+    without = SpendGuardMiddleware(upstream(), guard=guard)
+    try:
+        async with client(StateAuth(without)) as c:
+            await c.post("/v1/chat/completions", json=chat_body())
+        assert without.wiring.status()["background_started_by"] == "first request"
+    finally:
+        await guard.stop()
