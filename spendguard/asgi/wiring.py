@@ -210,9 +210,10 @@ class Wiring:
         if not self.unstarted:
             return
         self.unstarted = False
-        self.started_by = "first request"
-        if guard.running:  # started by the host app itself
+        if guard.running:  # started by the host app itself (``guard.start()``)
+            self.started_by = "the host app"
             return
+        self.started_by = "first request"
         log.warning(
             "spendguard got an inference request but never an ASGI lifespan (a mounted sub-app "
             "gets none: Starlette sends lifespan events only to the top app), so it starts its "
@@ -280,7 +281,8 @@ class Wiring:
 
     def status(self) -> dict[str, object]:
         """What the checks found, for an operator (the hook for a gateway's admin routes and
-        ``spendguard doctor``): who started the background tasks, and the deferred routes."""
+        ``spendguard doctor``): who started the background tasks ("lifespan", "first request",
+        "the host app", or None: not yet), and the deferred routes."""
         return {
             "checked": not self.pending,
             "background_started_by": self.started_by,
