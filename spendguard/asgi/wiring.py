@@ -335,7 +335,7 @@ class Wiring:
             'attributes of scope["user"], set by an auth middleware that runs before it (added '
             "after it). FastAPI Depends auth runs after every middleware: add "
             'Depends(spendguard_guard) after your auth dependency (README, "FastAPI Depends"), '
-            "or pass resolve_identity="
+            "or pass SpendGuardMiddleware(resolve_identity=...)"
         )
 
 
