@@ -115,6 +115,7 @@ async def set_policies(
     key_day: int = HIGH_LIMIT_MICROS,
     team_month: int | None = HIGH_LIMIT_MICROS,
     now: datetime | None = None,
+    hard: bool = False,
 ) -> None:
     """The limits a real deployment has: the key per day and the team per month."""
     ledger = Ledger(database_url)
@@ -123,7 +124,11 @@ async def set_policies(
         await ledger.init_schema()
         now = now or datetime.now(UTC)
         day = Policy(
-            key_limit(identity, Period.DAY), key_day, identity.team_id, identity.api_key_id
+            key_limit(identity, Period.DAY),
+            key_day,
+            identity.team_id,
+            identity.api_key_id,
+            hard=hard,
         )
         await ledger.set_policy(day, now=now)
         if team_month is not None:

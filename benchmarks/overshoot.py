@@ -9,6 +9,10 @@ warms the caches (policy loaded, usage keys filled) and spends one request's wor
 remaining budget covers exactly k requests. Then N connections are opened and one request is
 sent on each at the same moment. Reported: requests admitted, and the period's spend as a
 multiple of the limit (1.0 = held exactly).
+
+The same burst runs against a hard limit (README, "Hard limits"), whose remaining budget after
+the warm-up covers exactly k requests' worst case: it must admit at most k, and the spend can't
+pass the limit.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 from spendguard import Identity
+from spendguard.asgi.request import parse_request
 from spendguard.engine.costing import Coster
+from spendguard.engine.entries import worst_case
 from spendguard.engine.pricing import PriceTable
 from spendguard.settings import UnknownModel
 from spendguard.testing import expected_usage
@@ -33,11 +39,19 @@ from .services import GatewayServer
 from .stats import summary
 
 VARIANTS = ("embedded", "redis")  # the peer counts requests, not spend: no overshoot to compare
+# Each variant with soft limits, then with hard ones ("redis/hard").
+LABELLED = (*VARIANTS, *(f"{v}/hard" for v in VARIANTS))
 
 
 def budget_requests(n: int) -> int:
     """k: how many requests the remaining budget covers for a burst of n."""
     return max(1, n // 10)
+
+
+def worst_cost() -> int:
+    """What a hard limit holds for one benchmark request (its worst case)."""
+    coster = Coster(PriceTable.load(None), UnknownModel.DEFAULT_PRICE)
+    return worst_case(parse_request(chat_body()), coster)
 
 
 def request_cost() -> int:
@@ -69,21 +83,25 @@ def measure(
     repeats: int,
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
-    cost = request_cost()
+    cost, worst = request_cost(), worst_cost()
     trial = 0
     raw: dict[tuple[str, int], list[dict[str, float]]] = {}
     for n in sizes.overshoot_n:
         k = budget_requests(n)
         progress(f"overshoot: N={n}, budget for k={k}")
         for _ in range(repeats):
-            for v in VARIANTS:
+            for label in LABELLED:
+                v, _, mode = label.partition("/")
                 server = servers[v]
                 token = overshoot_token(trial)
                 identity = Identity(overshoot_team(trial), "k")
                 trial += 1
-                limit = (k + 1) * cost
+                hard = mode == "hard"
+                limit = cost + k * worst if hard else (k + 1) * cost
                 asyncio.run(
-                    set_policies(database_urls[v], identity, key_day=limit, team_month=None)
+                    set_policies(
+                        database_urls[v], identity, key_day=limit, team_month=None, hard=hard
+                    )
                 )
                 if (status := _post(server, token)) != 200:
                     raise RuntimeError(f"overshoot warm-up request answered {status}")
@@ -97,7 +115,7 @@ def measure(
                 statuses = run_burst(target, n)
                 admitted = statuses.get("200", 0)
                 refused, unavailable = statuses.get("429", 0), statuses.get("503", 0)
-                raw.setdefault((v, n), []).append(
+                raw.setdefault((label, n), []).append(
                     {
                         "admitted": admitted,
                         "refused": refused,
@@ -106,11 +124,11 @@ def measure(
                         "spend_over_limit": (1 + admitted) * cost / limit,
                     }
                 )
-    out: dict[str, Any] = {"request_cost_micros": cost, "variants": {}}
-    for v in VARIANTS:
+    out: dict[str, Any] = {"request_cost_micros": cost, "worst_case_micros": worst, "variants": {}}
+    for label in LABELLED:
         per_n: dict[str, Any] = {}
         for n in sizes.overshoot_n:
-            trials = raw[(v, n)]
+            trials = raw[(label, n)]
             per_n[str(n)] = {
                 "n": n,
                 "k": budget_requests(n),
@@ -125,5 +143,5 @@ def measure(
                     )
                 },
             }
-        out["variants"][v] = per_n
+        out["variants"][label] = per_n
     return out

@@ -300,11 +300,12 @@ def markdown(results: dict[str, Any]) -> str:
         "",
     ]
     rows = []
-    for v, per_n in over["variants"].items():
+    for label, per_n in over["variants"].items():
+        v, _, mode = label.partition("/")
         for f in per_n.values():
             rows.append(
                 [
-                    LABELS[v],
+                    f"{LABELS[v]}, {mode or 'soft'}",
                     str(f["n"]),
                     str(f["k"]),
                     _cell(f["admitted"]),
@@ -315,6 +316,13 @@ def markdown(results: dict[str, Any]) -> str:
                 ]
             )
     lines += _table(["variant", "N", "k", "admitted", "429", "503", "other", "spend / limit"], rows)
+    if "worst_case_micros" in over:
+        lines += [
+            f"A hard limit holds each request's worst case ({over['worst_case_micros']} "
+            "micro-USD) from admission to its end; its remaining budget covers k worst cases, "
+            "so it admits at most k.",
+            "",
+        ]
 
     settle = results["settlement"]
     lines += ["## 4. Settlement and record writes (records/s)", ""]
@@ -483,10 +491,12 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
     ax = axes[1][0]
     over = results["overshoot"]["variants"]
-    for v, per_n in over.items():
+    for label, per_n in over.items():
+        v, _, mode = label.partition("/")
         ns = [f["n"] for f in per_n.values()]
         ys = [f["spend_over_limit"]["median"] for f in per_n.values()]
-        ax.plot(ns, ys, "-o", color=colors[v], label=LABELS[v])
+        style = "--s" if mode else "-o"
+        ax.plot(ns, ys, style, color=colors[v], label=f"{LABELS[v]}, {mode or 'soft'}")
         for n, y, f in zip(ns, ys, per_n.values(), strict=True):
             if f["unavailable"]["median"]:  # refused with a 503, not by the limit
                 text = f"{f['unavailable']['median']:.0f} × 503"

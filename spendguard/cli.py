@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 
+from .budgets import cli as budgets_cli
 from .describe import ledger_description, store_description
 from .doctor import DoctorContext, run_checks
 from .engine.admin import Admin, BalanceReport, LimitUsage
@@ -80,11 +81,13 @@ async def cmd_policy_set(args: argparse.Namespace, ctx: Ctx) -> int:
     amount = _amount("--limit-usd", args.limit_usd, "a limit", allow_zero=True)
     # A bad id or amount is a ValueError naming what is wrong: exit code 2.
     policy = await ctx.admin.set_policy(
-        args.team, args.api_key, window=args.period, limit_usd=amount
+        args.team, args.api_key, window=args.period, limit_usd=amount, hard=args.mode == "hard"
     )
     who = f"team {policy.team_id}" + (f" key {policy.api_key_id}" if policy.api_key_id else "")
     window = policy.limit.window.value
-    _emit(args, _policy_json(policy), f"policy set: {who} {window} limit ${_usd(policy.amount)}")
+    mode = "hard" if policy.hard else "soft"
+    text = f"policy set: {who} {window} limit ${_usd(policy.amount)} ({mode})"
+    _emit(args, _policy_json(policy), text)
     return 0
 
 
@@ -157,6 +160,15 @@ def _usage_json(row: LimitUsage) -> dict[str, Any]:
         "aggregate_micros": row.aggregate,
         "remaining_micros": row.remaining,
         "resets_at": row.resets_at.isoformat(),
+        # The shared cache's view (None without one): what settlement folded in, estimates of
+        # finished inferences still pending, and holds of running ones on a hard limit.
+        "cache": None
+        if row.parts is None
+        else {
+            "settled_micros": row.parts.settled,
+            "pending_micros": row.parts.pending,
+            "held_micros": row.parts.held,
+        },
     }
 
 
@@ -174,6 +186,27 @@ async def cmd_balance_topup(args: argparse.Namespace, ctx: Ctx) -> int:
     account = await ctx.admin.topup(args.team, amount)
     data = _balance_json(args.team, account.topped_up, account.charged)
     _emit(args, data, f"team {args.team}: balance ${data['balance_usd']}")
+    return 0
+
+
+async def cmd_models(args: argparse.Namespace, ctx: Ctx) -> int:
+    if args.models_cmd == "ls":
+        lists = await ctx.admin.list_models(args.team)
+    else:
+        lists = await ctx.admin.allow_models(
+            args.team, args.api_key, args.models, allowed=args.models_cmd == "allow"
+        )
+    data = {"team": args.team, "lists": {key or "": pats for key, pats in lists.items()}}
+    lines = [f"{key or '(team)'}: {', '.join(pats)}" for key, pats in lists.items()]
+    _emit(args, data, "\n".join(lines) or "no model lists: every model is allowed")
+    return 0
+
+
+async def cmd_balance_mode(args: argparse.Namespace, ctx: Ctx) -> int:
+    account = await ctx.admin.set_balance_mode(args.team, hard=args.mode == "hard")
+    data = _balance_json(args.team, account.topped_up, account.charged)
+    data["mode"] = args.mode
+    _emit(args, data, f"team {args.team}: {args.mode} balance")
     return 0
 
 
@@ -264,6 +297,7 @@ def _policy_json(policy: Policy) -> dict[str, Any]:
         "period": policy.limit.window.value,
         "limit_micros": policy.amount,
         "limit_usd": _usd(policy.amount),
+        "mode": "hard" if policy.hard else "soft",
     }
 
 
@@ -289,6 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--api-key", default=None)
         p.add_argument("--period", required=True, choices=[x.value for x in Period])
     p_set.add_argument("--limit-usd", required=True, help="e.g. 5.00; 0 blocks everything")
+    p_set.add_argument(
+        "--mode",
+        choices=("soft", "hard"),
+        default="soft",
+        help="soft (default): admitted while usage is below the limit; hard: admitted only "
+        "if the request's worst-case cost fits, held until it ends",
+    )
     p_set.set_defaults(handler=cmd_policy_set)
     p_rm.set_defaults(handler=cmd_policy_rm)
     p_ls = pol.add_parser("ls", parents=[common], help="list active limits")
@@ -300,6 +341,19 @@ def build_parser() -> argparse.ArgumentParser:
     use.add_argument("--api-key", default=None)
     use.set_defaults(handler=cmd_usage)
 
+    mod = sub.add_parser("models", help="which models a key or team may call").add_subparsers(
+        dest="models_cmd", required=True
+    )
+    for name, text in (("allow", "allow models (names or globs)"), ("rm", "stop allowing")):
+        m = mod.add_parser(name, parents=[common], help=text)
+        m.add_argument("--team", required=True)
+        m.add_argument("--api-key", default=None, help="a key's list (default: the team's)")
+        m.add_argument("models", nargs="+", metavar="MODEL", help="e.g. gpt-4o-mini 'claude-*'")
+        m.set_defaults(handler=cmd_models)
+    m_ls = mod.add_parser("ls", parents=[common], help="a team's model lists")
+    m_ls.add_argument("--team", required=True)
+    m_ls.set_defaults(handler=cmd_models)
+
     bal = sub.add_parser("balance", help="prepaid credit").add_subparsers(
         dest="balance_cmd", required=True
     )
@@ -307,6 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     b_top.add_argument("--team", required=True)
     b_top.add_argument("--usd", required=True, help="e.g. 100")
     b_top.set_defaults(handler=cmd_balance_topup)
+    b_mode = bal.add_parser("mode", parents=[common], help="make a team's balance hard or soft")
+    b_mode.add_argument("--team", required=True)
+    b_mode.add_argument("--mode", required=True, choices=("soft", "hard"))
+    b_mode.set_defaults(handler=cmd_balance_mode)
     b_show = bal.add_parser("show", parents=[common], help="a team's balance")
     b_show.add_argument("--team", required=True)
     b_show.set_defaults(handler=cmd_balance_show)
@@ -324,7 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--app", default=None, help="the gateway app as module:attribute, to check its routes"
     )
     doc.set_defaults(handler=None, standalone=cmd_doctor)
+    budgets_cli.add_commands(sub, common)
     return parser
+
+
+async def cmd_budgets(args: argparse.Namespace, ctx: Ctx) -> int:
+    return await budgets_cli.run(args, ctx.settings, ctx.ledger)
 
 
 async def _run(args: argparse.Namespace, settings: Settings) -> int:
@@ -359,6 +422,11 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "standalone", None) is not None:  # needs no settings (budgets validate)
+        code: int = args.standalone(args)
+        return code
+    if getattr(args, "budgets_cmd", None) is not None:
+        args.handler = cmd_budgets
     try:
         settings = load_settings()
         return anyio.run(_run, args, settings)

@@ -10,7 +10,7 @@ import os
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -121,6 +121,14 @@ class Settings(BaseSettings):
     db_timeout: float = Field(
         5.0, gt=0, description="Seconds a ledger read on a cache miss may take."
     )
+    budgets_file: Path | None = Field(
+        None,
+        description="Budgets file (JSON or YAML): token and USD quotas over rolling windows; "
+        "polled for edits about once a second.",
+    )
+    budgets: dict[str, Any] | None = Field(
+        None, description="The budgets section itself (used when no budgets_file is set)."
+    )
 
     @field_validator("routes", mode="before")
     @classmethod
@@ -162,6 +170,30 @@ class Settings(BaseSettings):
     def _check_prices(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_file():
             raise ValueError(f"price file {value} does not exist")
+        return value
+
+    @field_validator("budgets_file")
+    @classmethod
+    def _check_budgets_file(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            from .budgets.config import BudgetConfigError, read_budgets
+
+            try:
+                read_budgets(value)
+            except BudgetConfigError as exc:
+                raise ValueError("; ".join(exc.problems)) from None
+        return value
+
+    @field_validator("budgets")
+    @classmethod
+    def _check_budgets(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            from .budgets.config import BudgetConfigError, parse_budgets
+
+            try:
+                parse_budgets(value)
+            except BudgetConfigError as exc:
+                raise ValueError("; ".join(exc.problems)) from None
         return value
 
     @field_validator("redis_url")

@@ -18,6 +18,8 @@ import anyio
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..budgets import BudgetAdmission, BudgetGate
+from ..budgets.responses import send_budget_refusal
 from ..engine.decision import Admission, Verdict
 from ..engine.guard import SpendGuard
 from ..usage import BodyObserver, Dialect
@@ -40,6 +42,7 @@ async def deferred_inference(
     resolver: IdentityResolver | None,
     retry_of: Callable[[dict[str, Any]], tuple[datetime | None, str | None]],
     no_identity: Callable[[Scope], None],
+    budgets: BudgetGate | None = None,
 ) -> None:
     """Read the body, call the app with the admission hook; observe and finish what it
     admitted."""
@@ -64,9 +67,10 @@ async def deferred_inference(
 
     state: dict[str, Any] = scope.setdefault("state", {})
     admitted: Admission | None = None
+    budget: BudgetAdmission | None = None
 
     async def admit() -> None:
-        nonlocal admitted
+        nonlocal admitted, budget
         if admitted is not None or STATE_RECORD_ID in state:
             return  # asked twice (the dependency listed twice): one inference, one admission
         identity = await resolve(resolver, HTTPConnection(scope))
@@ -80,6 +84,11 @@ async def deferred_inference(
                 code = "request_too_large" if exc.status == 413 else "invalid_request"
                 answer = partial(_send_error, dialect, exc.status, code, exc.message)
                 raise Refused(answer) from None
+        held: BudgetAdmission | None = None
+        if budgets is not None and identity is not None and request is not None:
+            held = await budgets.admit(identity, request)  # as on the middleware's own path
+            if held is not None and not held.allowed:
+                raise Refused(partial(send_budget_refusal, dialect=dialect, admission=held))
         t0, inference_id = retry_of(state)
         admission = await guard.admit(
             identity, request, route=route, dialect=dialect, t0=t0, inference_id=inference_id
@@ -87,7 +96,10 @@ async def deferred_inference(
         if admission.verdict is Verdict.PASS:
             return
         if not admission.allowed or admission.decision is None:
+            if held is not None and budgets is not None:
+                await budgets.release(held)  # spend limits refused: return the hold
             raise Refused(partial(send_refusal, admission=admission))
+        budget = held
         decision = admission.decision
         state[STATE_INFERENCE_ID] = decision.inference_id
         state[STATE_T0] = decision.t0
@@ -122,6 +134,8 @@ async def deferred_inference(
                 observer = guard.observe(admitted, status_code, content_type, content_encoding)
                 inference_id = admitted.decision.inference_id.encode()
                 headers.append((HEADER_INFERENCE_ID.encode(), inference_id))
+                if budget is not None:
+                    headers.extend(budget.headers)
         await send(message)
 
     state[STATE_ADMIT] = admit
@@ -135,7 +149,12 @@ async def deferred_inference(
         state.pop(STATE_ADMIT, None)
         if admitted is not None:
             with anyio.CancelScope(shield=True):
-                await guard.finish(admitted, status_code, observer)
+                record = await guard.finish(admitted, status_code, observer)
+                if budget is not None and budgets is not None:
+                    if record is None:  # nothing charged: the hold is returned
+                        await budgets.finish(budget, None, budget.model)
+                    else:
+                        await budgets.finish(budget, record.usage, record.model)
 
 
 async def _send_error(dialect: Dialect, status: int, code: str, message: str, send: Send) -> None:

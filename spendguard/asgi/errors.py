@@ -21,6 +21,7 @@ _WINDOW_NAMES = {Period.DAY: "daily", Period.MONTH: "monthly"}
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
@@ -28,6 +29,7 @@ _ANTHROPIC_TYPES = {
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "permission_error",
     413: "invalid_request_error",
     429: "insufficient_quota",
     503: "service_unavailable",
@@ -85,6 +87,10 @@ async def send_refusal(send: Send, admission: Admission) -> None:
         await send_error(send, dialect, 401, "missing_identity", message)
     elif admission.verdict is Verdict.UNPRICED:
         await send_error(send, dialect, 400, "invalid_request", admission.message)
+    elif admission.verdict is Verdict.MODEL_NOT_ALLOWED:
+        model = admission.request.model if admission.request is not None else ""
+        message = f"Model {model!r} is not allowed for this API key."
+        await send_error(send, dialect, 403, "model_not_allowed", message)
     elif admission.verdict is Verdict.DENY and decision is not None and decision.denied:
         limit = decision.denied_limit
         if limit is None:  # the prepaid balance is used up: it never resets by itself

@@ -18,6 +18,8 @@ import anyio
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..budgets import BudgetAdmission, BudgetGate, gate_for
+from ..budgets.responses import send_budget_refusal
 from ..engine.decision import Admission, InferenceRequest, Verdict
 from ..engine.guard import SpendGuard
 from ..ledger import Ledger
@@ -74,6 +76,7 @@ class SpendGuardMiddleware:
         guard: SpendGuard | None = None,
         store: Store | None = None,
         ledger: Ledger | None = None,
+        budgets: BudgetGate | None = None,
     ) -> None:
         self.app = app
         self.settings = settings or (guard.settings if guard is not None else load_settings())
@@ -85,6 +88,10 @@ class SpendGuardMiddleware:
         self.guard: SpendGuard | None = None
         if self.enabled:
             self.guard = guard or SpendGuard(self.settings, store=store, ledger=ledger)
+        # Budgets (token and USD quotas) are checked beside spend limits; None: not configured.
+        self.budgets = budgets
+        if budgets is None and self.guard is not None:
+            self.budgets = gate_for(self.guard)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.guard is None:
@@ -141,11 +148,18 @@ class SpendGuardMiddleware:
                 resolver=self.resolve_identity,
                 retry_of=self._retry_of,
                 no_identity=self.wiring.no_identity,
+                budgets=self.budgets,
             )
             return
         else:
             self.wiring.no_identity(scope)
 
+        budget: BudgetAdmission | None = None
+        if self.budgets is not None and identity is not None and request is not None:
+            budget = await self.budgets.admit(identity, request)
+            if budget is not None and not budget.allowed:
+                await send_budget_refusal(send, dialect, budget)
+                return
         t0, inference_id = self._retry_of(state)
         admission = await guard.admit(
             identity, request, route=route, dialect=dialect, t0=t0, inference_id=inference_id
@@ -154,13 +168,15 @@ class SpendGuardMiddleware:
             await self.app(scope, receive, send)
             return
         if not admission.allowed or admission.decision is None:
+            if budget is not None and self.budgets is not None:
+                await self.budgets.release(budget)  # spend limits refused: return the hold
             await send_refusal(send, admission)
             return
         decision = admission.decision
         state[STATE_INFERENCE_ID] = decision.inference_id
         state[STATE_T0] = decision.t0
         state[STATE_RECORD_ID] = decision.record_id
-        await self._call_app(guard, admission, body, scope, receive, send)
+        await self._call_app(guard, admission, body, scope, receive, send, budget)
 
     async def _call_app(
         self,
@@ -170,6 +186,7 @@ class SpendGuardMiddleware:
         scope: Scope,
         receive: Receive,
         send: Send,
+        budget: BudgetAdmission | None = None,
     ) -> None:
         assert admission.decision is not None
         body_sent = False
@@ -199,6 +216,8 @@ class SpendGuardMiddleware:
                 content_type, content_encoding = _content_headers(headers)
                 observer = guard.observe(admission, status_code, content_type, content_encoding)
                 headers.append((_INFERENCE_ID_HEADER, inference_header))
+                if budget is not None:
+                    headers.extend(budget.headers)
             await send(message)
 
         try:
@@ -208,7 +227,13 @@ class SpendGuardMiddleware:
             # cancellation; shielded so a cancelled request still settles its charge.
             # finish() is bounded by the store's own timeouts; no deadline of ours is needed.
             with anyio.CancelScope(shield=True):
-                await guard.finish(admission, status_code, observer)
+                record = await guard.finish(admission, status_code, observer)
+                if budget is not None and self.budgets is not None:
+                    # The hold becomes what was charged; nothing charged: it is returned.
+                    if record is None:
+                        await self.budgets.finish(budget, None, budget.model)
+                    else:
+                        await self.budgets.finish(budget, record.usage, record.model)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_body_bytes

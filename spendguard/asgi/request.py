@@ -20,6 +20,7 @@ __all__ = ["BadRequest", "InferenceRequest", "parse_request"]
 
 MAX_MODEL_LENGTH: Final = 256
 MAX_OUTPUT_TOKENS: Final = 10_000_000
+MAX_CHOICES: Final = 128  # OpenAI accepts 1-128
 # Output-cap fields across APIs: Chat (max_tokens, max_completion_tokens), Anthropic
 # (max_tokens), Responses (max_output_tokens), legacy Completions (max_tokens).
 _MAX_TOKEN_FIELDS: Final = ("max_tokens", "max_completion_tokens", "max_output_tokens")
@@ -74,7 +75,20 @@ def parse_request(body: bytes) -> InferenceRequest:
         # Walked only if the provider reports no usage: one pass over the body otherwise.
         estimate=partial(_estimate_input_tokens, obj),
         size=len(body),
+        choices=_choices(obj),
     )
+
+
+def _choices(obj: dict[str, Any]) -> int:
+    """OpenAI's ``n``: how many completions one request asks for (each billed)."""
+    n = obj.get("n")
+    if n is None:
+        return 1
+    if type(n) is not int:
+        raise BadRequest(f"'n' must be an integer, not {_json_type(n)}.")
+    if not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"'n' must be between 1 and {MAX_CHOICES}.")
+    return n
 
 
 def _load(body: bytes) -> Any:

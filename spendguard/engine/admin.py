@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -28,8 +28,9 @@ from ..errors import StoreUnavailable
 from ..identity import Identity
 from ..ledger import Account, Ledger
 from ..limits import Balance, KeyCodec, Limit, Period, Policy, Subject, Window, window_of
+from ..limits.models import check_pattern
 from ..money import MAX_TOTAL_MICROS, checked_amount, micros_to_usd, usd_to_micros
-from ..store import RefreshEntry, Store
+from ..store import CachedParts, RefreshEntry, Store
 
 log = logging.getLogger("spendguard.admin")
 
@@ -46,6 +47,7 @@ class LimitUsage:
     aggregate: int | None  # the ledger's running total for the limit (None: no row yet)
     cached: int | None  # settled + pending in the cache; None when not readable here
     resets_at: datetime
+    parts: CachedParts | None = None  # the cache's settled, pending and held parts
 
     @property
     def used(self) -> int:
@@ -110,14 +112,18 @@ class Admin:
         *,
         window: Window | str,
         limit_usd: Decimal | str | int,
+        hard: bool = False,
     ) -> Policy:
-        """Create or change a limit (0 blocks everything); ValueError on a bad argument."""
+        """Create or change a limit (0 blocks everything); ValueError on a bad argument.
+
+        ``hard``: a request is admitted only if its worst-case cost fits under the limit (held
+        until it ends); soft (the default): admitted while usage is below it."""
         identity = Identity(team_id, api_key_id)
         limit = Limit(Subject(identity.team, identity.api_key), _window(window))
         amount = checked_amount(usd_to_micros(limit_usd), "a limit", allow_zero=True)
         now = self.clock()
         policy = await self.ledger.set_policy(
-            Policy(limit, amount, identity.team_id, identity.api_key_id), now=now
+            Policy(limit, amount, identity.team_id, identity.api_key_id, hard=hard), now=now
         )
         await self._sync(limit.team, "policy saved", activated=(limit, limit.window.bucket(now)))
         return policy
@@ -131,6 +137,34 @@ class Admin:
         removed = await self.ledger.remove_policy(limit)
         await self._sync(limit.team, "policy removed")
         return removed
+
+    # -- model access ---------------------------------------------------------------------
+    async def allow_models(
+        self, team_id: str, api_key_id: str | None, patterns: Sequence[str], *, allowed: bool = True
+    ) -> dict[str | None, list[str]]:
+        """Add model names or globs (``gpt-4o*``) to the list of a key (or, with no key, of
+        the team); ``allowed=False`` takes them off. A request must match every list that
+        applies to it (its key's and its team's); no list: any model. Returns the team's lists
+        (by API key id, None for the team). ValueError on a bad id or pattern."""
+        identity = Identity(team_id, api_key_id)
+        if not patterns:
+            raise ValueError("name at least one model or pattern")
+        checked = [check_pattern(p) for p in patterns]
+        await self.ledger.set_models(
+            identity.team,
+            identity.api_key,
+            team_id=identity.team_id,
+            api_key_id=identity.api_key_id,
+            patterns=checked,
+            allowed=allowed,
+            now=self.clock(),
+        )
+        await self._sync(identity.team, "model list saved")
+        return await self.list_models(team_id)
+
+    async def list_models(self, team_id: str) -> dict[str | None, list[str]]:
+        """The team's model lists: by encoded API key (None: the team's own list)."""
+        return await self.ledger.load_models(Identity(team_id).team)
 
     async def list_policies(self, team_id: str | None = None) -> list[Policy]:
         team = None if team_id is None else Identity(team_id).team
@@ -152,6 +186,16 @@ class Admin:
         )
         # A first top-up opens the account: the cached policy hash must learn of it.
         await self._sync(identity.team, "top-up saved", account=account)
+        return account
+
+    async def set_balance_mode(self, team_id: str, *, hard: bool) -> Account:
+        """Make a team's prepaid account hard (a request is admitted only if its worst case
+        fits what is left, held until it ends) or soft; ValueError when it has no account."""
+        identity = Identity(team_id)
+        account = await self.ledger.set_balance_mode(identity.team, hard=hard)
+        if account is None:
+            raise ValueError(f"team {team_id!r} has no balance account (top it up first)")
+        await self._sync(identity.team, "balance mode saved")
         return account
 
     async def balance(self, team_id: str) -> BalanceReport | None:
@@ -192,6 +236,9 @@ class Admin:
         cached, error = await self._cached(
             [(limit, bucket) for limit, _, bucket, _ in rows if limit in policies]
         )
+        parts = (
+            await self._parts([(limit, bucket) for limit, _, bucket, _ in rows]) if cached else {}
+        )
         limits = tuple(
             LimitUsage(
                 limit=limit,
@@ -202,6 +249,7 @@ class Admin:
                 aggregate=aggregates.get((limit, bucket)),
                 cached=cached.get((limit, bucket)),
                 resets_at=limit.window.end(now),
+                parts=parts.get((limit, bucket)),
             )
             for limit, key_id, bucket, settled in rows
         )
@@ -227,6 +275,16 @@ class Admin:
             return {}, str(exc)
         found = {w: values[key] for w, key in keys.items()}
         return {w: v for w, v in found.items() if v is not None}, None
+
+    async def _parts(self, wanted: list[tuple[Limit, str]]) -> dict[tuple[Limit, str], CachedParts]:
+        if self.store is None or not wanted:
+            return {}
+        keys = {w: self.codec.usage_key(*w) for w in wanted}
+        try:
+            values = await self.store.read_parts(list(keys.values()))
+        except StoreUnavailable:
+            return {}
+        return {w: v for w, key in keys.items() if (v := values[key]) is not None}
 
     # -- cache sync -----------------------------------------------------------------------
     async def _sync(

@@ -26,6 +26,7 @@ class Verdict(StrEnum):
     PASS = "pass"  # no identity, and unidentified requests may pass: not limited, not recorded
     UNAUTHENTICATED = "unauthenticated"  # no identity: 401
     UNPRICED = "unpriced"  # the model has no price and unknown models are rejected: 400
+    MODEL_NOT_ALLOWED = "model_not_allowed"  # not on the key's (or team's) model list: 403
 
 
 class Unavailable(StrEnum):
@@ -79,7 +80,7 @@ class InferenceRequest:
     requests never walk their prompt a second time.
     """
 
-    __slots__ = ("_estimate", "_estimated", "max_tokens", "model", "size", "stream")
+    __slots__ = ("_estimate", "_estimated", "choices", "max_tokens", "model", "size", "stream")
 
     def __init__(
         self,
@@ -90,11 +91,13 @@ class InferenceRequest:
         *,
         estimate: Callable[[], int] | None = None,
         size: int = 0,
+        choices: int = 1,
     ) -> None:
         if (estimated_input_tokens is None) == (estimate is None):
             raise TypeError("give estimated_input_tokens or estimate, not both or neither")
         self.model = model
         self.size = size  # bytes of the request body, 0 when unknown
+        self.choices = choices  # completions asked for (OpenAI's n)
         self.stream = stream
         self.max_tokens = max_tokens  # output cap (the largest of the APIs' cap fields)
         self._estimated = estimated_input_tokens

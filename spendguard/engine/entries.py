@@ -26,6 +26,7 @@ from ..identity import Identity
 from ..record import InferenceRecord, PostflightStatus
 from ..usage import Usage
 from ..usage.types import chars_to_tokens
+from .costing import Coster
 from .decision import InferenceRequest
 
 # The output an open entry is charged when the request set no output cap: a crashed stream's
@@ -40,10 +41,18 @@ _OPEN, _CLOSED = 1, 2
 def admission_tokens(request: InferenceRequest) -> tuple[int, int]:
     """What an inference may use at most, as far as admission knows without walking the
     prompt: the whole body's size in tokens (about 4 bytes each; the JSON around the prompt
-    only adds to it) and its output cap (or :data:`RECOVERED_OUTPUT_TOKENS`)."""
+    only adds to it) and its output cap (or :data:`RECOVERED_OUTPUT_TOKENS`) for each of the
+    completions it asks for."""
     output = request.max_tokens if request.max_tokens is not None else RECOVERED_OUTPUT_TOKENS
     size = request.size
-    return (chars_to_tokens(size) if size else request.estimated_input_tokens), output
+    tokens_in = chars_to_tokens(size) if size else request.estimated_input_tokens
+    return tokens_in, output * request.choices  # each completion's output is billed
+
+
+def worst_case(request: InferenceRequest, coster: Coster) -> int:
+    """What a hard limit holds for a request: its admission usage at the model's price, times
+    the completions it asks for (the output of each is billed)."""
+    return coster.cost(request.model, admission_usage(request))
 
 
 def admission_usage(request: InferenceRequest) -> Usage:

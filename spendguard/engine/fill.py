@@ -38,7 +38,14 @@ _MAX_KNOWN_TEAMS = 100_000
 class _Known(NamedTuple):
     policies: list[Policy]
     account: Account | None
+    models: dict[str | None, list[str]]  # allowed model patterns per API key (None: team)
     read_at: float  # time.monotonic() of the ledger read
+
+
+class _Limits(NamedTuple):
+    policies: list[Policy]
+    account: Account | None
+    models: dict[str | None, list[str]]
 
 
 class CacheFiller:
@@ -67,16 +74,22 @@ class CacheFiller:
         # Told the team after each fill: the fill's ledger read may predate a settlement whose
         # cache refresh ran before the fill's write, so the worker refreshes the team once more.
         self._on_filled = on_filled
-        self._limits: SingleFlight[tuple[list[Policy], Account | None]] = SingleFlight()
+        self._limits: SingleFlight[_Limits] = SingleFlight()
         self._balances: SingleFlight[Account | None] = SingleFlight()
         self._aggregates: SingleFlight[dict[tuple[Limit, str], int]] = SingleFlight()
 
     async def fill(self, plan: KeyPlan, miss: Preflight) -> None:
         """Read what ``miss`` lacks from the ledger and fill the absent keys."""
-        fields: dict[str, int] | None = None
+        fields: dict[str, int | str] | None = None
         if miss.missing_policy:
-            policies, account, fresh = await self._policies(plan.team)
-            fields = self._codec.policy_fields(policies, balance=account is not None)
+            limits, fresh = await self._policies(plan.team)
+            account = limits.account
+            fields = self._codec.policy_fields(
+                limits.policies,
+                balance=account is not None,
+                balance_hard=account is not None and account.hard,
+                models=limits.models,
+            )
             if not fresh:
                 # The ledger is down: only the policy hash. Usage keys normally outlive it; the
                 # next preflight names any that are missing, and only those need the ledger.
@@ -92,14 +105,16 @@ class CacheFiller:
         if fills and self._on_filled is not None:
             self._on_filled(plan.team)
 
-    async def _policies(self, team: str) -> tuple[list[Policy], Account | None, bool]:
+    async def _load_limits(self, team: str) -> _Limits:
+        policies, account = await self._ledger.load_limits(team)
+        return _Limits(policies, account, await self._ledger.load_models(team))
+
+    async def _policies(self, team: str) -> tuple[_Limits, bool]:
         """The team's policies and account from the ledger (fresh); the last ones read (not
         fresh) when the ledger can't be read and they are recent enough (module docstring)."""
         try:
             await self._ensure_connected()
-            policies, account = await self._load(
-                self._limits, ("limits", team), self._ledger.load_limits, team
-            )
+            limits = await self._load(self._limits, ("limits", team), self._load_limits, team)
         except (LedgerUnavailable, TimeoutError) as exc:
             known = self._known.get(team)
             if known is None or self._monotonic() - known.read_at > self._stale_max:
@@ -111,11 +126,11 @@ class CacheFiller:
                 team,
                 self._monotonic() - known.read_at,
             )
-            return known.policies, known.account, False
+            return _Limits(known.policies, known.account, known.models), False
         if len(self._known) >= _MAX_KNOWN_TEAMS and team not in self._known:
             self._known.clear()
-        self._known[team] = _Known(policies, account, self._monotonic())
-        return policies, account, True
+        self._known[team] = _Known(*limits, self._monotonic())
+        return limits, True
 
     async def _balance_fills(self, team: str, wanted: list[Check]) -> list[UsageFill]:
         check = next((c for c in wanted if isinstance(c.target, Balance)), None)

@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable
 from contextlib import AsyncExitStack, suppress
 from datetime import datetime, timedelta
+from functools import partial
 from types import TracebackType
 
 import anyio
@@ -41,12 +42,13 @@ from ..usage import BodyObserver, Dialect, Usage, estimate_usage, observer_for
 from .admin import Admin
 from .costing import Coster
 from .decision import Admission, Decision, InferenceRequest, Unavailable, Verdict
-from .entries import closed_entry, open_entry
+from .entries import closed_entry, open_entry, worst_case
 from .fill import CacheFiller
 from .outage import OutageTracker
 from .pricing import PriceTable
 from .recorder import Recorder
 from .recovery import Recovery
+from .singleflight import SingleFlight
 from .worker import SettlementWorker
 
 log = logging.getLogger("spendguard")
@@ -102,7 +104,9 @@ class SpendGuard:
         self._owners: OwnerLog | None = None  # set at start for a shared store
         self._entries_on = False  # while this process's heartbeat is current
         self._entry_teams: set[str] = set()  # teams listed under this owner
+        self._registering: SingleFlight[None] = SingleFlight()
         self._unclosed: dict[str, list[str]] = {}  # entries key -> ids to remove again
+        self._unreleased: list[Decision] = []  # uncharged admissions whose release failed
         self.worker = SettlementWorker(
             self.ledger,
             self.store,
@@ -220,8 +224,17 @@ class SpendGuard:
                 task_status.started()
             await anyio.sleep(self.settings.owner_ttl / _HEARTBEATS_PER_TTL)
 
+    async def _register(self, team: str) -> None:
+        assert self._owners is not None
+        await self._owners.add_member(self.codec.owner_teams_key(self.owner), team)
+        self._entry_teams.add(team)
+
     async def _records_written(self, records: list[InferenceRecord]) -> None:
         """The ledger has these records: their admission entries go (one call per team)."""
+        if self._unreleased:
+            retry, self._unreleased = self._unreleased, []
+            for decision in retry:
+                await self._release(decision)
         if self._owners is None:
             return
         by_key = self._unclosed
@@ -358,12 +371,8 @@ class SpendGuard:
         decision, request = admission.decision, admission.request
         if not admission.allowed or decision is None or request is None:
             return None  # refused or not checked: nothing reached the provider through us
-        if decision.entry_key is not None and not charged(status_code):
-            try:  # not charged: its admission entry goes, there will be no record
-                await self.store.postflight(decision.record_id, 0, (), entry_key=decision.entry_key)
-            except Exception as exc:
-                log.warning("spendguard could not remove an admission entry: %r", exc)
-                self._unclosed.setdefault(decision.entry_key, []).append(decision.record_id)
+        if not charged(status_code):
+            await self._release(decision)
             return None
         usage = observer.result() if observer is not None else None
         if usage is None:
@@ -401,6 +410,9 @@ class SpendGuard:
         plan = self.codec.plan(identity, t0)
         fail_open = self._fail_open
         entry: EntryWrite | None = None
+        # What a hard limit holds for this request until it ends (soft limits ignore it).
+        hold = worst_case(request, self.coster) if request is not None else 0
+        model = request.model if request is not None else ""
         if request is not None and self._entries_on:
             entry_key = self.codec.entries_key(identity.team)
             value = open_entry(
@@ -440,12 +452,13 @@ class SpendGuard:
 
         try:
             if entry is not None and identity.team not in self._entry_teams:
-                # Once per team and process: recovery finds entries through this list.
-                assert self._owners is not None
-                await self._owners.add_member(self.codec.owner_teams_key(self.owner), identity.team)
-                self._entry_teams.add(identity.team)
+                # Once per team and process (concurrent first requests share one call):
+                # recovery finds entries through this list.
+                await self._registering.do(identity.team, partial(self._register, identity.team))
             for _ in range(_MAX_FILL_ROUNDS):
-                pf = await self.store.preflight(plan, entry)
+                pf = await self.store.preflight(
+                    plan, entry, record_id=record_id, hold=hold, model=model
+                )
                 if len(self.outage):
                     self.outage.clear()  # the store answers again
                 if pf.outcome is Outcome.ALLOW:
@@ -454,6 +467,8 @@ class SpendGuard:
                     return conclude(Verdict.ALLOW, pf)
                 if pf.outcome is Outcome.DENY:
                     return conclude(Verdict.DENY, pf)
+                if pf.outcome is Outcome.MODEL:
+                    return conclude(Verdict.MODEL_NOT_ALLOWED, pf)
                 await self.filler.fill(plan, pf)
         except StoreFull as exc:
             log.error("spendguard store full, refusing: %s", exc)
@@ -490,6 +505,25 @@ class SpendGuard:
             identity.team,
         )
         return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.VANISHED)
+
+    async def _release(self, decision: Decision) -> None:
+        """An admitted inference that is not charged (an upstream error, no response): its
+        holds on hard limits and its admission entry go; there will be no record."""
+        keys = [state.check.usage_key for state in decision.limits if state.hard]
+        if not keys and decision.entry_key is None:
+            return
+        try:
+            await self.store.postflight(
+                decision.record_id, None, keys, entry_key=decision.entry_key
+            )
+        except Exception as exc:
+            # A hold left behind blocks budget until its key expires, so the release is
+            # retried with the next records written; the entry stays until then (were this
+            # process to die first, recovery charges its admission estimate and settlement
+            # releases the hold).
+            log.warning("spendguard could not release an admission: %r", exc)
+            if len(self._unreleased) < _MAX_UNCLOSED:
+                self._unreleased.append(decision)
 
     # -- postflight -----------------------------------------------------------------------
     @staticmethod

@@ -12,6 +12,7 @@ cache sync) and :mod:`.reports` (CLI reports). Callers pass and get typed values
 from __future__ import annotations
 
 from .balances import Account
+from .budgets import BudgetOverride, BudgetQueries, UsedSlice
 from .journal import JournalQueries, SettledRecord
 from .policies import Aggregate, PolicyQueries
 from .records import RecordQueries
@@ -19,8 +20,25 @@ from .reports import ReportQueries, SpendRow
 from .settlement import RecordRow, Settlement, SettlementQueries
 
 
-class Ledger(PolicyQueries, RecordQueries, SettlementQueries, JournalQueries, ReportQueries):
+class Ledger(
+    PolicyQueries,
+    RecordQueries,
+    SettlementQueries,
+    JournalQueries,
+    ReportQueries,
+    BudgetQueries,
+):
     """The ledger of one database URL (``sqlite:///...`` or ``postgresql://...``)."""
 
 
-__all__ = ["Account", "Aggregate", "Ledger", "RecordRow", "SettledRecord", "Settlement", "SpendRow"]
+__all__ = [
+    "Account",
+    "Aggregate",
+    "BudgetOverride",
+    "Ledger",
+    "RecordRow",
+    "SettledRecord",
+    "Settlement",
+    "SpendRow",
+    "UsedSlice",
+]

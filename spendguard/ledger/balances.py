@@ -25,6 +25,7 @@ class Account:
     team: str
     topped_up: int
     charged: int  # settled charges since the account was opened
+    hard: bool = False  # a request is admitted only if its worst case fits what is left
 
     @property
     def balance(self) -> int:
@@ -36,11 +37,21 @@ class BalanceQueries(LedgerDatabase):
         """The team's account; None: it has none."""
         async with self._guard("balance read"):
             row = await self._db.fetch_one(
-                sa.select(balances.c.topped_up_micros, balances.c.charged_micros).where(
-                    balances.c.team == team
-                )
+                sa.select(
+                    balances.c.topped_up_micros, balances.c.charged_micros, balances.c.hard
+                ).where(balances.c.team == team)
             )
-        return None if row is None else Account(team, int(row[0]), int(row[1]))
+        return None if row is None else Account(team, int(row[0]), int(row[1]), bool(row[2]))
+
+    async def set_balance_mode(self, team: str, *, hard: bool) -> Account | None:
+        """Make the team's account hard or soft; None when it has no account."""
+        async with self._guard("balance write"):
+            await self._db.execute(
+                balances.update()
+                .where(balances.c.team == team)
+                .values(hard=hard, updated_us=to_micros(utcnow()))
+            )
+        return await self.load_balance(team)
 
     async def topup(
         self, *, team: str, team_id: str, micros: int, now: datetime | None = None
@@ -79,12 +90,14 @@ class BalanceQueries(LedgerDatabase):
     async def balance_accounts(self, teams: Sequence[str] | None = None) -> dict[str, Account]:
         """Every account (or those of ``teams``), by team. The worker's cache sync raises the
         cached balances to these."""
-        query = sa.select(balances.c.team, balances.c.topped_up_micros, balances.c.charged_micros)
+        query = sa.select(
+            balances.c.team, balances.c.topped_up_micros, balances.c.charged_micros, balances.c.hard
+        )
         if teams is not None:
             query = query.where(balances.c.team.in_(list(teams)))
         async with self._guard("balance read"):
             rows = await self._db.fetch_all(query)
-        return {t: Account(t, int(a), int(c)) for t, a, c in _tuples(rows)}
+        return {t: Account(t, int(a), int(c), bool(h)) for t, a, c, h in _tuples(rows)}
 
     async def topped_up_since(self, since_us: int) -> dict[str, int]:
         """Teams topped up at or after ``since_us`` (by anyone, e.g. the CLI), with the time of

@@ -164,6 +164,31 @@ class LedgerDatabase:
                 await self._db.execute(
                     str(CreateIndex(index, if_not_exists=True).compile(dialect=dialect))
                 )
+        await self._add_missing_columns()
+
+    async def _add_missing_columns(self) -> None:
+        """Columns added after a table was first created (a database from an earlier release):
+        each has a server default, so adding it to existing rows is safe and idempotent."""
+        for table, name, ddl in _ADDED_COLUMNS:
+            if self.is_postgres:
+                rows = await self._db.fetch_all(
+                    "SELECT column_name FROM information_schema.columns "
+                    "WHERE table_schema = current_schema() AND table_name = :t",
+                    {"t": table},
+                )
+                present = {str(r[0]) for r in rows}
+            else:
+                rows = await self._db.fetch_all(f"PRAGMA table_info({table})")
+                present = {str(r[1]) for r in rows}
+            if name not in present:
+                await self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {ddl}")
+
+
+# (table, column, its DDL) added after the first release, in the order they were added.
+_ADDED_COLUMNS = (
+    ("spendguard_policies", "hard", "BOOLEAN NOT NULL DEFAULT FALSE"),
+    ("spendguard_balances", "hard", "BOOLEAN NOT NULL DEFAULT FALSE"),
+)
 
 
 class SqliteBusy(Exception):

@@ -20,7 +20,7 @@ from ..clock import to_micros, utcnow
 from ..limits import Limit, Period, Policy, Subject, window_of
 from .balances import Account, BalanceQueries
 from .database import _text, _tuples
-from .schema import aggregates, balances, charge_bucket, charges, policies
+from .schema import aggregates, balances, charge_bucket, charges, model_access, policies
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +52,7 @@ def _policy_of(m: Any) -> Policy:
         amount=int(m["limit_micros"]),
         team_id=m["team_id"],
         api_key_id=m["api_key_id"],
+        hard=bool(m["hard"]),
     )
 
 
@@ -83,6 +84,7 @@ class PolicyQueries(BalanceQueries):
                 api_key_id=_text(policy.api_key_id),
                 limit_micros=policy.amount,
                 active=True,
+                hard=policy.hard,
                 created_us=now_us,
                 updated_us=now_us,
             )
@@ -91,6 +93,7 @@ class PolicyQueries(BalanceQueries):
                 set_={
                     "limit_micros": stmt.excluded.limit_micros,
                     "active": True,
+                    "hard": stmt.excluded.hard,
                     "updated_us": stmt.excluded.updated_us,
                 },
             )
@@ -222,6 +225,55 @@ class PolicyQueries(BalanceQueries):
             out[team].append(Aggregate(limit, limit.window.bucket(now), int(settled or 0)))
         return dict(out)
 
+    async def set_models(
+        self,
+        team: str,
+        api_key: str | None,
+        *,
+        team_id: str,
+        api_key_id: str | None,
+        patterns: Iterable[str],
+        allowed: bool = True,
+        now: datetime | None = None,
+    ) -> None:
+        """Allow (or, ``allowed=False``, stop allowing) model patterns for a key or a team."""
+        now_us = to_micros(now or utcnow())
+        async with self._guard("model access write"), self._db.transaction():
+            for pattern in dict.fromkeys(patterns):
+                stmt = self._insert(model_access).values(
+                    team=team,
+                    api_key=api_key or "",
+                    pattern=pattern,
+                    team_id=_text(team_id),
+                    api_key_id=_text(api_key_id),
+                    active=allowed,
+                    updated_us=now_us,
+                )
+                await self._db.execute(
+                    stmt.on_conflict_do_update(
+                        index_elements=[
+                            model_access.c.team,
+                            model_access.c.api_key,
+                            model_access.c.pattern,
+                        ],
+                        set_={"active": allowed, "updated_us": now_us},
+                    )
+                )
+
+    async def load_models(self, team: str) -> dict[str | None, list[str]]:
+        """The team's allowed model patterns: per API key, and under None for the team."""
+        query = (
+            sa.select(model_access.c.api_key, model_access.c.pattern)
+            .where(model_access.c.team == team, model_access.c.active == sa.true())
+            .order_by(model_access.c.api_key, model_access.c.pattern)
+        )
+        async with self._guard("model access read"):
+            rows = _tuples(await self._db.fetch_all(query))
+        out: dict[str | None, list[str]] = {}
+        for key, pattern in rows:
+            out.setdefault(key or None, []).append(pattern)
+        return out
+
     async def policies_changed_since(self, since_us: int) -> dict[str, int]:
         """Teams whose policies changed at or after ``since_us`` (by anyone, e.g. the CLI),
         with the time of their latest change."""
@@ -230,12 +282,20 @@ class PolicyQueries(BalanceQueries):
             .where(policies.c.updated_us >= since_us)
             .group_by(policies.c.team)
         )
-        opened = sa.select(balances.c.team, balances.c.created_us).where(
-            balances.c.created_us >= since_us
+        # An account opened, topped up or switched hard/soft, and model lists changed: the
+        # cached policy hash holds all of them.
+        accounts = sa.select(balances.c.team, balances.c.updated_us).where(
+            balances.c.updated_us >= since_us
+        )
+        models = (
+            sa.select(model_access.c.team, sa.func.max(model_access.c.updated_us))
+            .where(model_access.c.updated_us >= since_us)
+            .group_by(model_access.c.team)
         )
         async with self._guard("policy read"):
             rows = _tuples(await self._db.fetch_all(query))
-            rows += _tuples(await self._db.fetch_all(opened))  # a new account: new marker
+            rows += _tuples(await self._db.fetch_all(accounts))
+            rows += _tuples(await self._db.fetch_all(models))
         changed: dict[str, int] = {}
         for team, at in rows:
             changed[team] = max(changed.get(team, 0), int(at))

@@ -23,9 +23,26 @@ policies = sa.Table(
     sa.Column("api_key_id", sa.Text, nullable=True),
     sa.Column("limit_micros", sa.BigInteger, nullable=False),
     sa.Column("active", sa.Boolean, nullable=False),
+    # Added after the first release: databases created before get it at start (see
+    # LedgerDatabase._add_missing_columns).
+    sa.Column("hard", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("created_us", sa.BigInteger, nullable=False),
     sa.Column("updated_us", sa.BigInteger, nullable=False),
     sa.CheckConstraint("limit_micros >= 0", name="spendguard_policy_limit_nonneg"),
+)
+
+# Models a key (api_key '') or a whole team (api_key '' and team-wide) may call: exact names or
+# globs. No active row for a subject: every model is allowed.
+model_access = sa.Table(
+    "spendguard_model_access",
+    metadata,
+    sa.Column("team", sa.String(100), primary_key=True),
+    sa.Column("api_key", sa.String(100), primary_key=True),  # '' = the whole team
+    sa.Column("pattern", sa.String(256), primary_key=True),
+    sa.Column("team_id", sa.Text, nullable=False),
+    sa.Column("api_key_id", sa.Text, nullable=True),
+    sa.Column("active", sa.Boolean, nullable=False),
+    sa.Column("updated_us", sa.BigInteger, nullable=False),
 )
 
 records = sa.Table(
@@ -100,6 +117,9 @@ balances = sa.Table(
     sa.Column("charged_micros", sa.BigInteger, nullable=False),
     sa.Column("created_us", sa.BigInteger, nullable=False),
     sa.Column("updated_us", sa.BigInteger, nullable=False),
+    # A hard balance admits a request only if its worst case fits what is left. Added after
+    # the first release (see LedgerDatabase._add_missing_columns).
+    sa.Column("hard", sa.Boolean, nullable=False, server_default=sa.false()),
 )
 
 topups = sa.Table(
@@ -136,4 +156,19 @@ settlements = sa.Table(
     # Never reuse a number, not even after pruning emptied the table: a reader past it would
     # skip the rows that took it again.
     sqlite_autoincrement=True,
+)
+
+# A key's own token budget (a per-key override of the budgets section's per_api_key default):
+# ``max_tokens`` over a rolling ``budget_window`` (a period such as 24h). One row per key.
+budget_overrides = sa.Table(
+    "spendguard_budget_overrides",
+    metadata,
+    sa.Column("team", sa.String(100), primary_key=True),
+    sa.Column("api_key", sa.String(100), primary_key=True),
+    sa.Column("team_id", sa.Text, nullable=False),
+    sa.Column("api_key_id", sa.Text, nullable=False),
+    sa.Column("max_tokens", sa.BigInteger, nullable=False),
+    sa.Column("budget_window", sa.String(32), nullable=False),
+    sa.Column("updated_us", sa.BigInteger, nullable=False),
+    sa.CheckConstraint("max_tokens > 0", name="spendguard_budget_override_positive"),
 )

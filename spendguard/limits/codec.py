@@ -21,13 +21,15 @@ reach outside its segment. A policy-hash field names a target without the prefix
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from ..identity import Identity
 from ..money import MAX_AMOUNT_MICROS
 from .model import Balance, Limit, Policy, Subject, SubjectKind, Target, applicable
+from .models import ALLOW_PREFIX, allow_field
+from .models import encode as encode_models
 from .windows import Period, Window
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -35,6 +37,8 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # Marks a policy hash as loaded from the ledger, so a missing field means "no policy" (negative
 # caching) instead of "not loaded yet".
 LOADED_FIELD = "_loaded"
+# A hard limit's field in the policy hash: this prefix and its soft field (``h:team:month``).
+HARD_PREFIX = "h:"
 # The policy-hash field saying the team has a prepaid account (its value is 1). The balance
 # itself lives in the balance key: t (topped up), s (settled charges), p (pending estimates).
 BALANCE_FIELD = "balance"
@@ -88,6 +92,8 @@ class KeyPlan:
     team: str
     policy_key: str
     checks: tuple[Check, ...]  # in check order
+    # The policy-hash fields of the model lists that apply: the team's, the key's ("" none).
+    allow_fields: tuple[str, str] = (ALLOW_PREFIX, "")
 
     def find(self, target: Target) -> Check:
         """The check of ``target``; KeyError when it does not apply to this request."""
@@ -183,7 +189,8 @@ class KeyCodec:
         for window in windows:
             valid_from = max(valid_from, window.start(t0))
             valid_until = min(valid_until, window.end(t0))
-        plan = KeyPlan(identity.team, stems.policy_key, checks)
+        key_list = allow_field(identity.api_key) if identity.api_key is not None else ""
+        plan = KeyPlan(identity.team, stems.policy_key, checks, (allow_field(None), key_list))
         stems.plan, stems.valid_from, stems.valid_until = plan, valid_from, valid_until
         return plan
 
@@ -221,13 +228,25 @@ class KeyCodec:
         return stems
 
     @staticmethod
-    def policy_fields(policies: Iterable[Policy], *, balance: bool) -> dict[str, int]:
+    def policy_fields(
+        policies: Iterable[Policy],
+        *,
+        balance: bool,
+        balance_hard: bool = False,
+        models: Mapping[str | None, Sequence[str]] | None = None,
+    ) -> dict[str, int | str]:
         """A team's policy hash: field -> amount (empty: "no policy"), plus the balance
         marker when the team has a prepaid account."""
         # A limit stored before amounts were bounded (or written to the table by hand) is
         # cached at the bound: above it no store script would take it, and every request of
         # the team would fail instead of being checked.
-        fields = {field_of(p.limit): min(p.amount, MAX_AMOUNT_MICROS) for p in policies}
+        fields: dict[str, int | str] = {
+            (HARD_PREFIX if p.hard else "") + field_of(p.limit): min(p.amount, MAX_AMOUNT_MICROS)
+            for p in policies
+        }
         if balance:
-            fields[BALANCE_FIELD] = 1
+            fields[(HARD_PREFIX if balance_hard else "") + BALANCE_FIELD] = 1
+        for api_key, patterns in (models or {}).items():
+            if patterns:
+                fields[allow_field(api_key)] = encode_models(patterns)
         return fields

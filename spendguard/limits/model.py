@@ -74,6 +74,9 @@ class Policy:
     amount: int  # in the limit's unit
     team_id: str
     api_key_id: str | None = None
+    # Hard: a request is admitted only if its worst case fits under the limit, held from
+    # admission to its end. Soft: admitted while usage is below the limit.
+    hard: bool = False
 
 
 def team_limit(identity: Identity, window: Window) -> Limit:

@@ -13,6 +13,7 @@ from ..clock import utcnow
 from ..errors import ConfigurationError
 from ..settings import Settings
 from .base import (
+    CachedParts,
     EntryWrite,
     LimitState,
     Outcome,
@@ -65,6 +66,7 @@ def make_store(settings: Settings, clock: Callable[[], datetime] = utcnow) -> St
 
 __all__ = [
     "STORES",
+    "CachedParts",
     "EntryWrite",
     "LimitState",
     "MemoryStore",

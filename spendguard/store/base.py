@@ -34,13 +34,15 @@ class Outcome(StrEnum):
     ALLOW = "allow"
     DENY = "deny"
     MISS = "miss"
+    MODEL = "model"  # the model is on none of the lists that apply: nothing was checked
 
 
 @dataclass(frozen=True, slots=True)
 class LimitState:
     check: Check
     limit: int  # micro-USD (a balance: topped up)
-    used: int  # micro-USD: settled + pending
+    used: int  # micro-USD: settled + pending (holds included)
+    hard: bool = False  # a hard limit: a request must fit its hold under it
 
     @property
     def is_balance(self) -> bool:
@@ -79,6 +81,15 @@ class UsageFill:
 
 
 @dataclass(frozen=True, slots=True)
+class CachedParts:
+    """A usage key's parts: usage = settled + pending + held."""
+
+    settled: int
+    pending: int  # estimates of finished inferences not settled yet
+    held: int  # holds of running inferences on a hard limit
+
+
+@dataclass(frozen=True, slots=True)
 class EntryWrite:
     """An admission entry for preflight to write if, and only if, it allows the request."""
 
@@ -87,26 +98,29 @@ class EntryWrite:
     value: str
 
 
-def decide(checks: Sequence[tuple[Check, int | None, int | None]]) -> Preflight:
+def decide(
+    checks: Sequence[tuple[Check, int | None, int | None, bool]], hold: int = 0
+) -> Preflight:
     """The preflight rule shared by every store, on exact integers.
 
     ``checks`` holds, in check order, (check, limit or None for no policy, usage or None
-    for an absent key). The first limit with usage >= limit denies; otherwise any absent key
-    of a policy-bearing check is a miss; otherwise the request is allowed. A balance is
-    the same comparison (limit = topped up, usage = charges settled plus pending), so it
-    denies once nothing is left.
+    for an absent key, hard). The first soft limit with usage >= limit, or hard limit with
+    usage + ``hold`` > limit, denies; otherwise any absent key of a policy-bearing check is a
+    miss; otherwise the request is allowed (and holds ``hold`` in every hard limit). A balance
+    is the same comparison (limit = topped up, usage = charges settled plus pending), so a soft
+    one denies once nothing is left, a hard one once the hold no longer fits.
     """
     checked: list[LimitState] = []
     missing: list[Check] = []
-    for check, limit, used in checks:
+    for check, limit, used, hard in checks:
         if limit is None:
             continue
         if used is None:
             missing.append(check)
             continue
-        state = LimitState(check, limit, used)
+        state = LimitState(check, limit, used, hard)
         checked.append(state)
-        if used >= limit:
+        if used + hold > limit if hard else used >= limit:
             return Preflight(Outcome.DENY, tuple(checked))
     if missing:
         return Preflight(Outcome.MISS, tuple(checked), missing_usage=tuple(missing))
@@ -123,15 +137,25 @@ class Store(Protocol):
         """Checks worth a warning at start (e.g. an eviction policy that can drop keys)."""
         ...
 
-    async def preflight(self, plan: KeyPlan, entry: EntryWrite | None = None) -> Preflight:
-        """Check every policy-bearing check of ``plan``; one round trip. With ``entry``,
-        an ALLOW also writes it, in the same atomic step."""
+    async def preflight(
+        self,
+        plan: KeyPlan,
+        entry: EntryWrite | None = None,
+        *,
+        record_id: str = "",
+        hold: int = 0,
+        model: str = "",
+    ) -> Preflight:
+        """Check every policy-bearing check of ``plan``; one round trip. With ``model``,
+        first the model lists of the plan's team and key (MODEL: none admits it). An ALLOW
+        also, in the same atomic step, holds ``hold`` for ``record_id`` (or ``entry``'s) in
+        every hard limit, and writes ``entry``."""
         ...
 
     async def fill(
         self,
         plan: KeyPlan,
-        policies: Mapping[str, int] | None,
+        policies: Mapping[str, int | str] | None,
         usage: Sequence[UsageFill],
         *,
         policy_ttl: float,
@@ -143,13 +167,14 @@ class Store(Protocol):
     async def postflight(
         self,
         record_id: str,
-        amount: int,
+        amount: int | None,
         usage_keys: Sequence[str],
         *,
         entry_key: str | None = None,
         closed: str = "",
     ) -> int:
         """Add ``amount`` to the existing ``usage_keys`` once; returns how many were charged.
+        The record's holds in those keys are released first (``amount`` None: only that).
 
         With ``entry_key``, the record's admission entry is closed in the same step: replaced
         by ``closed`` if it still exists, or removed when ``closed`` is empty."""
@@ -181,6 +206,11 @@ class Store(Protocol):
 
     async def evict_policy(self, policy_key: str) -> None:
         """Drop a cached policy hash now (spendguard's own policy changes)."""
+        ...
+
+    async def read_parts(self, usage_keys: Sequence[str]) -> dict[str, CachedParts | None]:
+        """Each key's settled part, its pending estimates and its holds (None: absent); for
+        the CLI and tests."""
         ...
 
     async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:

@@ -14,8 +14,9 @@ from datetime import datetime, timedelta
 from ..clock import utcnow
 from ..errors import StoreFull
 from ..limits import Balance, Check, KeyPlan
-from ..limits.codec import LOADED_FIELD
-from .base import EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
+from ..limits.codec import HARD_PREFIX, LOADED_FIELD
+from ..limits.models import ALLOW_PREFIX, allows
+from .base import CachedParts, EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
 
 
 @dataclass(slots=True)
@@ -26,12 +27,14 @@ class _Usage:
     pending: int = 0
     markers: dict[str, int] = field(default_factory=dict)
     tombstones: set[str] = field(default_factory=set)
+    holds: dict[str, int] = field(default_factory=dict)  # record id -> hold (hard limits)
 
 
 @dataclass(slots=True)
 class _Policy:
     limits: dict[str, int]
     expires_at: datetime
+    models: dict[str, str] = field(default_factory=dict)  # allow field -> encoded list
 
 
 class MemoryStore:
@@ -77,40 +80,70 @@ class MemoryStore:
     async def start(self) -> None:
         pass
 
-    async def preflight(self, plan: KeyPlan, entry: EntryWrite | None = None) -> Preflight:
-        pf = self._preflight(plan)
-        if entry is not None and pf.outcome is Outcome.ALLOW:
-            self._entries.setdefault(entry.key, {})[entry.record_id] = entry.value
+    async def preflight(
+        self,
+        plan: KeyPlan,
+        entry: EntryWrite | None = None,
+        *,
+        record_id: str = "",
+        hold: int = 0,
+        model: str = "",
+    ) -> Preflight:
+        _check_amount(hold)
+        if model:
+            policy = self._live_policy(plan.policy_key, self._clock())
+            if policy is not None and any(
+                not allows(policy.models[f], model) for f in plan.allow_fields if f in policy.models
+            ):
+                return Preflight(Outcome.MODEL)
+        pf = self._preflight(plan, hold)
+        if pf.outcome is Outcome.ALLOW:
+            rid = entry.record_id if entry is not None else record_id
+            if hold:
+                now = self._clock()
+                for state in pf.limits:
+                    usage = self._live_usage(state.check.usage_key, now)
+                    if state.hard and usage is not None and rid not in usage.holds:
+                        usage.holds[rid] = hold
+                        usage.pending += hold
+            if entry is not None:
+                self._entries.setdefault(entry.key, {})[entry.record_id] = entry.value
         return pf
 
-    def _preflight(self, plan: KeyPlan) -> Preflight:
+    def _preflight(self, plan: KeyPlan, hold: int) -> Preflight:
         now = self._clock()
         policy = self._live_policy(plan.policy_key, now)
         if policy is None:
             return Preflight(Outcome.MISS, missing_policy=True)
-        checks: list[tuple[Check, int | None, int | None]] = []
+        checks: list[tuple[Check, int | None, int | None, bool]] = []
+        limits = policy.limits
         for check in plan.checks:
-            limit = policy.limits.get(check.field)
+            hard_limit = limits.get(HARD_PREFIX + check.field)
+            limit = limits.get(check.field) if hard_limit is None else hard_limit
             used = None
             if limit is not None:  # no policy: its usage key is not even looked at
                 usage = self._live_usage(check.usage_key, now)
                 used = None if usage is None else usage.settled + usage.pending
                 if isinstance(check.target, Balance) and usage is not None:
                     limit = usage.limit or 0
-            checks.append((check, limit, used))
-        return decide(checks)
+            checks.append((check, limit, used, hard_limit is not None))
+        return decide(checks, hold)
 
     async def fill(
         self,
         plan: KeyPlan,
-        policies: Mapping[str, int] | None,
+        policies: Mapping[str, int | str] | None,
         usage: Sequence[UsageFill],
         *,
         policy_ttl: float,
     ) -> None:
         now = self._clock()
-        for value in list((policies or {}).values()) + [u.settled for u in usage]:
-            _check_amount(value)
+        amounts = {k: v for k, v in (policies or {}).items() if not k.startswith(ALLOW_PREFIX)}
+        models = {k: v for k, v in (policies or {}).items() if k.startswith(ALLOW_PREFIX)}
+        for value in [*amounts.values(), *(u.settled for u in usage)]:
+            _check_amount(value)  # type: ignore[arg-type]  # a str fails the check
+        if not all(isinstance(v, str) and v for v in models.values()):
+            raise ValueError("a model list must be a non-empty string")
         for u in usage:
             if u.limit is not None:
                 _check_amount(u.limit)
@@ -120,15 +153,19 @@ class MemoryStore:
         ]
         self._make_room(len(new_usage) + int(new_policy), now)
         if new_policy and policies is not None:
-            limits = {k: v for k, v in policies.items() if k != LOADED_FIELD}
-            self._policies[plan.policy_key] = _Policy(limits, now + timedelta(seconds=policy_ttl))
+            limits = {k: v for k, v in amounts.items() if k != LOADED_FIELD}
+            self._policies[plan.policy_key] = _Policy(
+                limits,  # type: ignore[arg-type]  # checked above: integers only
+                now + timedelta(seconds=policy_ttl),
+                {k: str(v) for k, v in models.items()},
+            )
         for u in new_usage:
             self._usage[u.usage_key] = _Usage(u.settled, u.expires_at, limit=u.limit)
 
     async def postflight(
         self,
         record_id: str,
-        amount: int,
+        amount: int | None,
         usage_keys: Sequence[str],
         *,
         entry_key: str | None = None,
@@ -136,12 +173,20 @@ class MemoryStore:
     ) -> int:
         if not record_id:
             raise ValueError("record_id must not be empty")
-        _check_amount(amount)
+        if amount is not None:
+            _check_amount(amount)
         now = self._clock()
         applied = 0
         for key in usage_keys:
             usage = self._live_usage(key, now)
-            if usage is None or record_id in usage.markers or record_id in usage.tombstones:
+            if usage is not None and record_id in usage.holds:
+                usage.pending -= usage.holds.pop(record_id)
+            if (
+                amount is None
+                or usage is None
+                or record_id in usage.markers
+                or record_id in usage.tombstones
+            ):
                 continue
             usage.markers[record_id] = amount
             usage.pending += amount
@@ -174,6 +219,9 @@ class MemoryStore:
             if usage is None:
                 continue
             for rid in (*entry.applied, *entry.unknown):
+                hold = usage.holds.pop(rid, None)  # a hold outlives no settled record
+                if hold is not None:
+                    usage.pending -= hold
                 estimate = usage.markers.pop(rid, None)
                 if estimate is not None:
                     usage.pending -= estimate
@@ -194,6 +242,18 @@ class MemoryStore:
 
     async def evict_policy(self, policy_key: str) -> None:
         self._policies.pop(policy_key, None)
+
+    async def read_parts(self, usage_keys: Sequence[str]) -> dict[str, CachedParts | None]:
+        now = self._clock()
+        out: dict[str, CachedParts | None] = {}
+        for key in usage_keys:
+            usage = self._live_usage(key, now)
+            if usage is None:
+                out[key] = None
+                continue
+            held = sum(usage.holds.values())
+            out[key] = CachedParts(usage.settled, usage.pending - held, held)
+        return out
 
     async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:
         now = self._clock()

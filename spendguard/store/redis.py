@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from ..errors import ConfigurationError, StoreUnavailable
 from ..limits import Check, KeyPlan
-from .base import EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
+from .base import CachedParts, EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
 from .pipeline import ScriptPipeline, store_error
 
 log = logging.getLogger("spendguard.store")
@@ -139,26 +139,39 @@ class RedisStore:
         return self.pipeline.submit(self._scripts[name], keys, args)
 
     # -- Store ----------------------------------------------------------------------------
-    async def preflight(self, plan: KeyPlan, entry: EntryWrite | None = None) -> Preflight:
-        keys = [plan.policy_key, *(c.usage_key for c in plan.checks)]
-        args = [c.field for c in plan.checks]
+    async def preflight(
+        self,
+        plan: KeyPlan,
+        entry: EntryWrite | None = None,
+        *,
+        record_id: str = "",
+        hold: int = 0,
+        model: str = "",
+    ) -> Preflight:
+        checks = plan.checks
+        keys = [plan.policy_key, *(c.usage_key for c in checks)]
+        args = [str(len(checks)), *(c.field for c in checks)]
+        rid = entry.record_id if entry is not None else record_id
+        args += (rid, _uint(hold), model, *plan.allow_fields)
         if entry is not None:
             keys.append(entry.key)
-            args += (entry.record_id, entry.value)
+            args.append(entry.value)
         raw = await self._batched("preflight", keys, args)
         if raw == 0:
             return Preflight(Outcome.MISS, missing_policy=True)
-        checks: list[tuple[Check, int | None, int | None]] = []
-        for i, check in enumerate(plan.checks):
-            limit, settled, pending = raw[3 * i : 3 * i + 3]
+        if raw == "model":
+            return Preflight(Outcome.MODEL)
+        found: list[tuple[Check, int | None, int | None, bool]] = []
+        for i, check in enumerate(checks):
+            limit, settled, pending, hard = raw[4 * i : 4 * i + 4]
             used = None if settled is None else int(settled) + int(pending or 0)
-            checks.append((check, None if limit is None else int(limit), used))
-        return decide(checks)
+            found.append((check, None if limit is None else int(limit), used, hard is not None))
+        return decide(found, hold)
 
     async def fill(
         self,
         plan: KeyPlan,
-        policies: Mapping[str, int] | None,
+        policies: Mapping[str, int | str] | None,
         usage: Sequence[UsageFill],
         *,
         policy_ttl: float,
@@ -169,7 +182,7 @@ class RedisStore:
         else:
             args += [str(max(1, int(policy_ttl * 1000))), str(len(policies))]
             for field, value in policies.items():
-                args += [field, _uint(value)]
+                args += [field, value if isinstance(value, str) else _uint(value)]
         for u in usage:
             limit = "-" if u.limit is None else _uint(u.limit)
             args += [_uint(u.settled), limit, _ms(u.expires_at)]
@@ -178,19 +191,20 @@ class RedisStore:
     async def postflight(
         self,
         record_id: str,
-        amount: int,
+        amount: int | None,
         usage_keys: Sequence[str],
         *,
         entry_key: str | None = None,
         closed: str = "",
     ) -> int:
+        charge = "-" if amount is None else _uint(amount)
         if entry_key is None:
             if not usage_keys:
                 return 0
-            args = [record_id, _uint(amount)]
+            args = [record_id, charge]
             keys = usage_keys
         else:
-            args = [record_id, _uint(amount), closed]
+            args = [record_id, charge, closed]
             keys = [*usage_keys, entry_key]
         return int(await self._batched("postflight", keys, args))
 
@@ -250,6 +264,20 @@ class RedisStore:
 
     async def evict_policy(self, policy_key: str) -> None:
         await self._call(lambda: self._client.delete(policy_key))
+
+    async def read_parts(self, usage_keys: Sequence[str]) -> dict[str, CachedParts | None]:
+        out: dict[str, CachedParts | None] = {}
+        for key in usage_keys:  # a CLI/test helper: one call per key keeps it cluster-safe
+            fields = await self._call(
+                lambda key=key: self._client.hgetall(key)  # type: ignore[misc]
+            )
+            if "s" not in fields:
+                out[key] = None
+                continue
+            held = sum(int(v) for f, v in fields.items() if str(f).startswith("h:"))
+            pending = int(fields.get("p") or 0)
+            out[key] = CachedParts(int(fields["s"]), pending - held, held)
+        return out
 
     async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:
         out: dict[str, int | None] = {}

@@ -16,6 +16,7 @@ from spendguard import Settings, SpendGuard, SpendGuardMiddleware
 from spendguard.asgi import spendguard_guard
 from spendguard.limits import Period
 from tests.support import MODEL, StateAuth, chat_body, client, lifespan, write_unit_prices
+from tests.support.budgets import section
 
 pytestmark = pytest.mark.anyio
 
@@ -153,3 +154,22 @@ async def test_the_dependency_without_the_middleware_warns_once(
             assert r.status_code == 200
     said = [r.getMessage() for r in caplog.records if "no SpendGuardMiddleware" in r.getMessage()]
     assert len(said) == 1 and "NOT limited or recorded" in said[0]
+
+
+async def test_budgets_hold_on_the_deferred_path_too(tmp_path: Path) -> None:
+    """A budget of 100 tokens a key: the first request reserves its estimate (2 + 98) and uses
+    15; the second's estimate no longer fits and is refused before the endpoint."""
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'b.db'}",
+        prices=write_unit_prices(tmp_path),
+        run_worker=False,
+        budgets=section(scopes={"per_api_key": {"tokens": 100}}),
+    )
+    guard, provider = SpendGuard(settings), Provider()
+    app = build(guard, provider, auth, spendguard_guard)
+    async with lifespan(app), client(app) as c:
+        body = chat_body(max_tokens=98)
+        assert (await c.post("/v1/chat/completions", json=body, headers=ALPHA)).is_success
+        denied = await c.post("/v1/chat/completions", json=body, headers=ALPHA)
+    assert denied.status_code == 429 and denied.json()["error"]["code"] == "budget_exceeded"
+    assert provider.calls == 1

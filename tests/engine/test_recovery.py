@@ -47,9 +47,15 @@ ENTRIES = CODEC.entries_key(ALPHA.team)
 ROUTE = "/v1/chat/completions"
 
 
-@pytest.fixture
-async def store(redis_url: str) -> AsyncIterator[RedisStore]:
-    s = RedisStore.from_url(redis_url, timeout=2.0)
+@pytest.fixture(params=["redis", "cluster"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[RedisStore]:
+    if request.param == "redis":
+        url: str = request.getfixturevalue("redis_url")
+    else:  # the owners, their team lists and each team's entries live in different slots
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flushall()
+        url = cluster.url
+    s = RedisStore.from_url(url, timeout=2.0)
     try:
         yield s
     finally:

@@ -156,3 +156,36 @@ async def test_negative_policy_amount_is_refused(ledger: Ledger) -> None:
     with pytest.raises(ValueError):
         await set_policy(ledger, Period.DAY, -1)
     assert await ledger.list_policies() == []
+
+
+async def test_a_policy_keeps_its_mode_and_a_change_of_mode(ledger: Ledger) -> None:
+    hard = Policy(Limit(ALPHA, Period.DAY), 5_000, "acme", "alpha", hard=True)
+    await ledger.set_policy(hard, now=SEP30_LATE)
+    assert await ledger.list_policies("acme") == [hard]
+    await set_policy(ledger, Period.DAY, 5_000)  # set again as soft
+    assert [p.hard for p in await ledger.list_policies("acme")] == [False]
+
+
+async def test_a_database_from_before_modes_gets_the_column_at_start(database_url: str) -> None:
+    """A policies table created by an earlier release has no mode column: starting adds it,
+    and the policies it held stay soft."""
+    from tests.support.sql import sql_execute
+
+    old = Ledger(database_url)
+    await old.connect()
+    await old.init_schema()
+    await old.set_policy(policy(Period.DAY, 5_000), now=SEP30_LATE)
+    await old.disconnect()
+    await sql_execute(database_url, "ALTER TABLE spendguard_policies DROP COLUMN hard")
+    led = Ledger(database_url)
+    await led.connect()
+    try:
+        await led.init_schema()
+        await led.init_schema()  # idempotent
+        assert await led.list_policies("acme") == [policy(Period.DAY, 5_000)]
+        await led.set_policy(
+            Policy(Limit(ALPHA, Period.MONTH), 9, "acme", "alpha", hard=True), now=SEP30_LATE
+        )
+        assert [p.hard for p in await led.list_policies("acme")] == [False, True]  # day, month
+    finally:
+        await led.disconnect()

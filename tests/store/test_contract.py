@@ -17,7 +17,7 @@ from spendguard.errors import StoreFull
 from spendguard.identity import Identity
 from spendguard.limits import Balance, KeyCodec, KeyPlan, Period, Target, key_limit, team_limit
 from spendguard.limits.codec import field_of
-from spendguard.store import EntryWrite, Outcome, RefreshEntry, Store, UsageFill
+from spendguard.store import CachedParts, EntryWrite, Outcome, RefreshEntry, Store, UsageFill
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
 from tests.support import Clock
@@ -391,3 +391,99 @@ async def test_postflight_closes_the_entry_and_close_entries_removes_it(
     assert await store.read_usage([day]) == {day: 10}
     await store.close_entries({ENTRIES: ["a", "c", "never"]})
     assert await store.open_entries(ENTRIES) == {}
+
+
+async def test_a_hard_limit_holds_each_admission_until_postflight(harness: Harness) -> None:
+    p = keys_for(harness)
+    store = harness.store
+    day = usage_key(p, KEY_DAY)
+    await store.fill(p, {"h:" + field_of(KEY_DAY): 100}, [], policy_ttl=60)
+    await store.fill(p, None, [UsageFill(day, 0, p.find(KEY_DAY).expires_at)], policy_ttl=60)
+    for rid in ("a", "b", "c"):
+        pf = await store.preflight(p, record_id=rid, hold=30)
+        assert pf.outcome is Outcome.ALLOW and pf.limits[0].hard
+    assert await store.read_usage([day]) == {day: 90}  # the holds count as usage
+    pf = await store.preflight(p, record_id="d", hold=30)  # 90 + 30 > 100
+    assert pf.outcome is Outcome.DENY and pf.denied is not None and pf.denied.hard
+    assert await store.postflight("a", 10, [day]) == 1  # hold 30 replaced by 10
+    assert await store.postflight("b", None, [day]) == 0  # not charged: released only
+    assert await store.read_usage([day]) == {day: 40}
+    assert (await store.preflight(p, record_id="e", hold=60)).outcome is Outcome.ALLOW  # 100
+    assert (await store.preflight(p, record_id="f", hold=1)).outcome is Outcome.DENY
+    # Settlement of a record drops its hold too (a postflight that never came).
+    await store.refresh([RefreshEntry(day, 10, ("a", "c", "e"))])
+    assert await store.read_usage([day]) == {day: 10}
+    assert not any((await store.pending_records([day])).values())  # no marker left
+
+
+async def test_soft_and_hard_limits_on_one_request(harness: Harness) -> None:
+    p = keys_for(harness)
+    limits = {"h:" + field_of(KEY_DAY): 1_000, field_of(TEAM_MONTH): 50}
+    fills = [UsageFill(c.usage_key, 0, c.expires_at) for c in p.checks if c.target in
+             (KEY_DAY, TEAM_MONTH)]  # fmt: skip
+    await harness.store.fill(p, limits, fills, policy_ttl=60)
+    pf = await harness.store.preflight(p, record_id="a", hold=400)
+    assert pf.outcome is Outcome.ALLOW
+    by_target = {s.check.target: s for s in pf.limits}
+    assert by_target[KEY_DAY].hard and not by_target[TEAM_MONTH].hard
+    # The soft limit is not held; the hard one is.
+    reads = await harness.store.read_usage([usage_key(p, KEY_DAY), usage_key(p, TEAM_MONTH)])
+    assert reads == {usage_key(p, KEY_DAY): 400, usage_key(p, TEAM_MONTH): 0}
+    await harness.store.postflight("a", 60, [usage_key(p, KEY_DAY), usage_key(p, TEAM_MONTH)])
+    pf = await harness.store.preflight(p, record_id="b", hold=400)
+    assert pf.outcome is Outcome.DENY and pf.denied is not None
+    assert pf.denied.check.target == TEAM_MONTH  # the soft limit is reached (60 >= 50)
+
+
+@pytest.mark.parametrize(
+    ("model", "outcome"),
+    [
+        ("gpt-4o-mini", Outcome.ALLOW),  # on the key's list and the team's
+        ("gpt-4o", Outcome.MODEL),  # the team's list, not the key's
+        ("claude-3-x", Outcome.MODEL),  # the team's list, not the key's
+        ("o1", Outcome.MODEL),  # neither
+        ("a.b", Outcome.ALLOW),  # a glob's dot is a dot...
+        ("axb", Outcome.MODEL),  # ...not any character
+        ("50%(off)", Outcome.ALLOW),  # Lua's magic characters are literal
+    ],
+)
+async def test_model_lists_admit_only_what_every_list_allows(
+    harness: Harness, model: str, outcome: Outcome
+) -> None:
+    p = keys_for(harness)
+    lists = {
+        "allow:": "gpt-4o*\nclaude-?-x\na.b\n50%(off)",
+        "allow:alpha": "gpt-4o-mini\nclaude-9-*\na.b\n5?%(*)",
+    }
+    await harness.store.fill(p, {**fields({KEY_DAY: 10**6}), **lists}, [], policy_ttl=60)
+    await warm(harness, p, {KEY_DAY: 10**6})
+    pf = await harness.store.preflight(p, entry("r", "v"), hold=5, model=model)
+    assert pf.outcome is outcome
+    # A refused model touches nothing: no hold, no entry.
+    written = await harness.store.open_entries(ENTRIES)
+    used = await harness.store.read_usage([usage_key(p, KEY_DAY)])
+    assert (written == {}) == (outcome is Outcome.MODEL)
+    assert used == {usage_key(p, KEY_DAY): 0}  # soft limit: no hold either way
+
+
+async def test_a_team_list_applies_to_keys_without_one(harness: Harness) -> None:
+    p = keys_for(harness, key="beta")
+    await harness.store.fill(p, {"allow:": "gpt-*"}, [], policy_ttl=60)
+    assert (await harness.store.preflight(p, model="gpt-x")).outcome is Outcome.ALLOW
+    assert (await harness.store.preflight(p, model="claude")).outcome is Outcome.MODEL
+    assert (await harness.store.preflight(p)).outcome is Outcome.ALLOW  # no model: not checked
+
+
+async def test_read_parts_tells_settled_pending_and_held_apart(harness: Harness) -> None:
+    p = keys_for(harness)
+    day = usage_key(p, KEY_DAY)
+    await harness.store.fill(p, {"h:" + field_of(KEY_DAY): 1_000}, [], policy_ttl=60)
+    await harness.store.fill(
+        p, None, [UsageFill(day, 7, p.find(KEY_DAY).expires_at)], policy_ttl=60
+    )
+    await harness.store.preflight(p, record_id="running", hold=100)
+    await harness.store.preflight(p, record_id="done", hold=100)
+    await harness.store.postflight("done", 20, [day])
+    parts = await harness.store.read_parts([day, "quota:{acme}:absent"])
+    assert parts[day] == CachedParts(settled=7, pending=20, held=100)
+    assert parts["quota:{acme}:absent"] is None

@@ -112,7 +112,11 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
     assert set(results["inprocess"]["engine"]) == {"embedded", "redis"}
     for route in ("health", "inference", "stream"):
         assert set(results["http"]["routes"][route]) == {"1", "16", "64"}
-    assert set(results["overshoot"]["variants"]) == {"embedded", "redis"}
+    over = results["overshoot"]["variants"]
+    assert set(over) == {"embedded", "redis", "embedded/hard", "redis/hard"}
+    for variant in ("embedded/hard", "redis/hard"):  # a hard limit never admits beyond k
+        for f in over[variant].values():
+            assert f["admitted"]["max"] <= f["k"] and f["spend_over_limit"]["max"] <= 1.0
     assert set(results["settlement"]["backends"]) == {"sqlite", "postgresql"}
     for target in results["targets"]:
         assert target["measured"] and isinstance(target["met"], bool), target

@@ -23,7 +23,13 @@ if #ARGV ~= first_usage - 1 + 3 * (#KEYS - 1) then
 end
 for i = 3, first_usage - 1, 2 do
   local field = ARGV[i]
-  if (field ~= 'balance' and string.find(field, ':', 1, true) == nil) or not is_uint(ARGV[i + 1]) then
+  if string.sub(field, 1, 6) == 'allow:' then
+    -- A model list: newline-separated globs, not an amount.
+    if #ARGV[i + 1] == 0 or #ARGV[i + 1] > 65536 then
+      return redis.error_reply('spendguard fill: bad model list')
+    end
+  elseif (field ~= 'balance' and string.find(field, ':', 1, true) == nil)
+      or not is_uint(ARGV[i + 1]) then
     return redis.error_reply('spendguard fill: bad policy field')
   end
 end

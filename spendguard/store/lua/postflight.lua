@@ -3,7 +3,7 @@
 -- KEYS[i]  a usage hash the preflight found policy-bearing
 -- KEYS[#KEYS]  (with ARGV[3]) the team's admission entries
 -- ARGV[1]  record id
--- ARGV[2]  estimate in micro-USD (decimal string)
+-- ARGV[2]  estimate in micro-USD (decimal string), or "-": not charged (holds released only)
 -- ARGV[3]  (optional) the record, to replace its admission entry with ("" removes the entry:
 --          an inference that is not charged)
 --
@@ -20,7 +20,8 @@ end
 if type(rid) ~= 'string' or #rid == 0 or #rid > 64 or string.find(rid, '[^%w%-_]') then
   return redis.error_reply('spendguard postflight: bad record id')
 end
-if type(amount) ~= 'string' or #amount == 0 or #amount > 18 or not string.match(amount, '^%d+$') then
+if amount ~= '-' and (type(amount) ~= 'string' or #amount == 0 or #amount > 18
+    or not string.match(amount, '^%d+$')) then
   return redis.error_reply('spendguard postflight: bad amount')
 end
 for i = 1, nkeys do
@@ -30,9 +31,16 @@ for i = 1, nkeys do
   end
 end
 local applied = 0
-local marker, tomb = 'r:' .. rid, 'd:' .. rid
+local marker, tomb, held = 'r:' .. rid, 'd:' .. rid, 'h:' .. rid
 for i = 1, nkeys do
-  if redis.call('EXISTS', KEYS[i]) == 1 and redis.call('HEXISTS', KEYS[i], tomb) == 0
+  -- A hard limit's hold is replaced by the actual estimate (or only released).
+  local hold = redis.call('HGET', KEYS[i], held)
+  if hold then
+    redis.call('HDEL', KEYS[i], held)
+    redis.call('HINCRBY', KEYS[i], 'p', '-' .. hold)
+  end
+  if amount ~= '-' and redis.call('EXISTS', KEYS[i]) == 1
+      and redis.call('HEXISTS', KEYS[i], tomb) == 0
       and redis.call('HSETNX', KEYS[i], marker, amount) == 1 then
     redis.call('HINCRBY', KEYS[i], 'p', amount)
     applied = applied + 1

@@ -1,31 +1,67 @@
--- Preflight (design.md, "One inference"): one read of every limit that can apply to a request,
--- and, when the request is allowed, its admission entry written in the same call.
+-- Preflight (design.md, "One inference"): one read of every limit that can apply to a request;
+-- when the request is allowed, its holds on hard limits and its admission entry, written in the
+-- same call.
 --
 -- KEYS[1]    the team's policy hash ({prefix}:{team}:spend:policy)
--- KEYS[1+i]  the usage hash of candidate i for t0's period
+-- KEYS[1+i]  the usage hash of candidate i for t0's period, i = 1..n
 -- KEYS[n+2]  (with an entry) the team's admission entries ({prefix}:{team}:spend:open)
--- ARGV[i]    the policy field of candidate i (team:month, api_key:<key>:day, ...), i = 1..n
--- ARGV[n+1], ARGV[n+2]  (with an entry) the record id and the entry's value
+-- ARGV[1]    n
+-- ARGV[1+i]  the policy field of candidate i (team:month, api_key:<key>:day, balance, ...)
+-- ARGV[n+2]  the record id ("" with no entry and no hold)
+-- ARGV[n+3]  the hold in micro-USD a hard limit must fit (the request's worst case)
+-- ARGV[n+4]  the requested model ("" checks no model list)
+-- ARGV[n+5], ARGV[n+6]  the policy fields of the team's and the key's model lists
+-- ARGV[n+7]  (optional) the entry's value
 --
--- Returns 0 when the policy hash is absent (a miss: the caller loads it from the ledger).
--- Otherwise a flat list, 3 entries per candidate: limit, settled, pending. A nil limit means
--- "no policy" and then its usage key is not even read (no policy, no usage lookups);
--- nil settled means the usage key is absent (a miss for that key). The "balance" field only
--- marks that the team has a prepaid account; its limit is the balance key's t (topped up).
+-- A model list is newline-separated globs (* any run, ? any one byte, the rest literal); a
+-- request whose model matches no glob of a list that exists gets "model" back, and nothing is
+-- read or written further.
 --
--- The caller decides on exact integers; the script applies the same rule (the first usage at
--- or over its limit denies; an absent usage key is a miss) only to know whether to write the
--- entry: an inference that will call the provider leaves a trace before it does, so a gateway
--- killed while it runs cannot lose it. Amounts are compared exactly, as decimal strings when
--- they are too long for a double.
-local n = #KEYS - 1
-local entry = false
-if #ARGV == n + 1 then
-  n = n - 1
-  entry = true
+-- A limit is soft under its field, hard under "h:" .. field. Returns 0 when the policy hash is
+-- absent (a miss: the caller loads it from the ledger). Otherwise a flat list, 4 entries per
+-- candidate: limit, settled, pending, hard ("1" or nil). A nil limit means "no policy" and then
+-- its usage key is not even read; nil settled means the usage key is absent (a miss for that
+-- key). The "balance" field marks that the team has a prepaid account; its limit is the balance
+-- key's t (topped up).
+--
+-- The rule, the same as the caller's on exact integers: a soft limit denies once usage
+-- (settled + pending) reaches it; a hard one denies when usage + hold would pass it; an absent
+-- usage key is a miss. Only an allowed request writes: its hold, as a marker h:<id> added to
+-- pending in every hard key (postflight replaces it with the actual cost, or releases it), and
+-- its entry, so a gateway killed while the request runs cannot lose it. Amounts are compared
+-- exactly, as decimal strings when they are too long for a double.
+local n = tonumber(ARGV[1])
+if n == nil or #KEYS < n + 1 or #ARGV < n + 6 then
+  return redis.error_reply('spendguard preflight: argument count')
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
+end
+local rid, hold, model, entry = ARGV[n + 2], ARGV[n + 3], ARGV[n + 4], ARGV[n + 7]
+
+local function glob_matches(glob, name)
+  local pattern = string.gsub(glob, '[%^%$%(%)%%%.%[%]%+%-]', '%%%0')
+  pattern = string.gsub(pattern, '%*', '.*')
+  pattern = string.gsub(pattern, '%?', '.')
+  return string.find(name, '^' .. pattern .. '$') ~= nil
+end
+if model ~= '' then
+  local lists = redis.call('HMGET', KEYS[1], ARGV[n + 5], ARGV[n + 6])
+  for i = 1, 2 do
+    local list = lists[i]
+    if list then
+      local allowed = false
+      for glob in string.gmatch(list, '[^\n]+') do
+        if glob_matches(glob, model) then
+          allowed = true
+          break
+        end
+      end
+      if not allowed then
+        return 'model'
+      end
+    end
+  end
 end
 
 local function add(a, b)
@@ -40,7 +76,7 @@ local function add(a, b)
   end
   return string.reverse(table.concat(out))
 end
-local function at_least(used, limit)
+local function at_least(used, limit) -- used >= limit, on decimal strings
   used = string.gsub(used, '^0+', '')
   limit = string.gsub(limit, '^0+', '')
   if #used ~= #limit then
@@ -49,45 +85,75 @@ local function at_least(used, limit)
   return used >= limit
 end
 local function uint(v)
-  return type(v) == 'string' and string.match(v, '^%d+$') ~= nil
+  return type(v) == 'string' and #v > 0 and string.match(v, '^%d+$') ~= nil
+end
+if not uint(hold) then
+  return redis.error_reply('spendguard preflight: bad hold')
 end
 
 local fields = {}
 for i = 1, n do
-  fields[i] = ARGV[i]
+  fields[2 * i - 1] = ARGV[i + 1]
+  fields[2 * i] = 'h:' .. ARGV[i + 1]
 end
 local limits = redis.call('HMGET', KEYS[1], unpack(fields))
 local out = {}
 local allow = true
+local holds = {}
 for i = 1, n do
-  local limit = limits[i]
+  local limit, hard = limits[2 * i - 1], limits[2 * i]
+  if hard then
+    limit = hard
+  end
   if limit then
     local usage = redis.call('HMGET', KEYS[i + 1], 's', 'p', 't')
-    if ARGV[i] == 'balance' then
+    if ARGV[i + 1] == 'balance' then
       limit = usage[3] or '0'
     end
-    out[3 * i - 2] = limit
-    out[3 * i - 1] = usage[1]
-    out[3 * i] = usage[2]
+    out[4 * i - 3] = limit
+    out[4 * i - 2] = usage[1]
+    out[4 * i - 1] = usage[2]
+    out[4 * i] = hard and '1' or false
     if allow then
       local settled, pending = usage[1], usage[2] or '0'
       if not settled then
         allow = false -- a miss: the caller fills and asks again
-      elseif uint(settled) and uint(pending) and uint(limit) then
-        if at_least(add(settled, pending), limit) then
+      else
+        local used
+        if uint(settled) and uint(pending) then
+          used = add(settled, pending)
+        else -- a pending total below 0 never happens; read it as a number if it does
+          used = tostring(tonumber(settled) + tonumber(pending))
+        end
+        if hard then
+          -- used + hold > limit, i.e. used + hold >= limit + 1
+          if at_least(add(used, hold), add(limit, '1')) then
+            allow = false
+          else
+            holds[#holds + 1] = KEYS[i + 1]
+          end
+        elseif at_least(used, limit) then
           allow = false
         end
-      elseif tonumber(settled) + tonumber(pending) >= tonumber(limit) then
-        allow = false
       end
     end
   else
-    out[3 * i - 2] = false
-    out[3 * i - 1] = false
-    out[3 * i] = false
+    out[4 * i - 3] = false
+    out[4 * i - 2] = false
+    out[4 * i - 1] = false
+    out[4 * i] = false
   end
 end
-if entry and allow then
-  redis.call('HSET', KEYS[#KEYS], ARGV[n + 1], ARGV[n + 2])
+if allow then
+  if hold ~= '0' then
+    for _, key in ipairs(holds) do
+      if redis.call('HSETNX', key, 'h:' .. rid, hold) == 1 then
+        redis.call('HINCRBY', key, 'p', hold)
+      end
+    end
+  end
+  if entry then
+    redis.call('HSET', KEYS[n + 2], rid, entry)
+  end
 end
 return out

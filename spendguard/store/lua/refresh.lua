@@ -42,6 +42,12 @@ for k = 1, #KEYS do
   pos = first + a + u
   if redis.call('EXISTS', key) == 1 then
     for i = first, first + a + u - 1 do
+      -- A hard limit's hold outlives no settled record (a postflight that never came).
+      local hold = redis.call('HGET', key, 'h:' .. ARGV[i])
+      if hold then
+        redis.call('HDEL', key, 'h:' .. ARGV[i])
+        redis.call('HINCRBY', key, 'p', '-' .. hold)
+      end
       local marker = 'r:' .. ARGV[i]
       local estimate = redis.call('HGET', key, marker)
       if estimate then

@@ -1,0 +1,227 @@
+"""Budget administration: inspect, reset, per-key budgets. The CLI and a gateway's own admin
+endpoints sit on :class:`BudgetAdmin`::
+
+    admin = BudgetAdmin.of(gate)            # in the gateway: its stores, its config
+    report = await admin.inspect()          # effective config + each scope x window's counters
+    await admin.reset("per_api_key", window="daily", team_id="acme", api_key_id="alpha")
+    await admin.set_key_budget("acme", "alpha", max_tokens=100_000, budget_window="24h")
+
+A reset deletes the committed usage of the chosen windows; on Redis every replica sees it at
+once. Holds of requests in flight stay (they end, or expire, by themselves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..clock import to_micros, utcnow
+from ..identity import Identity, encode_id
+from ..ledger import BudgetOverride, Ledger
+from .config import BudgetLimit, BudgetsConfig, BudgetWindow, Scope, parse_period
+from .gate import BudgetGate, override_window
+from .store import Bucket, BucketCheck, BudgetStore, WindowCheck
+
+
+@dataclass(frozen=True, slots=True)
+class Counter:
+    scope: Scope
+    subject: str  # encoded: "team:key", a model, or "" for the fleet
+    window: str
+    tokens: int  # committed in the window, plus live holds
+    cost_micros: int
+    limit: BudgetLimit
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "scope": self.scope.value,
+            "subject": self.subject,
+            "window": self.window,
+            "tokens": self.tokens,
+            "cost_micro_usd": self.cost_micros,
+            "limit": self.limit.as_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetReport:
+    config: BudgetsConfig
+    storage: str  # the store actually used: memory or redis
+    counters: tuple[Counter, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "config": self.config.as_json(),
+            "storage": self.storage,
+            "counters": [c.as_json() for c in self.counters],
+        }
+
+
+class BudgetAdmin:
+    def __init__(
+        self,
+        config: BudgetsConfig,
+        store: BudgetStore,
+        *,
+        ledger: Ledger | None = None,
+        gate: BudgetGate | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.ledger = ledger
+        self.gate = gate
+
+    @classmethod
+    def of(cls, gate: BudgetGate, ledger: Ledger | None = None) -> BudgetAdmin:
+        config = gate.config
+        return cls(config, gate.store_for(config), ledger=ledger, gate=gate)
+
+    def _now_ms(self) -> int:
+        clock = self.gate.clock if self.gate is not None else utcnow
+        return to_micros(clock()) // 1000
+
+    async def _buckets(self) -> list[Bucket]:
+        return await self.store.buckets()
+
+    async def _checks(self, bucket: Bucket) -> tuple[WindowCheck, ...]:
+        config = self.config
+        limit: BudgetLimit | None
+        if bucket.scope is Scope.PER_API_KEY:
+            override = await self._override_of(bucket)
+            if override is not None:
+                limit = BudgetLimit(tokens=override.max_tokens)
+                return (WindowCheck(override_window(override), limit),)
+            limit = config.per_api_key
+        elif bucket.scope is Scope.PER_MODEL:
+            limit = next(
+                (lim for m, lim in config.per_model.items() if encode_id(m) == bucket.subject),
+                None,
+            )
+        else:
+            limit = config.global_
+        if limit is None:
+            return ()
+        return tuple(WindowCheck(w, limit) for w in config.windows)
+
+    async def _override_of(self, bucket: Bucket) -> BudgetOverride | None:
+        if self.ledger is None:
+            return None
+        team, _, key = bucket.subject.partition(":")
+        return await self.ledger.budget_override(team, key)
+
+    # -- inspect --------------------------------------------------------------------------
+    async def inspect(self) -> BudgetReport:
+        """The effective config and every bucket's counters, window by window. Shared
+        buckets' usage is for operators only: it never reaches a client."""
+        now_ms = self._now_ms()
+        counters: list[Counter] = []
+        buckets = set(await self._buckets())
+        buckets.add(Bucket(Scope.GLOBAL, ""))
+        for model in self.config.per_model:
+            buckets.add(Bucket(Scope.PER_MODEL, encode_id(model)))
+        for bucket in sorted(buckets, key=lambda b: (b.scope.value, b.subject)):
+            checks = await self._checks(bucket)
+            if not checks:
+                continue
+            usage = await self.store.inspect(BucketCheck(bucket, checks), now_ms)
+            for check, row in zip(checks, usage.windows, strict=True):
+                counters.append(
+                    Counter(
+                        bucket.scope,
+                        bucket.subject,
+                        check.window.id,
+                        row.tokens + usage.held_tokens,
+                        row.cost + usage.held_cost,
+                        check.limit,
+                    )
+                )
+        storage = "redis" if self.store.shared else "memory"
+        return BudgetReport(self.config, storage, tuple(counters))
+
+    # -- reset ----------------------------------------------------------------------------
+    async def reset(
+        self,
+        scope: Scope | str,
+        *,
+        window: str | None = None,
+        team_id: str | None = None,
+        api_key_id: str | None = None,
+        model: str | None = None,
+    ) -> int:
+        """Clear recorded usage of a scope (one key or model, or all of the scope's buckets),
+        in one window or all. Returns how many buckets were reset."""
+        scope = Scope(scope)
+        if api_key_id is not None and scope is not Scope.PER_API_KEY:
+            raise ValueError("api_key_id is only for scope per_api_key")
+        if model is not None and scope is not Scope.PER_MODEL:
+            raise ValueError("model is only for scope per_model")
+        if window is not None and self.config.window(window) is None:
+            # A key's own window is named after its period (24h); anything else is a typo.
+            try:
+                parse_period(window)
+            except ValueError:
+                known = ", ".join(w.id for w in self.config.windows) or "none"
+                raise ValueError(f"unknown window {window!r} (configured: {known})") from None
+        if scope is Scope.PER_API_KEY and api_key_id is not None:
+            if team_id is None:
+                raise ValueError("a per_api_key reset of one key needs team_id and api_key_id")
+            ident = Identity(team_id, api_key_id)
+            buckets = [Bucket(scope, f"{ident.team}:{ident.api_key}")]
+        elif scope is Scope.PER_MODEL and model is not None:
+            buckets = [Bucket(scope, encode_id(model))]
+        elif scope is Scope.GLOBAL:
+            buckets = [Bucket(scope, "")]
+        else:
+            buckets = [b for b in await self._buckets() if b.scope is scope]
+        for bucket in buckets:
+            windows = await self._reset_windows(bucket, window)
+            await self.store.reset(bucket, windows)
+        return len(buckets)
+
+    async def _reset_windows(self, bucket: Bucket, window: str | None) -> list[BudgetWindow]:
+        windows = list(self.config.windows)
+        if bucket.scope is Scope.PER_API_KEY:
+            override = await self._override_of(bucket)
+            if override is not None:
+                windows.append(override_window(override))
+        if window is not None:
+            windows = [w for w in windows if w.id == window]
+        return windows
+
+    # -- per-key budgets ------------------------------------------------------------------
+    def _ledger(self) -> Ledger:
+        if self.ledger is None:
+            raise ValueError("per-key budgets are kept in the ledger: none is configured")
+        return self.ledger
+
+    async def set_key_budget(
+        self, team_id: str, api_key_id: str, *, max_tokens: int, budget_window: str
+    ) -> BudgetOverride:
+        """Give a key its own token budget: it is checked against this instead of the fleet's
+        per_api_key default (per-model and global still apply)."""
+        if type(max_tokens) is not int or max_tokens <= 0:
+            raise ValueError(f"max_tokens_budget must be a positive whole number: {max_tokens!r}")
+        parse_period(budget_window)  # ValueError naming the problem
+        ident = Identity(team_id, api_key_id)
+        assert ident.api_key is not None
+        override = BudgetOverride(
+            ident.team, ident.api_key, team_id, api_key_id, max_tokens, budget_window
+        )
+        await self._ledger().set_budget_override(override)
+        self._evict(ident)
+        return override
+
+    async def remove_key_budget(self, team_id: str, api_key_id: str) -> bool:
+        ident = Identity(team_id, api_key_id)
+        assert ident.api_key is not None
+        removed = await self._ledger().remove_budget_override(ident.team, ident.api_key)
+        self._evict(ident)
+        return removed
+
+    async def key_budgets(self) -> Sequence[BudgetOverride]:
+        return await self._ledger().budget_overrides()
+
+    def _evict(self, ident: Identity) -> None:
+        if self.gate is not None and self.gate.overrides is not None and ident.api_key:
+            self.gate.overrides.evict(ident.team, ident.api_key)

@@ -1,0 +1,160 @@
+"""``spendguard budgets ...``: validate a file, inspect and reset counters, per-key budgets.
+
+``validate`` needs nothing but the file. The others read the same ``SPENDGUARD_*`` settings as
+the gateway; inspect and reset reach the counters only with Redis (memory counters live inside
+each gateway process: use the gateway's admin API there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigurationError
+from ..ledger import BudgetOverride, Ledger
+from ..settings import Settings
+from .admin import BudgetAdmin
+from .config import (
+    DISABLED,
+    BudgetConfigError,
+    BudgetsConfig,
+    Scope,
+    Storage,
+    parse_budgets,
+    read_budgets,
+)
+from .store import BudgetStore
+
+
+def validate(args: argparse.Namespace) -> int:
+    """Exit 0 when the file is valid, 2 with every problem (one per line) when it isn't."""
+    try:
+        config = read_budgets(Path(args.file))
+    except BudgetConfigError as exc:
+        for problem in exc.problems:
+            print(f"spendguard: {problem}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(config.as_json(), indent=2))
+    else:
+        state = "enabled" if config.enabled else "disabled"
+        print(
+            f"{args.file}: valid ({state}, {len(config.windows)} windows, "
+            f"{len(config.per_model)} per-model limits)"
+        )
+    return 0
+
+
+def configured(settings: Settings) -> BudgetsConfig:
+    if settings.budgets_file is not None:
+        return read_budgets(settings.budgets_file)
+    if settings.budgets is not None:
+        return parse_budgets(settings.budgets)
+    return DISABLED
+
+
+def admin_for(settings: Settings, ledger: Ledger) -> tuple[BudgetAdmin, BudgetStore | None]:
+    """An admin on the shared counters (None as the store without Redis)."""
+    config = configured(settings)
+    store: BudgetStore | None = None
+    if settings.redis_url is not None and config.storage is Storage.REDIS:
+        from .redis import RedisBudgetStore
+
+        store = RedisBudgetStore.from_url(
+            settings.redis_url.get_secret_value(),
+            prefix=settings.key_prefix,
+            timeout=settings.redis_timeout,
+        )
+    from .memory import MemoryBudgetStore
+
+    return BudgetAdmin(config, store or MemoryBudgetStore(), ledger=ledger), store
+
+
+def _override_json(o: BudgetOverride) -> dict[str, Any]:
+    return {
+        "team": o.team_id,
+        "api_key": o.api_key_id,
+        "max_tokens_budget": o.max_tokens,
+        "budget_window": o.budget_window,
+    }
+
+
+async def run(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
+    admin, store = admin_for(settings, ledger)
+    try:
+        return await _dispatch(args, admin, store)
+    finally:
+        if store is not None:
+            await store.aclose()
+
+
+async def _dispatch(args: argparse.Namespace, admin: BudgetAdmin, store: BudgetStore | None) -> int:
+    cmd = args.budgets_cmd
+    if cmd in ("inspect", "reset") and store is None:
+        raise ConfigurationError(
+            "budget counters in memory live inside each gateway: use storage: redis with "
+            "SPENDGUARD_REDIS_URL, or the gateway's admin API"
+        )
+    if cmd == "inspect":
+        report = await admin.inspect()
+        data = report.as_json()
+        lines = [f"budgets: {'enabled' if report.config.enabled else 'disabled'}"]
+        lines += [
+            f"  {c.scope.value:<12} {c.subject or '-':<30} {c.window:<10} "
+            f"tokens {c.tokens} cost_micro_usd {c.cost_micros}"
+            for c in report.counters
+        ]
+        print(json.dumps(data, indent=2) if args.json else "\n".join(lines))
+        return 0
+    if cmd == "reset":
+        n = await admin.reset(
+            args.scope,
+            window=args.window,
+            team_id=args.team,
+            api_key_id=args.api_key,
+            model=args.model,
+        )
+        print(json.dumps({"reset": n}) if args.json else f"reset {n} buckets")
+        return 0
+    if cmd == "key-set":
+        o = await admin.set_key_budget(
+            args.team, args.api_key, max_tokens=args.max_tokens, budget_window=args.window
+        )
+        data = _override_json(o)
+        print(json.dumps(data) if args.json else f"key budget set: {data}")
+        return 0
+    if cmd == "key-rm":
+        removed = await admin.remove_key_budget(args.team, args.api_key)
+        print(json.dumps({"removed": removed}) if args.json else f"removed: {removed}")
+        return 0 if removed else 1
+    rows = [_override_json(o) for o in await admin.key_budgets()]
+    print(json.dumps(rows, indent=2) if args.json else "\n".join(map(str, rows)) or "none")
+    return 0
+
+
+def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    """The ``budgets`` command group (``validate`` marked to run without settings)."""
+    bud = sub.add_parser("budgets", help="token and USD budgets").add_subparsers(
+        dest="budgets_cmd", required=True
+    )
+    val = bud.add_parser("validate", parents=[common], help="check a budgets file (exit 2: bad)")
+    val.add_argument("file")
+    val.set_defaults(standalone=validate)
+    bud.add_parser("inspect", parents=[common], help="config and counters (Redis)")
+    reset = bud.add_parser("reset", parents=[common], help="clear recorded usage (Redis)")
+    reset.add_argument("--scope", required=True, choices=[s.value for s in Scope])
+    reset.add_argument("--window", default=None)
+    reset.add_argument("--team", default=None, help="with --api-key: one key (per_api_key)")
+    reset.add_argument("--api-key", default=None)
+    reset.add_argument("--model", default=None, help="one model (per_model)")
+    key_set = bud.add_parser("key-set", parents=[common], help="a key's own token budget")
+    key_rm = bud.add_parser("key-rm", parents=[common], help="remove a key's own budget")
+    for p in (key_set, key_rm):
+        p.add_argument("--team", required=True)
+        p.add_argument("--api-key", required=True)
+    key_set.add_argument("--max-tokens", type=int, required=True, help="max_tokens_budget")
+    key_set.add_argument("--window", required=True, help="budget_window, e.g. 24h or 30d")
+    bud.add_parser("key-ls", parents=[common], help="keys with their own budget")

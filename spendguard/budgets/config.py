@@ -1,0 +1,411 @@
+"""The budgets section: parsed, validated, frozen (README, "Budgets").
+
+A budgets file is JSON or YAML, either the section itself or a document with a top-level
+``budgets:`` key::
+
+    enabled: true
+    storage: redis          # memory | redis
+    fail_open: true
+    windows:
+      - {id: daily, period: 24h}
+      - {id: monthly, period: calendar:month}   # an alias of 30d, not a calendar reset
+    scopes:
+      per_api_key: {tokens: 2000000, cost_usd: 50}
+      per_model: {gpt-4o: {tokens: 500000}}
+      global: {tokens: 20000000, cost_usd: 500}
+
+Every problem is reported at once, each naming its field (``budgets.windows[1].period: ...``),
+as one :class:`BudgetConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigurationError
+from ..money import MAX_AMOUNT_MICROS, usd_to_micros
+
+# Every window is cut into this many equal slices; usage leaves a window one slice at a time.
+SLICES = 60
+# Long enough for any quota an operator means; keeps key TTLs and slice indices small.
+MAX_PERIOD_SECONDS = 400 * 86_400
+# The most tokens one limit may name: far above any real quota, far below 2^53 (Lua numbers).
+MAX_TOKENS = 10**15
+DEFAULT_HOLD_SECONDS = 900
+# The output a request without max_tokens (or an equivalent) is assumed to ask for.
+DEFAULT_OUTPUT_TOKENS = 4096
+
+_UNITS = {"m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
+_PERIOD = re.compile(r"([1-9][0-9]{0,5})([mhdw])")
+# Calendar names are aliases of fixed lengths here, never midnight or 1st-of-month resets.
+_ALIASES = {"calendar:day": 86_400, "calendar:month": 30 * 86_400}
+# Window ids reach Redis key names and metric labels.
+_WINDOW_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_MAX_MODEL_NAME = 256
+
+
+class BudgetConfigError(ConfigurationError):
+    """The budgets section is invalid; ``problems`` lists each one, naming its field."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid budgets: " + "; ".join(problems))
+
+
+class Storage(StrEnum):
+    MEMORY = "memory"
+    REDIS = "redis"
+
+
+class Scope(StrEnum):
+    """In check order: the key's own bucket, then its model's, then the fleet's."""
+
+    PER_API_KEY = "per_api_key"
+    PER_MODEL = "per_model"
+    GLOBAL = "global"
+
+
+class Unit(StrEnum):
+    TOKENS = "tokens"
+    COST = "cost_micro_usd"
+
+
+def parse_period(text: str) -> int:
+    """Seconds of a period: ``<n>m``, ``<n>h``, ``<n>d``, ``<n>w``, ``calendar:day`` (24h) or
+    ``calendar:month`` (30d). ValueError when it is none of them."""
+    if not isinstance(text, str):
+        raise ValueError(f"not a period: {text!r}")
+    if text in _ALIASES:
+        return _ALIASES[text]
+    match = _PERIOD.fullmatch(text)
+    if match is None:
+        raise ValueError(
+            f"{text!r} is not a period (use <n>m, <n>h, <n>d, <n>w, calendar:day or calendar:month)"
+        )
+    seconds = int(match.group(1)) * _UNITS[match.group(2)]
+    if seconds > MAX_PERIOD_SECONDS:
+        raise ValueError(f"{text!r} is longer than {MAX_PERIOD_SECONDS // 86_400} days")
+    return seconds
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetWindow:
+    """A rolling window of ``seconds``, cut into :data:`SLICES` slices."""
+
+    id: str
+    period: str  # as configured, for display
+    seconds: int
+
+    @property
+    def period_ms(self) -> int:
+        return self.seconds * 1000
+
+    @property
+    def slice_ms(self) -> int:
+        # Every period is a whole number of minutes, so a slice is a whole number of ms.
+        return self.period_ms // SLICES
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetLimit:
+    """``tokens``, ``cost_micros`` or both (each > 0)."""
+
+    tokens: int | None = None
+    cost_micros: int | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.tokens is not None:
+            out["tokens"] = self.tokens
+        if self.cost_micros is not None:
+            out["cost_usd"] = str(Decimal(self.cost_micros) / 1_000_000)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetsConfig:
+    enabled: bool = False
+    storage: Storage = Storage.MEMORY
+    fail_open: bool = True
+    windows: tuple[BudgetWindow, ...] = ()
+    per_api_key: BudgetLimit | None = None
+    per_model: Mapping[str, BudgetLimit] = field(default_factory=dict)
+    global_: BudgetLimit | None = None
+    hold_seconds: int = DEFAULT_HOLD_SECONDS
+    default_output_tokens: int = DEFAULT_OUTPUT_TOKENS
+
+    @property
+    def active(self) -> bool:
+        """Enabled, with at least one window and one limit: anything to check at all."""
+        return self.enabled and bool(self.windows) and self.has_limits
+
+    @property
+    def has_limits(self) -> bool:
+        return self.per_api_key is not None or bool(self.per_model) or self.global_ is not None
+
+    @property
+    def longest_ms(self) -> int:
+        return max((w.period_ms for w in self.windows), default=0)
+
+    def window(self, window_id: str) -> BudgetWindow | None:
+        return next((w for w in self.windows if w.id == window_id), None)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "enabled": self.enabled,
+            "storage": self.storage.value,
+            "fail_open": self.fail_open,
+            "hold_seconds": self.hold_seconds,
+            "default_output_tokens": self.default_output_tokens,
+            "windows": [
+                {"id": w.id, "period": w.period, "seconds": w.seconds} for w in self.windows
+            ],
+            "scopes": {
+                "per_api_key": None if self.per_api_key is None else self.per_api_key.as_json(),
+                "per_model": {m: lim.as_json() for m, lim in self.per_model.items()},
+                "global": None if self.global_ is None else self.global_.as_json(),
+            },
+            "cost_source": "model_metadata",
+        }
+
+
+DISABLED = BudgetsConfig()
+
+
+class _Problems:
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def add(self, where: str, what: str) -> None:
+        self.items.append(f"{where}: {what}")
+
+
+def _keys(
+    value: object, where: str, allowed: set[str], problems: _Problems
+) -> Mapping[str, Any] | None:
+    if not isinstance(value, Mapping):
+        problems.add(where, f"must be a mapping, got {type(value).__name__}")
+        return None
+    for key in value:
+        if key not in allowed:
+            problems.add(f"{where}.{key}", f"unknown field (known: {', '.join(sorted(allowed))})")
+    return value
+
+
+def _bool(value: object, where: str, default: bool, problems: _Problems) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        problems.add(where, f"must be true or false, got {value!r}")
+        return default
+    return value
+
+
+def _limit(value: object, where: str, problems: _Problems) -> BudgetLimit | None:
+    if value is None:
+        return None
+    data = _keys(value, where, {"tokens", "cost_usd"}, problems)
+    if data is None:
+        return None
+    tokens = cost = None
+    raw_tokens = data.get("tokens")
+    if raw_tokens is not None:
+        if type(raw_tokens) is not int:
+            problems.add(f"{where}.tokens", f"must be a whole number, got {raw_tokens!r}")
+        elif raw_tokens <= 0:
+            problems.add(f"{where}.tokens", f"must be greater than 0, got {raw_tokens}")
+        elif raw_tokens > MAX_TOKENS:
+            problems.add(f"{where}.tokens", f"must be at most {MAX_TOKENS}")
+        else:
+            tokens = raw_tokens
+    raw_cost = data.get("cost_usd")
+    if raw_cost is not None:
+        cost = _cost(raw_cost, f"{where}.cost_usd", problems)
+    if tokens is None and cost is None:
+        if "tokens" not in data and "cost_usd" not in data:
+            problems.add(where, "set tokens, cost_usd or both")
+        return None
+    return BudgetLimit(tokens, cost)
+
+
+def _cost(value: object, where: str, problems: _Problems) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float | str | Decimal):
+        problems.add(where, f"must be a number of USD, got {value!r}")
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        problems.add(where, f"must be finite, got {value!r}")
+        return None
+    try:
+        # Through str: 0.1 in YAML means ten cents, not the binary float's expansion.
+        amount = Decimal(str(value)) if not isinstance(value, Decimal) else value
+    except InvalidOperation:
+        problems.add(where, f"must be a number of USD, got {value!r}")
+        return None
+    if not amount.is_finite():
+        problems.add(where, f"must be finite, got {value!r}")
+        return None
+    if amount <= 0:
+        problems.add(where, f"must be greater than 0, got {value!r}")
+        return None
+    try:
+        micros = usd_to_micros(amount)
+    except ValueError as exc:
+        problems.add(where, str(exc))
+        return None
+    if micros > MAX_AMOUNT_MICROS:
+        problems.add(where, f"must be at most {MAX_AMOUNT_MICROS // 1_000_000} USD")
+        return None
+    return micros
+
+
+def _windows(value: object, problems: _Problems) -> tuple[BudgetWindow, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        problems.add("budgets.windows", "must be a list of {id, period}")
+        return ()
+    out: list[BudgetWindow] = []
+    seen: set[str] = set()
+    for i, item in enumerate(value):
+        where = f"budgets.windows[{i}]"
+        data = _keys(item, where, {"id", "period"}, problems)
+        if data is None:
+            continue
+        window_id, period = data.get("id"), data.get("period")
+        ok = True
+        if not isinstance(window_id, str) or _WINDOW_ID.fullmatch(window_id) is None:
+            problems.add(f"{where}.id", f"must be 1-64 of A-Z a-z 0-9 _ . -, got {window_id!r}")
+            ok = False
+        elif window_id in seen:
+            problems.add(f"{where}.id", f"duplicate window id {window_id!r}")
+            ok = False
+        else:
+            seen.add(window_id)
+        try:
+            seconds = parse_period(period)  # type: ignore[arg-type]
+        except ValueError as exc:
+            problems.add(f"{where}.period", str(exc))
+            ok = False
+        if ok:
+            out.append(BudgetWindow(str(window_id), str(period), seconds))
+    return tuple(out)
+
+
+def _models(value: object, problems: _Problems) -> dict[str, BudgetLimit]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        problems.add("budgets.scopes.per_model", "must map model names to limits")
+        return {}
+    out: dict[str, BudgetLimit] = {}
+    for name, raw in value.items():
+        if not isinstance(name, str) or not name.strip():
+            problems.add("budgets.scopes.per_model", f"empty model name {name!r}")
+            continue
+        if len(name) > _MAX_MODEL_NAME or not name.isprintable():
+            problems.add("budgets.scopes.per_model", f"unusable model name {name[:40]!r}")
+            continue
+        where = f"budgets.scopes.per_model.{name}"
+        if raw is None:
+            problems.add(where, "set tokens, cost_usd or both")
+            continue
+        limit = _limit(raw, where, problems)
+        if limit is not None:
+            out[name] = limit
+    return out
+
+
+def parse_budgets(document: object) -> BudgetsConfig:
+    """The budgets section of ``document`` (the section itself, or ``{"budgets": ...}``)."""
+    problems = _Problems()
+    if document is None:
+        return DISABLED
+    if isinstance(document, Mapping) and set(document) == {"budgets"}:
+        document = document["budgets"]
+        if document is None:
+            return DISABLED
+    allowed = {"enabled", "storage", "fail_open", "windows", "scopes", "cost_source"}
+    data = _keys(document, "budgets", allowed | {"hold_seconds", "default_output_tokens"}, problems)
+    if data is None:
+        raise BudgetConfigError(problems.items)
+    enabled = _bool(data.get("enabled"), "budgets.enabled", False, problems)
+    fail_open = _bool(data.get("fail_open"), "budgets.fail_open", True, problems)
+    storage = Storage.MEMORY
+    raw_storage = data.get("storage")
+    if raw_storage is not None:
+        try:
+            storage = Storage(raw_storage)
+        except ValueError:
+            problems.add("budgets.storage", f"must be memory or redis, got {raw_storage!r}")
+    cost_source = data.get("cost_source")
+    if cost_source not in (None, "model_metadata"):
+        problems.add(
+            "budgets.cost_source", f"only model_metadata is supported, got {cost_source!r}"
+        )
+    hold = data.get("hold_seconds", DEFAULT_HOLD_SECONDS)
+    if type(hold) is not int or not 10 <= hold <= 86_400:
+        problems.add("budgets.hold_seconds", f"must be a whole number 10..86400, got {hold!r}")
+        hold = DEFAULT_HOLD_SECONDS
+    output = data.get("default_output_tokens", DEFAULT_OUTPUT_TOKENS)
+    if type(output) is not int or not 1 <= output <= 10_000_000:
+        problems.add(
+            "budgets.default_output_tokens", f"must be a whole number 1..10000000, got {output!r}"
+        )
+        output = DEFAULT_OUTPUT_TOKENS
+    windows = _windows(data.get("windows"), problems)
+    per_key = model_limits = global_ = None
+    scopes = data.get("scopes")
+    if scopes is not None:
+        scope_data = _keys(scopes, "budgets.scopes", {s.value for s in Scope}, problems)
+        if scope_data is not None:
+            per_key = _limit(scope_data.get("per_api_key"), "budgets.scopes.per_api_key", problems)
+            model_limits = _models(scope_data.get("per_model"), problems)
+            global_ = _limit(scope_data.get("global"), "budgets.scopes.global", problems)
+    config = BudgetsConfig(
+        enabled=enabled,
+        storage=storage,
+        fail_open=fail_open,
+        windows=windows,
+        per_api_key=per_key,
+        per_model=model_limits or {},
+        global_=global_,
+        hold_seconds=hold,
+        default_output_tokens=output,
+    )
+    raw_windows = data.get("windows")
+    if enabled and config.has_limits and not raw_windows:
+        problems.add("budgets.windows", "the section is enabled and has limits but no windows")
+    if problems.items:
+        raise BudgetConfigError(problems.items)
+    return config
+
+
+def read_budgets(path: str | Path) -> BudgetsConfig:
+    """Parse and validate a budgets file (.json, .yaml or .yml)."""
+    path = Path(path)
+    label = f"budgets file {path}"
+    try:
+        text = path.read_text("utf-8")
+    except OSError as exc:
+        raise BudgetConfigError([f"{label}: cannot read: {exc.strerror or exc}"]) from exc
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            document = json.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            document = yaml.safe_load(text)
+        else:
+            raise BudgetConfigError([f"{label}: use .json, .yaml or .yml"])
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise BudgetConfigError([f"{label}: not valid {suffix[1:].upper()}: {exc}"]) from exc
+    return parse_budgets(document)

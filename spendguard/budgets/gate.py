@@ -1,0 +1,505 @@
+"""The budgets engine: admit (reserve the estimate), finish (replace it by the actual usage)
+or release, with no ASGI in sight.
+
+Per request: the buckets that apply (the key's own budget or the fleet's per-key default, the
+model's, the fleet's) each get the admission estimate reserved in one atomic call; the calls go
+out together. If any bucket can't afford the request, the others' holds are returned and the
+denial names the first failing window in config order, and within it the first scope in the
+order key → model → global. The estimate is the prompt estimate plus the output limit
+(``max_tokens``, or the section's ``default_output_tokens``), priced at the price table; a model
+without a price reserves and counts tokens only, so cost limits don't apply to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ..clock import from_micros, to_micros, utcnow
+from ..errors import LedgerUnavailable, StoreFull, StoreUnavailable
+from ..identity import Identity, encode_id
+from ..ledger import BudgetOverride, Ledger
+from ..usage import Usage
+from . import metrics
+from .config import (
+    SLICES,
+    BudgetLimit,
+    BudgetsConfig,
+    BudgetWindow,
+    Scope,
+    Storage,
+    Unit,
+    parse_period,
+)
+from .memory import MemoryBudgetStore
+from .overrides import OverrideCache
+from .source import BudgetsSource
+from .store import Bucket, BucketCheck, BudgetStore, Hold, Reserved, WindowCheck, reset_at_ms
+
+if TYPE_CHECKING:
+    from ..engine.decision import InferenceRequest
+    from ..engine.pricing import PriceTable
+
+log = logging.getLogger("spendguard.budgets")
+
+_SCOPE_RANK = {Scope.PER_API_KEY: 0, Scope.PER_MODEL: 1, Scope.GLOBAL: 2}
+OUTAGE_RETRY_AFTER = 5
+
+EnsureConnected = Callable[[], Awaitable[None]]
+
+HEADER_LIMIT = b"x-budget-api-key-limit"
+HEADER_REMAINING = b"x-budget-api-key-remaining"
+HEADER_RESET = b"x-budget-api-key-reset"
+
+
+class BudgetVerdict(StrEnum):
+    ADMIT = "admit"
+    DENY = "deny"  # 429 budget_exceeded
+    UNAVAILABLE = "unavailable"  # Redis down and fail_open is false: 503, Retry-After: 5
+
+
+@dataclass(frozen=True, slots=True)
+class Denial:
+    scope: Scope
+    window: str
+    unit: Unit
+    limit: int
+    model: str | None  # only for a per-model denial
+    retry_after: int
+
+    def details(self) -> dict[str, object]:
+        """What the 429 tells: the configured limit, never anyone's usage."""
+        out: dict[str, object] = {
+            "scope": self.scope.value,
+            "window": self.window,
+            "unit": self.unit.value,
+        }
+        out["limit" if self.unit is Unit.TOKENS else "limit_micro_usd"] = self.limit
+        if self.model is not None:
+            out["model"] = self.model
+        return out
+
+    @property
+    def message(self) -> str:
+        what = {
+            Scope.PER_API_KEY: "API key",
+            Scope.PER_MODEL: f"Model {self.model!r}",
+            Scope.GLOBAL: "Global",
+        }[self.scope]
+        unit = "token" if self.unit is Unit.TOKENS else "cost"
+        return f"{what} {unit} budget exceeded for window {self.window!r}."
+
+
+@dataclass(slots=True)
+class BudgetAdmission:
+    """One request's budgets: finished (or released) exactly once."""
+
+    verdict: BudgetVerdict
+    calls: tuple[BucketCheck, ...] = ()
+    hold: Hold | None = None
+    store: BudgetStore | None = None
+    denial: Denial | None = None
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    model: str = ""
+    count_cost: bool = False
+    windows: dict[Scope, tuple[BudgetWindow, ...]] = field(default_factory=dict)
+    done: bool = False
+
+    @property
+    def allowed(self) -> bool:
+        return self.verdict is BudgetVerdict.ADMIT
+
+
+def new_hold_id() -> str:
+    return f"{random.getrandbits(96):024x}"
+
+
+class BudgetGate:
+    """Budgets for one gateway process. ``source`` gives the live section (hot reload)."""
+
+    def __init__(
+        self,
+        source: BudgetsSource,
+        prices: PriceTable,
+        *,
+        redis_store: BudgetStore | None = None,
+        memory_store: MemoryBudgetStore | None = None,
+        fallback_max_buckets: int = 10_000,
+        overrides: OverrideCache | None = None,
+        ledger: Ledger | None = None,
+        ensure_connected: EnsureConnected | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.source = source
+        self.ledger = ledger  # where a bucket Redis lost is rebuilt from
+        # One rebuild per lost bucket at a time in this process; the others wait for it.
+        self._rebuilding: dict[Bucket, anyio.Event] = {}
+        self._ensure_connected = ensure_connected
+        self.prices = prices
+        self.redis = redis_store
+        self.memory = memory_store if memory_store is not None else MemoryBudgetStore()
+        # Fail open: what a replica admits while Redis is down, bounded (full: refused).
+        self.fallback = MemoryBudgetStore(max_buckets=fallback_max_buckets)
+        self.overrides = overrides
+        self.clock = clock
+        self._warned_no_redis = False
+
+    @property
+    def config(self) -> BudgetsConfig:
+        return self.source.current()
+
+    def store_for(self, config: BudgetsConfig) -> BudgetStore:
+        if config.storage is Storage.REDIS:
+            if self.redis is not None:
+                return self.redis
+            if not self._warned_no_redis:
+                self._warned_no_redis = True
+                log.warning("budgets storage is redis but no Redis URL is set: counting in memory")
+        return self.memory
+
+    def _now_ms(self) -> int:
+        return to_micros(self.clock()) // 1000
+
+    # -- which buckets ----------------------------------------------------------------------
+    async def plan(
+        self, config: BudgetsConfig, identity: Identity, model: str
+    ) -> tuple[tuple[BucketCheck, ...], bool]:
+        """The buckets that apply, in scope order, and whether the key scope is the fleet
+        default (the one that reports headers)."""
+        calls: list[BucketCheck] = []
+        default_key = False
+        if identity.api_key is not None:
+            override = await self.overrides.get(identity) if self.overrides is not None else None
+            subject = Bucket(Scope.PER_API_KEY, f"{identity.team}:{identity.api_key}")
+            if override is not None:
+                window = override_window(override)
+                limit = BudgetLimit(tokens=override.max_tokens)
+                calls.append(BucketCheck(subject, (WindowCheck(window, limit),)))
+            elif config.per_api_key is not None:
+                checks = tuple(WindowCheck(w, config.per_api_key) for w in config.windows)
+                calls.append(BucketCheck(subject, checks))
+                default_key = True
+        model_limit = config.per_model.get(model)
+        if model_limit is not None:
+            checks = tuple(WindowCheck(w, model_limit) for w in config.windows)
+            calls.append(BucketCheck(Bucket(Scope.PER_MODEL, encode_id(model)), checks))
+        if config.global_ is not None:
+            checks = tuple(WindowCheck(w, config.global_) for w in config.windows)
+            calls.append(BucketCheck(Bucket(Scope.GLOBAL, ""), checks))
+        return tuple(calls), default_key
+
+    # -- admission --------------------------------------------------------------------------
+    async def admit(self, identity: Identity, request: InferenceRequest) -> BudgetAdmission | None:
+        """Reserve the request's estimate everywhere it applies; None when no budget applies
+        (budgets off, or no scope covers this request): nothing to finish then."""
+        config = self.config
+        if not config.active:
+            return None
+        model = request.model
+        calls, default_key = await self.plan(config, identity, model)
+        if not calls:
+            return None
+        output = request.max_tokens
+        if output is None:
+            output = config.default_output_tokens
+        estimate = Usage(input_tokens=request.estimated_input_tokens, output_tokens=output)
+        price = self.prices.lookup(model)
+        cost = 0 if price is None else int(price.cost(estimate))
+        now_ms = self._now_ms()
+        hold_ms = config.hold_seconds * 1000
+        hold = Hold(
+            id=new_hold_id(),
+            now_ms=now_ms,
+            expires_ms=now_ms + hold_ms,
+            tokens=estimate.input_tokens + estimate.output_tokens,
+            cost=cost,
+            count_cost=price is not None,
+            ttl_ms=max(w.period_ms for c in calls for w in c.windows) + hold_ms,
+        )
+        store = self.store_for(config)
+        try:
+            answers = await self._reserve(store, calls, hold, model)
+        except StoreFull:
+            return self._tracker_full(calls, model)
+        except (StoreUnavailable, ValueError) as exc:
+            # ValueError: a script refused its input (a bug): a request gets the outage answer,
+            # never a 500.
+            if not (store.shared and config.fail_open):
+                log.warning("budget store unavailable, refusing (fail_open false): %s", exc)
+                metrics.STORAGE_UNAVAILABLE.labels("refused").inc()
+                return BudgetAdmission(BudgetVerdict.UNAVAILABLE)
+            log.warning("budget store unavailable, counting locally (fail open): %s", exc)
+            metrics.STORAGE_UNAVAILABLE.labels("fallback").inc()
+            store = self.fallback
+            try:
+                answers = await store.reserve(calls, hold)
+            except StoreFull:
+                return self._tracker_full(calls, model)
+        admission = BudgetAdmission(
+            BudgetVerdict.ADMIT, calls, hold, store, model=model, count_cost=price is not None
+        )
+        denied = [(i, a) for i, a in enumerate(answers) if not a.ok]
+        if denied:
+            taken = [calls[i].bucket for i, a in enumerate(answers) if a.ok]
+            if taken:
+                await self._release(store, taken, hold.id)
+            return self._deny(admission, denied, model)
+        if default_key:
+            admission.headers = _key_headers(calls[0], answers[0], now_ms)
+        return admission
+
+    async def _reserve(
+        self, store: BudgetStore, calls: tuple[BucketCheck, ...], hold: Hold, model: str
+    ) -> list[Reserved]:
+        answers = await store.reserve(calls, hold)
+        unseeded = [i for i, a in enumerate(answers) if a.unseeded]
+        if unseeded:  # Redis lost these buckets: rebuild them, then ask them again
+            lost = [calls[i] for i in unseeded]
+            await self._rebuild(store, lost, model, hold)
+            for i, answer in zip(unseeded, await store.reserve(lost, hold), strict=True):
+                answers[i] = answer
+        return answers
+
+    async def _rebuild(
+        self, store: BudgetStore, calls: list[BucketCheck], model: str, hold: Hold
+    ) -> None:
+        """Seed buckets Redis lost (a restart, a flush) from the ledger's records instead of
+        starting them from zero. A ledger that can't be read either: they start from zero."""
+        for call in calls:
+            running = self._rebuilding.get(call.bucket)
+            if running is not None:
+                await running.wait()
+                continue
+            done = self._rebuilding[call.bucket] = anyio.Event()
+            try:
+                await self._rebuild_one(store, call, model, hold)
+            finally:
+                del self._rebuilding[call.bucket]
+                done.set()
+
+    async def _rebuild_one(
+        self, store: BudgetStore, call: BucketCheck, model: str, hold: Hold
+    ) -> None:
+        try:
+            slices = await self._used_slices(call, model, hold.now_ms)
+        except (LedgerUnavailable, TimeoutError) as exc:
+            log.warning("budget bucket lost by Redis starts from zero (ledger: %r)", exc)
+            slices = [[] for _ in call.windows]
+        await store.seed(call, slices, hold.ttl_ms)
+        log.info("budget bucket %s rebuilt from the ledger", call.bucket.scope.value)
+
+    async def _used_slices(
+        self, call: BucketCheck, model: str, now_ms: int
+    ) -> list[list[tuple[int, int, int]]]:
+        """Per window, the (slice, tokens, cost) its bucket counted, from the records."""
+        if self.ledger is None:
+            return [[] for _ in call.windows]
+        if self._ensure_connected is not None:
+            await self._ensure_connected()
+        bucket = call.bucket
+        filters: dict[str, str] = {}
+        if bucket.scope is Scope.PER_API_KEY:
+            filters["team"], _, filters["api_key"] = bucket.subject.partition(":")
+        elif bucket.scope is Scope.PER_MODEL:
+            filters["model"] = model
+        out = []
+        for window in call.windows:
+            slice_ms = window.slice_ms
+            first = (now_ms // slice_ms - SLICES + 1) * slice_ms
+            rows = await self.ledger.used_slices(
+                since=from_micros(first * 1000), slice_us=slice_ms * 1000, **filters
+            )
+            merged: dict[int, list[int]] = {}
+            for row in rows:
+                u = row.usage
+                tokens = u.input_tokens + u.output_tokens + u.cached_input_tokens
+                tokens += u.cache_write_tokens
+                price = self.prices.lookup(row.model)
+                cost = 0 if price is None else int(price.cost(u))
+                entry = merged.setdefault(row.start_us // 1000 // slice_ms, [0, 0])
+                entry[0] += tokens
+                entry[1] += cost
+            out.append([(idx, t, c) for idx, (t, c) in sorted(merged.items())])
+        return out
+
+    def _deny(
+        self, admission: BudgetAdmission, denied: list[tuple[int, Reserved]], model: str
+    ) -> BudgetAdmission:
+        # The first failing window in config order; within it, the first scope.
+        i, answer = min(
+            denied, key=lambda d: (d[1].window, _SCOPE_RANK[admission.calls[d[0]].bucket.scope])
+        )
+        call = admission.calls[i]
+        check = call.checks[answer.window]
+        limit = check.limit.tokens if answer.unit is Unit.TOKENS else check.limit.cost_micros
+        assert limit is not None  # a unit is only denied where it has a limit
+        scope = call.bucket.scope
+        denial = Denial(
+            scope=scope,
+            window=check.window.id,
+            unit=answer.unit,
+            limit=limit,
+            model=model if scope is Scope.PER_MODEL else None,
+            retry_after=max(1, -(-answer.retry_ms // 1000)),
+        )
+        metrics.REJECTIONS.labels(scope.value, check.window.id).inc()
+        admission.verdict = BudgetVerdict.DENY
+        admission.denial = denial
+        admission.done = True
+        return admission
+
+    def _tracker_full(self, calls: tuple[BucketCheck, ...], model: str) -> BudgetAdmission:
+        """A bounded tracker that can't take another bucket refuses like a budget would:
+        never an admission nobody counts."""
+        call = calls[0]
+        check = call.checks[0]
+        unit = Unit.TOKENS if check.limit.tokens is not None else Unit.COST
+        limit = check.limit.tokens if unit is Unit.TOKENS else check.limit.cost_micros
+        scope = call.bucket.scope
+        log.error("budget tracker full: refusing a request it can't count")
+        metrics.REJECTIONS.labels(scope.value, check.window.id).inc()
+        denial = Denial(
+            scope,
+            check.window.id,
+            unit,
+            limit or 0,
+            model if scope is Scope.PER_MODEL else None,
+            OUTAGE_RETRY_AFTER,
+        )
+        return BudgetAdmission(BudgetVerdict.DENY, denial=denial, done=True)
+
+    # -- the end of a request -----------------------------------------------------------------
+    async def finish(self, admission: BudgetAdmission, usage: Usage | None, model: str) -> None:
+        """Replace the hold by ``usage`` (None: the request was refused, failed or cancelled:
+        return the hold). Exactly once per admission; never raises."""
+        if admission.done or admission.hold is None or admission.store is None:
+            return
+        admission.done = True
+        hold, store = admission.hold, admission.store
+        if usage is None:
+            await self._release(store, [c.bucket for c in admission.calls], hold.id)
+            return
+        tokens = (
+            usage.input_tokens
+            + usage.output_tokens
+            + usage.cached_input_tokens
+            + usage.cache_write_tokens
+        )
+        cost = 0
+        if admission.count_cost:
+            price = self.prices.lookup(model) or self.prices.lookup(admission.model)
+            cost = 0 if price is None else int(price.cost(usage))
+        try:
+            await store.commit(
+                admission.calls,
+                hold.id,
+                now_ms=self._now_ms(),
+                at_ms=hold.now_ms,
+                tokens=tokens,
+                cost=cost,
+                ttl_ms=hold.ttl_ms,
+            )
+        except Exception as exc:  # the response is out; the hold expires by itself
+            log.warning("budget usage could not be recorded: %r", exc)
+            return
+        for call in admission.calls:
+            for window in call.windows:
+                metrics.USED.labels(call.bucket.scope.value, window.id, Unit.TOKENS.value).inc(
+                    tokens
+                )
+                if cost:
+                    metrics.USED.labels(call.bucket.scope.value, window.id, Unit.COST.value).inc(
+                        cost
+                    )
+
+    async def release(self, admission: BudgetAdmission | None) -> None:
+        if admission is not None:
+            await self.finish(admission, None, admission.model)
+
+    @staticmethod
+    async def _release(store: BudgetStore, buckets: list[Bucket], hold_id: str) -> None:
+        try:
+            await store.release(buckets, hold_id)
+        except Exception as exc:  # the holds expire by themselves
+            log.warning("budget holds could not be returned (they expire): %r", exc)
+
+    async def aclose(self) -> None:
+        if self.redis is not None:
+            await self.redis.aclose()
+
+
+def override_window(override: BudgetOverride) -> BudgetWindow:
+    """A key's own window: named after its period (``24h``), separate from the fleet's."""
+    return BudgetWindow(
+        override.budget_window, override.budget_window, parse_period(override.budget_window)
+    )
+
+
+def _key_headers(
+    call: BucketCheck, answer: Reserved, now_ms: int
+) -> tuple[tuple[bytes, bytes], ...]:
+    """The key's own level in its tightest token window; none for a cost-only limit."""
+    best: tuple[int, int, int] | None = None  # remaining, limit, reset
+    for check, used in zip(call.checks, answer.used_tokens, strict=True):
+        if check.limit.tokens is None:
+            continue
+        remaining = max(0, check.limit.tokens - used)
+        reset = -(-reset_at_ms(check.window, now_ms) // 1000)
+        if best is None or remaining < best[0]:
+            best = (remaining, check.limit.tokens, reset)
+    if best is None:
+        return ()
+    remaining, limit, reset = best
+    return (
+        (HEADER_LIMIT, str(limit).encode()),
+        (HEADER_REMAINING, str(remaining).encode()),
+        (HEADER_RESET, str(reset).encode()),
+    )
+
+
+def make_gate(
+    source: BudgetsSource,
+    prices: PriceTable,
+    *,
+    redis_url: str | None,
+    key_prefix: str,
+    redis_timeout: float,
+    ledger: Ledger | None,
+    override_ttl: float,
+    fallback_max_buckets: int,
+    memory_max_buckets: int,
+    ensure_connected: EnsureConnected | None = None,
+    clock: Callable[[], datetime] = utcnow,
+) -> BudgetGate:
+    """A gate with the stores the settings allow: Redis when a URL is set (used whenever the
+    section says ``storage: redis``, also after a reload), memory always."""
+    redis_store: BudgetStore | None = None
+    if redis_url is not None:
+        from .redis import RedisBudgetStore
+
+        redis_store = RedisBudgetStore.from_url(
+            redis_url, prefix=key_prefix, timeout=redis_timeout, require_seed=ledger is not None
+        )
+    overrides = (
+        OverrideCache(ledger, ttl=override_ttl, ensure_connected=ensure_connected)
+        if ledger is not None
+        else None
+    )
+    return BudgetGate(
+        source,
+        prices,
+        redis_store=redis_store,
+        memory_store=MemoryBudgetStore(max_buckets=memory_max_buckets),
+        fallback_max_buckets=fallback_max_buckets,
+        overrides=overrides,
+        ledger=ledger,
+        ensure_connected=ensure_connected,
+        clock=clock,
+    )

@@ -1,0 +1,44 @@
+-- Reserve one admission's estimate in one bucket if every window can afford it.
+-- KEYS: holds, expiry, then one slices hash per window.
+-- ARGV: now_ms, hold id, expires_ms, tokens, cost, count_cost (1|0), ttl_ms, seeded (1: the
+--       bucket must have been seeded: rebuilt from the ledger, or found empty there),
+--       then per window: slice_ms, token limit or '-', cost limit or '-'.
+-- Reply: {1, used tokens per window (this hold included)...} or {0, window, unit, retry_ms}
+-- (window 1-based; unit 1 tokens, 2 cost), or {-1} when the bucket is not seeded (Redis lost
+-- it: a restart, a flush). Denied or unseeded: nothing is reserved.
+local now = arg_int(ARGV[1])
+local id = ARGV[2]
+local expires = arg_int(ARGV[3])
+local tokens = arg_int(ARGV[4])
+local cost = arg_int(ARGV[5])
+local count_cost = ARGV[6] == '1'
+local ttl = arg_int(ARGV[7])
+for _, v in ipairs({now, expires, tokens, cost, ttl}) do
+  if type(v) == 'table' then return v end
+end
+if ARGV[8] == '1' and redis.call('HEXISTS', KEYS[1], '_seeded') == 0 then
+  return {-1}
+end
+local held_t, held_c = prune(KEYS[1], KEYS[2], now)
+local used = {}
+for w = 1, #KEYS - 2 do
+  local base = 8 + (w - 1) * 3
+  local slice_ms = tonumber(ARGV[base + 1])
+  local lim_t = tonumber(ARGV[base + 2])
+  local lim_c = tonumber(ARGV[base + 3])
+  local t, c, ts, cs = window_usage(KEYS[w + 2], slice_ms, now)
+  if lim_t and t + held_t + tokens > lim_t then
+    return {0, w, 1, retry(ts, slice_ms, now, t + held_t, tokens, lim_t)}
+  end
+  if count_cost and lim_c and c + held_c + cost > lim_c then
+    return {0, w, 2, retry(cs, slice_ms, now, c + held_c, cost, lim_c)}
+  end
+  used[#used + 1] = int(t + held_t + tokens)
+end
+redis.call('HSET', KEYS[1], id, int(expires) .. ' ' .. int(tokens) .. ' ' .. int(cost),
+  '_t', int(held_t + tokens), '_c', int(held_c + cost))
+redis.call('ZADD', KEYS[2], expires, id)
+for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ttl) end
+local reply = {1}
+for _, u in ipairs(used) do reply[#reply + 1] = u end
+return reply

@@ -1,0 +1,23 @@
+-- Seed a bucket Redis lost with usage rebuilt from the ledger, unless another replica did.
+-- KEYS: holds, expiry, then one slices hash per window.
+-- ARGV: ttl_ms, then per window: n, then n times: slice index, tokens, cost.
+-- Reply: 1 if seeded now, 0 if it already was (nothing written then).
+if redis.call('HEXISTS', KEYS[1], '_seeded') == 1 then return 0 end
+local ttl = arg_int(ARGV[1])
+if type(ttl) == 'table' then return ttl end
+local pos = 2
+for w = 1, #KEYS - 2 do
+  -- Replace, never add to, whatever survived of the window: the ledger has all of it.
+  redis.call('DEL', KEYS[w + 2])
+  local n = tonumber(ARGV[pos])
+  pos = pos + 1
+  for _ = 1, n do
+    local idx, t, c = ARGV[pos], tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
+    pos = pos + 3
+    if t and t > 0 then redis.call('HINCRBY', KEYS[w + 2], 't' .. idx, int(t)) end
+    if c and c > 0 then redis.call('HINCRBY', KEYS[w + 2], 'c' .. idx, int(c)) end
+  end
+end
+redis.call('HSET', KEYS[1], '_seeded', '1')
+for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ttl) end
+return 1

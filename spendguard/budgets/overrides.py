@@ -1,0 +1,60 @@
+"""Per-key token budgets (``max_tokens_budget`` over ``budget_window``), read through a cache.
+
+The ledger is the truth; each process keeps what it read for ``ttl`` seconds (the spend-limit
+``policy_ttl``), so a change through the admin API applies here at once and on other replicas
+within ``ttl``. A ledger that can't be read leaves the last value read in force; a key never
+read is then checked against the fleet default.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from ..errors import LedgerUnavailable
+from ..identity import Identity
+from ..ledger import BudgetOverride, Ledger
+
+log = logging.getLogger("spendguard.budgets")
+
+
+class OverrideCache:
+    MAX_ENTRIES = 100_000
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        ttl: float = 60.0,
+        ensure_connected: Callable[[], Awaitable[None]] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._ledger = ledger
+        self._ttl = ttl
+        self._ensure = ensure_connected
+        self._monotonic = monotonic
+        self._entries: dict[tuple[str, str], tuple[float, BudgetOverride | None]] = {}
+
+    async def get(self, identity: Identity) -> BudgetOverride | None:
+        if identity.api_key is None:
+            return None
+        key = (identity.team, identity.api_key)
+        now = self._monotonic()
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] > now:
+            return entry[1]
+        try:
+            if self._ensure is not None:
+                await self._ensure()
+            found = await self._ledger.budget_override(*key)
+        except (LedgerUnavailable, TimeoutError) as exc:
+            log.warning("budget override of a key unreadable, last known kept: %r", exc)
+            return entry[1] if entry is not None else None
+        if len(self._entries) >= self.MAX_ENTRIES:
+            self._entries.clear()
+        self._entries[key] = (now + self._ttl, found)
+        return found
+
+    def evict(self, team: str, api_key: str) -> None:
+        self._entries.pop((team, api_key), None)

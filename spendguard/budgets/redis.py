@@ -1,0 +1,272 @@
+"""The shared budget store: one Lua script per bucket per call, on Redis or Redis Cluster.
+
+Keys of one bucket share one hash tag, so each script runs in one slot::
+
+    {prefix}:{bk:<team>:<key>}:budget:holds        the key scope's holds (hash)
+    {prefix}:{bk:<team>:<key>}:budget:expiry       their expiry times (zset)
+    {prefix}:{bk:<team>:<key>}:budget:w:<id>:<s>   window <id> of <s> seconds: its slices
+    {prefix}:{bm:<model>}:budget:...               a model's bucket (model name encoded)
+    {prefix}:{bg}:budget:...                       the fleet's bucket
+
+What is atomic: each script, on its bucket. A request's buckets live in up to three slots,
+so its calls are separate scripts (sent together in one pipeline); when a later bucket
+denies, the engine returns the holds the others took. In between, a concurrent request may
+see those holds and be denied too: never an over-admission, at worst a spurious 429 under
+contention at the limit. Keys live as long as the longest window plus the hold time, refreshed
+on every write, whatever TTL the spend-limit keys use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from importlib import resources
+from typing import Any, TypeVar
+
+import anyio
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from ..errors import ConfigurationError
+from ..store.pipeline import ScriptPipeline, store_error
+from .config import BudgetWindow, Unit
+from .store import Bucket, BucketCheck, BucketUsage, Hold, Reserved, WindowUsage
+
+T = TypeVar("T")
+_SCRIPTS = ("reserve", "commit", "release", "inspect", "seed")
+_UNITS = {1: Unit.TOKENS, 2: Unit.COST}
+
+
+def _reserved(reply: Any) -> bool:
+    return isinstance(reply, list) and bool(reply) and int(reply[0]) == 1
+
+
+def _lua(name: str) -> str:
+    folder = resources.files("spendguard.budgets") / "lua"
+    common = (folder / "common.lua").read_text("utf-8")
+    return common + "\n" + (folder / f"{name}.lua").read_text("utf-8")
+
+
+def client_for(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
+    """A client for the spend limits' Redis URL (same schemes, same bounded timeouts)."""
+    opts: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "decode_responses": True,
+        "health_check_interval": 30,
+    }
+    scheme, sep, rest = url.partition("://")
+    if scheme in {"redis+cluster", "rediss+cluster"}:
+        return RedisCluster.from_url(f"{scheme.split('+', 1)[0]}://{rest}", **opts)
+    if sep and scheme in {"redis", "rediss", "unix"}:
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=256,
+            timeout=timeout,
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[RedisConnectionError],
+            **opts,
+        )
+        return aioredis.Redis(connection_pool=pool)
+    raise ConfigurationError(f"unsupported Redis URL scheme {scheme!r} for budgets")
+
+
+class RedisBudgetStore:
+    shared = True
+
+    def __init__(
+        self,
+        client: aioredis.Redis | RedisCluster,
+        *,
+        prefix: str,
+        timeout: float = 0.5,
+        require_seed: bool = False,
+    ) -> None:
+        # require_seed: a bucket Redis has no marker for is answered "unseeded" so the engine
+        # rebuilds it from the ledger (after a restart) instead of starting from zero.
+        self._require_seed = require_seed
+        self._client = client
+        self._prefix = prefix
+        self._timeout = timeout
+        self._scripts = {name: client.register_script(_lua(name)) for name in _SCRIPTS}
+        self.pipeline = ScriptPipeline(client, timeout=timeout)
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, prefix: str, timeout: float = 0.5, require_seed: bool = False
+    ) -> RedisBudgetStore:
+        return cls(
+            client_for(url, timeout), prefix=prefix, timeout=timeout, require_seed=require_seed
+        )
+
+    # -- key names ------------------------------------------------------------------------
+    def _base(self, bucket: Bucket) -> str:
+        return f"{self._prefix}:{{{bucket.tag}}}:budget"
+
+    def keys(self, bucket: Bucket, windows: Sequence[BudgetWindow]) -> list[str]:
+        """The bucket's keys: holds, expiry, then one per window (one hash tag, one slot)."""
+        base = self._base(bucket)
+        return [
+            f"{base}:holds",
+            f"{base}:expiry",
+            *(f"{base}:w:{w.id}:{w.seconds}" for w in windows),
+        ]
+
+    async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        try:
+            with anyio.fail_after(self._timeout):
+                return await fn()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise store_error(exc) from exc
+
+    async def _gather(self, calls: Sequence[Awaitable[Any]]) -> list[Any]:
+        """Every call's reply; the calls were all submitted first, so they share a pipeline
+        (on a cluster, one per node, in parallel)."""
+        replies: list[Any] = []
+        error: BaseException | None = None
+        for call in calls:
+            try:
+                replies.append(await call)
+            except Exception as exc:
+                error = error or exc
+                replies.append(None)
+        if error is not None:
+            raise error
+        return replies
+
+    # -- BudgetStore ------------------------------------------------------------------------
+    async def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> list[Reserved]:
+        head = [
+            str(hold.now_ms),
+            hold.id,
+            str(hold.expires_ms),
+            str(hold.tokens),
+            str(hold.cost),
+            "1" if hold.count_cost else "0",
+            str(hold.ttl_ms),
+            "1" if self._require_seed else "0",
+        ]
+        pending = []
+        for call in calls:
+            args = list(head)
+            for check in call.checks:
+                lim = check.limit
+                args += [
+                    str(check.window.slice_ms),
+                    "-" if lim.tokens is None else str(lim.tokens),
+                    "-" if lim.cost_micros is None else str(lim.cost_micros),
+                ]
+            keys = self.keys(call.bucket, call.windows)
+            pending.append(self.pipeline.submit(self._scripts["reserve"], keys, args))
+        replies: list[Any] = []
+        for waiting in pending:
+            try:
+                replies.append(await waiting)
+            except Exception as exc:
+                replies.append(exc)
+        failed = next((r for r in replies if isinstance(r, Exception)), None)
+        if failed is not None:
+            # Buckets that reserved before another call failed give their holds back (best
+            # effort; they would expire anyway), so a fail-open retry doesn't count twice.
+            taken = [c.bucket for c, r in zip(calls, replies, strict=True) if _reserved(r)]
+            if taken:
+                with contextlib.suppress(Exception):
+                    await self.release(taken, hold.id)
+            raise failed
+        out = []
+        for raw in replies:
+            if int(raw[0]) == -1:
+                out.append(Reserved(False, unseeded=True))
+            elif int(raw[0]) == 1:
+                out.append(Reserved(True, tuple(int(x) for x in raw[1:])))
+            else:
+                unit = _UNITS[int(raw[2])]
+                out.append(Reserved(False, window=int(raw[1]) - 1, unit=unit, retry_ms=int(raw[3])))
+        return out
+
+    async def commit(
+        self,
+        calls: Sequence[BucketCheck],
+        hold_id: str,
+        *,
+        now_ms: int,
+        at_ms: int,
+        tokens: int,
+        cost: int,
+        ttl_ms: int,
+    ) -> None:
+        head = [str(now_ms), hold_id, str(at_ms), str(tokens), str(cost), str(ttl_ms)]
+        pending = [
+            self.pipeline.submit(
+                self._scripts["commit"],
+                self.keys(call.bucket, call.windows),
+                head + [str(w.slice_ms) for w in call.windows],
+            )
+            for call in calls
+        ]
+        await self._gather(pending)
+
+    async def seed(
+        self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
+    ) -> bool:
+        args = [str(ttl_ms)]
+        for rows in slices:
+            args.append(str(len(rows)))
+            for idx, tokens, cost in rows:
+                args += [str(idx), str(tokens), str(cost)]
+        # Pipelined like the hot calls: after a restart every request finds its buckets lost at
+        # once, and one connection per seed would exhaust the pool.
+        keys = self.keys(call.bucket, call.windows)
+        return bool(int(await self.pipeline.submit(self._scripts["seed"], keys, args)))
+
+    async def release(self, buckets: Sequence[Bucket], hold_id: str) -> None:
+        pending = [
+            self.pipeline.submit(self._scripts["release"], self.keys(b, ()), [hold_id])
+            for b in buckets
+        ]
+        await self._gather(pending)
+
+    async def inspect(self, call: BucketCheck, now_ms: int) -> BucketUsage:
+        script = self._scripts["inspect"]
+        keys = self.keys(call.bucket, call.windows)
+        args = [str(now_ms), *(str(w.slice_ms) for w in call.windows)]
+        raw = await self._call(lambda: script(keys=keys, args=args))
+        values = [int(x) for x in raw]
+        rows = tuple(
+            WindowUsage(w, values[2 + 2 * i], values[3 + 2 * i]) for i, w in enumerate(call.windows)
+        )
+        return BucketUsage(call.bucket, values[0], values[1], rows)
+
+    async def reset(self, bucket: Bucket, windows: Sequence[BudgetWindow]) -> None:
+        keys = self.keys(bucket, windows)[2:]
+        if keys:
+            await self._call(lambda: self._client.delete(*keys))
+
+    async def buckets(self) -> list[Bucket]:
+        """Every bucket with keys in Redis (for a reset of a whole scope; SCAN, not KEYS)."""
+        from .config import Scope
+
+        scopes = {"bk": Scope.PER_API_KEY, "bm": Scope.PER_MODEL, "bg": Scope.GLOBAL}
+        found: set[Bucket] = set()
+
+        async def scan() -> None:
+            async for key in self._client.scan_iter(match=f"{self._prefix}:{{b*}}:budget:*"):
+                tag = key[len(self._prefix) + 2 : key.index("}")]
+                kind, _, subject = tag.partition(":")
+                if kind in scopes:
+                    found.add(Bucket(scopes[kind], subject))
+
+        try:
+            with anyio.fail_after(max(self._timeout * 20, 5.0)):
+                await scan()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise store_error(exc) from exc
+        return sorted(found, key=lambda b: (b.scope.value, b.subject))
+
+    async def aclose(self) -> None:
+        await self.pipeline.aclose()
+        await self._client.aclose()

@@ -1,0 +1,230 @@
+"""One contract for every budget store: memory, a real redis-server, a real 3-master cluster.
+
+Time is whatever the caller says (``now_ms`` in every call), so draining and hold expiry run on
+an injected clock everywhere, Redis included.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from spendguard.budgets.config import SLICES, BudgetLimit, BudgetWindow, Scope, Unit
+from spendguard.budgets.memory import MemoryBudgetStore
+from spendguard.budgets.redis import RedisBudgetStore
+from spendguard.budgets.store import Bucket, BucketCheck, BudgetStore, Hold, WindowCheck
+from spendguard.errors import StoreFull, StoreUnavailable
+from tests.support import RedisCluster
+
+pytestmark = pytest.mark.anyio
+
+HOUR = BudgetWindow("hourly", "1h", 3600)  # 60 slices of one minute
+DAY = BudgetWindow("daily", "24h", 86_400)
+KEY = Bucket(Scope.PER_API_KEY, "acme:alpha")
+MODEL = Bucket(Scope.PER_MODEL, "gpt-4o")
+FLEET = Bucket(Scope.GLOBAL, "")
+T0 = 1_800_000_000_000  # ms, on a slice boundary of both windows
+MINUTE = 60_000
+
+
+def tokens(limit: int, *windows: BudgetWindow, bucket: Bucket = KEY) -> BucketCheck:
+    return BucketCheck(bucket, tuple(WindowCheck(w, BudgetLimit(tokens=limit)) for w in windows))
+
+
+def hold(now_ms: int, n: int, *, cost: int = 0, hold_ms: int = 600_000, id: str = "") -> Hold:
+    return Hold(
+        id=id or uuid.uuid4().hex,
+        now_ms=now_ms,
+        expires_ms=now_ms + hold_ms,
+        tokens=n,
+        cost=cost,
+        count_cost=cost > 0,
+        ttl_ms=DAY.period_ms + hold_ms,
+    )
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[BudgetStore]:
+    if request.param == "memory":
+        yield MemoryBudgetStore(max_buckets=100)
+        return
+    if request.param == "redis":
+        url: str = request.getfixturevalue("redis_url")
+    else:
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        url = cluster.url
+    # A prefix of its own: the session's cluster is shared by every test.
+    s = RedisBudgetStore.from_url(url, prefix=f"t{uuid.uuid4().hex[:8]}", timeout=2.0)
+    try:
+        yield s
+    finally:
+        await s.aclose()
+
+
+async def commit(
+    store: BudgetStore, call: BucketCheck, h: Hold, used: int, *, now_ms: int | None = None
+) -> None:
+    await store.commit(
+        [call],
+        h.id,
+        now_ms=now_ms or h.now_ms,
+        at_ms=h.now_ms,
+        tokens=used,
+        cost=0,
+        ttl_ms=h.ttl_ms,
+    )
+
+
+async def test_reserve_counts_holds_until_they_are_replaced(store: BudgetStore) -> None:
+    call = tokens(100, HOUR, DAY)
+    first = hold(T0, 60)
+    [ok] = await store.reserve([call], first)
+    assert ok.ok and ok.used_tokens == (60, 60)
+    [denied] = await store.reserve([call], hold(T0, 50))
+    assert not denied.ok and denied.window == 0 and denied.unit is Unit.TOKENS
+    # Replaced by what was actually used: 10 tokens, not the 60 reserved.
+    await commit(store, call, first, 10)
+    [ok2] = await store.reserve([call], hold(T0, 90))
+    assert ok2.ok and ok2.used_tokens == (100, 100)
+
+
+async def test_release_returns_the_hold(store: BudgetStore) -> None:
+    call = tokens(100, HOUR)
+    h = hold(T0, 100)
+    assert (await store.reserve([call], h))[0].ok
+    assert not (await store.reserve([call], hold(T0, 1)))[0].ok
+    await store.release([KEY], h.id)
+    assert (await store.reserve([call], hold(T0, 100)))[0].ok
+
+
+async def test_commit_replaces_a_hold_exactly_once(store: BudgetStore) -> None:
+    call = tokens(100, HOUR)
+    h = hold(T0, 50)
+    await store.reserve([call], h)
+    await commit(store, call, h, 30)
+    await store.release([KEY], h.id)  # a late release after the commit changes nothing
+    usage = await store.inspect(call, T0)
+    assert (usage.held_tokens, usage.windows[0].tokens) == (0, 30)
+
+
+async def test_a_rolling_window_drains_slice_by_slice(store: BudgetStore) -> None:
+    call = tokens(100, HOUR)
+    # 40 tokens at minute 0, 60 at minute 10: the hour is full.
+    for minute, used in ((0, 40), (10, 60)):
+        h = hold(T0 + minute * MINUTE, used)
+        assert (await store.reserve([call], h))[0].ok
+        await commit(store, call, h, used)
+    at = T0 + 30 * MINUTE
+    [denied] = await store.reserve([call], hold(at, 30))
+    # The minute-0 slice leaves at minute 60: 30 minutes from now.
+    assert not denied.ok and denied.retry_ms == 30 * MINUTE
+    # One millisecond before it leaves: still full. At minute 60: 40 tokens free, no more.
+    assert not (await store.reserve([call], hold(T0 + 60 * MINUTE - 1, 1)))[0].ok
+    assert (await store.reserve([call], hold(T0 + 60 * MINUTE, 40)))[0].ok
+    assert not (await store.reserve([call], hold(T0 + 60 * MINUTE, 1)))[0].ok
+    usage = await store.inspect(call, T0 + 70 * MINUTE)
+    assert usage.windows[0].tokens == 0  # minute 10's slice is gone too (and no commits since)
+
+
+async def test_holds_in_the_way_ask_for_a_retry_in_a_second(store: BudgetStore) -> None:
+    call = tokens(100, HOUR)
+    assert (await store.reserve([call], hold(T0, 80)))[0].ok
+    [denied] = await store.reserve([call], hold(T0, 30))
+    assert not denied.ok and denied.retry_ms == 1000
+
+
+async def test_a_hold_left_by_a_dead_request_expires(store: BudgetStore) -> None:
+    call = tokens(100, HOUR)
+    assert (await store.reserve([call], hold(T0, 100, hold_ms=5000)))[0].ok
+    assert not (await store.reserve([call], hold(T0 + 4999, 1)))[0].ok
+    assert (await store.reserve([call], hold(T0 + 5000, 100)))[0].ok
+
+
+async def test_every_window_must_afford_it(store: BudgetStore) -> None:
+    call = BucketCheck(
+        KEY,
+        (
+            WindowCheck(HOUR, BudgetLimit(tokens=1000)),
+            WindowCheck(DAY, BudgetLimit(tokens=100)),
+        ),
+    )
+    [denied] = await store.reserve([call], hold(T0, 150))
+    assert not denied.ok and denied.window == 1
+    # More than the limit itself never fits: the whole period.
+    assert denied.retry_ms == DAY.period_ms
+
+
+async def test_cost_limits_apply_only_to_priced_requests(store: BudgetStore) -> None:
+    call = BucketCheck(KEY, (WindowCheck(HOUR, BudgetLimit(cost_micros=1000)),))
+    assert not (await store.reserve([call], hold(T0, 10, cost=1001)))[0].ok
+    priced = hold(T0, 10, cost=1000)
+    assert (await store.reserve([call], priced))[0].ok
+    [denied] = await store.reserve([call], hold(T0, 10, cost=1))
+    assert not denied.ok and denied.unit is Unit.COST
+    unpriced = hold(T0, 10)  # count_cost False
+    assert (await store.reserve([call], unpriced))[0].ok
+
+
+async def test_buckets_are_independent_and_reset_clears_one(store: BudgetStore) -> None:
+    calls = [tokens(10, HOUR, bucket=b) for b in (KEY, MODEL, FLEET)]
+    h = hold(T0, 10)
+    assert all(r.ok for r in await store.reserve(calls, h))
+    for call in calls:
+        await commit(store, call, h, 10)
+    await store.reset(MODEL, [HOUR])
+    answers = await store.reserve(calls, hold(T0, 10))
+    assert [r.ok for r in answers] == [False, True, False]
+    assert set(await store.buckets()) >= {KEY, MODEL, FLEET}
+
+
+async def test_usage_of_a_request_lands_in_its_start_slice(store: BudgetStore) -> None:
+    call = tokens(100, HOUR)
+    h = hold(T0, 50)
+    await store.reserve([call], h)
+    # It ends 59 minutes later: counted at minute 0, so it leaves the window at minute 60.
+    await commit(store, call, h, 50, now_ms=T0 + 59 * MINUTE)
+    assert (await store.inspect(call, T0 + 59 * MINUTE)).windows[0].tokens == 50
+    assert (await store.inspect(call, T0 + 60 * MINUTE)).windows[0].tokens == 0
+
+
+async def test_windows_have_sixty_slices() -> None:
+    assert HOUR.slice_ms * SLICES == HOUR.period_ms == 3_600_000
+
+
+async def test_memory_tracker_is_bounded() -> None:
+    store = MemoryBudgetStore(max_buckets=2)
+    await store.reserve([tokens(10, HOUR, bucket=KEY)], hold(T0, 1))
+    await store.reserve([tokens(10, HOUR, bucket=MODEL)], hold(T0, 1))
+    with pytest.raises(StoreFull):
+        await store.reserve([tokens(10, HOUR, bucket=FLEET)], hold(T0, 1))
+
+
+async def test_memory_tracker_forgets_drained_buckets_when_full() -> None:
+    store = MemoryBudgetStore(max_buckets=1)
+    h = hold(T0, 1, hold_ms=1000)
+    await store.reserve([tokens(10, HOUR, bucket=KEY)], h)
+    # Two hours later the key's bucket is empty (hold expired, nothing committed): room.
+    assert (await store.reserve([tokens(10, HOUR, bucket=MODEL)], hold(T0 + 7_200_000, 1)))[0].ok
+
+
+async def test_redis_down_is_store_unavailable() -> None:
+    store = RedisBudgetStore.from_url("redis://127.0.0.1:1", prefix="x", timeout=0.2)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await store.reserve([tokens(10, HOUR)], hold(T0, 1))
+    finally:
+        await store.aclose()
+
+
+async def test_cluster_bucket_keys_share_one_slot_each(redis_cluster: RedisCluster) -> None:
+    store = RedisBudgetStore.from_url(redis_cluster.url, prefix="slot", timeout=2.0)
+    try:
+        slots = {
+            b: {redis_cluster.slot_of(k) for k in store.keys(b, (HOUR, DAY))}
+            for b in (KEY, MODEL, FLEET)
+        }
+    finally:
+        await store.aclose()
+    assert all(len(s) == 1 for s in slots.values())

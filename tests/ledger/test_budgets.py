@@ -1,0 +1,45 @@
+"""The budgets' ledger queries on SQLite and PostgreSQL: per-key budgets and the usage a lost
+bucket is rebuilt from, summed per slice."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from spendguard.ledger import BudgetOverride, Ledger
+from tests.support import make_record
+
+pytestmark = pytest.mark.anyio
+
+T = datetime(2026, 9, 30, 12, 0, tzinfo=UTC)
+
+
+async def test_key_budgets_roundtrip(ledger: Ledger) -> None:
+    override = BudgetOverride("acme", "alpha", "acme", "alpha", 5000, "24h")
+    await ledger.set_budget_override(override)
+    assert await ledger.budget_override("acme", "alpha") == override
+    changed = BudgetOverride("acme", "alpha", "acme", "alpha", 10, "7d")
+    await ledger.set_budget_override(changed)
+    assert await ledger.budget_overrides() == [changed]
+    assert await ledger.remove_budget_override("acme", "alpha")
+    assert not await ledger.remove_budget_override("acme", "alpha")
+    assert await ledger.budget_override("acme", "alpha") is None
+
+
+async def test_used_slices_sum_per_slice_and_model(ledger: Ledger) -> None:
+    records = [
+        make_record("a", T, 10),
+        make_record("b", T + timedelta(seconds=30), 5),  # same one-minute slice
+        make_record("c", T + timedelta(minutes=1), 7),
+        make_record("d", T - timedelta(hours=2), 100),  # before "since"
+        make_record("e", T, 1000, key="beta"),
+    ]
+    await ledger.insert_records(records)
+    since = T - timedelta(hours=1)
+    rows = await ledger.used_slices(since=since, slice_us=60_000_000, team="acme", api_key="alpha")
+    got = sorted((r.start_us, r.usage.input_tokens) for r in rows)
+    start = int(T.timestamp()) * 1_000_000
+    assert got == [(start, 15), (start + 60_000_000, 7)]
+    everyone = await ledger.used_slices(since=since, slice_us=3_600_000_000)
+    assert sum(r.usage.input_tokens for r in everyone) == 1022
