@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument(
         "--app", default=None, help="the gateway app as module:attribute, to check its routes"
     )
-    doc.set_defaults(handler=None, standalone=cmd_doctor)
+    doc.set_defaults(handler=None, opens_its_own=cmd_doctor)
     budgets_cli.add_commands(sub, common)
     return parser
 
@@ -391,9 +391,9 @@ async def cmd_budgets(args: argparse.Namespace, ctx: Ctx) -> int:
 
 
 async def _run(args: argparse.Namespace, settings: Settings) -> int:
-    standalone = getattr(args, "standalone", None)
-    if standalone is not None:
-        code: int = await standalone(args, settings)
+    opens_its_own = getattr(args, "opens_its_own", None)  # doctor: never creates a database
+    if opens_its_own is not None:
+        code: int = await opens_its_own(args, settings)
         return code
     # Named before anything is opened: a relative path or a missing file shows here.
     print(
