@@ -1,4 +1,4 @@
-"""``spendguard``: policies, usage, settlement and schema from the command line.
+"""``spendguard``: policies, usage, settlement, schema and prices from the command line.
 
 Reads the same ``SPENDGUARD_*`` settings as the middleware. Readable output by default,
 ``--json`` for scripts; the database and store a command uses are named on stderr. Exit codes:
@@ -23,8 +23,8 @@ from .budgets import cli as budgets_cli
 from .describe import ledger_description, store_description
 from .doctor import DoctorContext, run_checks
 from .engine.admin import Admin, BalanceReport, LimitUsage
-from .engine.costing import Coster
-from .engine.pricing import PriceTable
+from .engine.costing import DEFAULT_ENTRY, Coster
+from .engine.pricing import Price, PriceTable
 from .engine.recovery import Recovery
 from .engine.worker import SettlementWorker
 from .errors import ConfigurationError, SpendGuardError
@@ -32,7 +32,7 @@ from .ledger import Ledger
 from .limits import KeyCodec, Period, Policy
 from .limits.codec import field_of
 from .money import checked_amount, micros_to_usd, usd_to_micros
-from .settings import Settings, load_settings
+from .settings import Settings, UnknownModel, load_settings
 from .store import OwnerLog, Store, make_store
 
 
@@ -301,6 +301,69 @@ def _policy_json(policy: Policy) -> dict[str, Any]:
     }
 
 
+def cmd_prices_show(args: argparse.Namespace, settings: Settings) -> int:
+    """Which price a model name gets: its table entry, or the unknown-model rule (no database)."""
+    table = PriceTable.load(settings.prices)
+    found = table.match(args.model)
+    rule = settings.unknown_model
+    data: dict[str, Any] = {
+        "model": args.model,
+        "match": None,
+        "from_file": False,
+        "provider": None,
+        "price": None,
+        "unknown_model": rule.value,
+        "as_of": table.as_of,
+        "file_as_of": table.user_as_of,
+    }
+    if found is not None:
+        origin = "your price file" if found.from_file else f"shipped table as of {table.as_of}"
+        who = f"{found.provider}; " if found.provider else ""
+        data |= {"match": found.entry, "from_file": found.from_file, "provider": found.provider}
+        data["price"] = _price_json(found.price)
+        head = f"{args.model}: priced as {found.entry} ({who}{origin})"
+        _emit(args, data, "\n".join([head, *_price_lines(found.price)]))
+        return 0
+    fallback = table.lookup(DEFAULT_ENTRY) if rule is UnknownModel.DEFAULT_PRICE else None
+    if fallback is not None:
+        data |= {"match": DEFAULT_ENTRY, "price": _price_json(fallback)}
+        head = f"{args.model}: priced as {DEFAULT_ENTRY} (not in the price table)"
+        _emit(args, data, "\n".join([head, *_price_lines(fallback)]))
+    elif rule is UnknownModel.REJECT:
+        _emit(args, data, f"{args.model}: not in the price table; refused with a 400")
+    else:
+        _emit(args, data, f"{args.model}: not in the price table; charged nothing")
+    return 1
+
+
+_PRICE_LABELS = {
+    "input": "input",
+    "output": "output",
+    "cached_input": "cached input",
+    "cache_write": "cache write",
+}
+
+
+def _price_json(price: Price) -> dict[str, str]:
+    # Exact decimals as strings: "0.15", never 0.15000000 or a binary float.
+    return {field: _plain(getattr(price, field)) for field in _PRICE_LABELS}
+
+
+def _price_lines(price: Price) -> list[str]:
+    return [
+        f"  {label:<13} ${_plain(getattr(price, field))} per 1M tokens"
+        for field, label in _PRICE_LABELS.items()
+    ]
+
+
+def _plain(amount: Decimal) -> str:
+    # Exact, with no exponent and at least cents: 0.60, 0.075, 15.00.
+    value = amount.normalize()
+    if int(value.as_tuple().exponent) > -2:
+        value = value.quantize(Decimal("0.01"))
+    return format(value, "f")
+
+
 # -- wiring ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spendguard", description=__doc__.splitlines()[0])
@@ -369,6 +432,15 @@ def build_parser() -> argparse.ArgumentParser:
     b_show.add_argument("--team", required=True)
     b_show.set_defaults(handler=cmd_balance_show)
 
+    prices = sub.add_parser("prices", help="the price table").add_subparsers(
+        dest="prices_cmd", required=True
+    )
+    pr_show = prices.add_parser(
+        "show", parents=[common], help="which entry and price a model name gets"
+    )
+    pr_show.add_argument("model", help="a model name as clients send it, e.g. openai/gpt-4o")
+    pr_show.set_defaults(offline=cmd_prices_show)
+
     sub.add_parser("settle", parents=[common], help="run one settlement pass").set_defaults(
         handler=cmd_settle
     )
@@ -429,6 +501,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.handler = cmd_budgets
     try:
         settings = load_settings()
+        offline: Callable[[argparse.Namespace, Settings], int] | None = getattr(
+            args, "offline", None
+        )
+        if offline is not None:  # needs neither the database nor the store
+            return offline(args, settings)
         return anyio.run(_run, args, settings)
     except KeyboardInterrupt:
         return 0

@@ -5,6 +5,9 @@
      ├── StoreUnavailable     the cache store (embedded or Redis) could not answer
      │    └── StoreFull       the embedded store hit its size bound (never allow untracked)
      └── LedgerUnavailable    the SQL ledger could not be read or written
+          ├── LedgerBusy      another connection held SQLite's write lock too long
+          ├── LedgerDown      no connection, or it broke (the server down, out of connections)
+          └── LedgerRefused   the server answered and refused the data (out of range, invalid)
 
 Every error that wraps a lower-level failure keeps it as ``__cause__``.
 """
@@ -35,3 +38,13 @@ class LedgerUnavailable(SpendGuardError):
 class LedgerBusy(LedgerUnavailable):
     """Another connection held the ledger's write lock for too long (SQLite): nothing is wrong
     with the data, so a write is retried later rather than isolated as a refused record."""
+
+
+class LedgerDown(LedgerUnavailable):
+    """No connection to the database (refused, broken, out of connection slots): whatever was
+    being written is fine and is retried, never isolated as a refused record."""
+
+
+class LedgerRefused(LedgerUnavailable):
+    """The database answered and refused the data itself (a value out of range, text it can't
+    store): retrying the same record can't succeed."""

@@ -46,3 +46,9 @@ RECOVERED_RECORDS = Counter(
     "whole record, open = its admission estimate).",
     ["kind"],
 )
+DEFAULT_PRICED = Counter(
+    "spendguard_default_priced_total",
+    "Costs computed at the price table's 'default' entry, for models the table does not price "
+    "(stage: estimate = postflight's estimate, settlement = the exact charge).",
+    ["stage"],
+)

@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     unknown_model: UnknownModel = Field(
         UnknownModel.DEFAULT_PRICE, description="What a model missing from the price table costs."
     )
+    remaining_headers: bool = Field(
+        False,
+        description="Tell callers their API key's remaining daily/monthly spend limits in "
+        "x-spendguard-remaining-usd-* headers (with -limit-usd-* and -reset-*).",
+    )
     settle_interval: float = Field(5.0, gt=0, le=3600, description="Seconds between settlements.")
     settle_batch: int = Field(1000, ge=1, le=100_000, description="Records per settlement batch.")
     run_worker: bool = Field(

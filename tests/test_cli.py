@@ -149,3 +149,86 @@ def test_usage_of_an_unknown_team_exits_1(db: str, capsys: pytest.CaptureFixture
     assert run(capsys, "usage", "--team", "acme")[0] == 0  # a policy: known
     run(capsys, "balance", "topup", "--team", "funded", "--usd", "5")
     assert run(capsys, "usage", "--team", "funded")[0] == 0  # an account: known
+
+
+# -- prices show: no database is opened (the URL below could not be) ----------------------
+
+
+@pytest.fixture
+def no_db(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPENDGUARD_DATABASE_URL", f"sqlite:///{tmp_path}/missing/dir/x.db")
+
+
+def test_prices_show_names_the_entry_and_its_price(
+    no_db: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = run(capsys, "prices", "show", "openai/gpt-4o-mini-2024-07-18")
+    assert code == 0
+    assert out.splitlines() == [
+        "openai/gpt-4o-mini-2024-07-18: priced as gpt-4o-mini (openai; shipped table as of "
+        + json.loads(run(capsys, "prices", "show", "gpt-4o", "--json")[1])["as_of"]
+        + ")",
+        "  input         $0.15 per 1M tokens",
+        "  output        $0.60 per 1M tokens",
+        "  cached input  $0.075 per 1M tokens",
+        "  cache write   $0.15 per 1M tokens",
+    ]
+    data = run_json(capsys, "prices", "show", "gemini/gemini-2.5-flash")
+    assert data["match"] == "gemini-2.5-flash" and data["provider"] == "google"
+    assert data["from_file"] is False and data["unknown_model"] == "default_price"
+    assert data["price"] == {
+        "input": "0.30",
+        "output": "2.50",
+        "cached_input": "0.075",
+        "cache_write": "0.30",
+    }
+
+
+def test_prices_show_an_unpriced_variant_is_the_default(
+    no_db: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = run(capsys, "prices", "show", "gpt-4o-audio-preview")
+    assert code == 1
+    assert out.splitlines()[0] == "gpt-4o-audio-preview: priced as default (not in the price table)"
+    assert "  input         $15.00 per 1M tokens" in out.splitlines()
+    code, out = run(capsys, "prices", "show", "gpt-4o-audio-preview", "--json")
+    assert code == 1 and json.loads(out)["match"] == "default"
+
+
+@pytest.mark.parametrize(
+    ("rule", "says"), [("reject", "refused with a 400"), ("free", "charged nothing")]
+)
+def test_prices_show_follows_the_unknown_model_rule(
+    no_db: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    rule: str,
+    says: str,
+) -> None:
+    monkeypatch.setenv("SPENDGUARD_UNKNOWN_MODEL", rule)
+    code, out = run(capsys, "prices", "show", "no-such-model")
+    assert code == 1 and out.strip() == f"no-such-model: not in the price table; {says}"
+    code, out = run(capsys, "prices", "show", "no-such-model", "--json")
+    assert json.loads(out)["match"] is None and json.loads(out)["price"] is None
+
+
+def test_prices_show_reads_a_litellm_price_file(
+    no_db: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = tmp_path / "model_prices_and_context_window.json"
+    path.write_text(
+        '{"sample_spec": {"mode": "one of: chat, embedding"},'
+        ' "acme-chat-1": {"input_cost_per_token": 1.1e-07, "output_cost_per_token": 4.4e-07,'
+        ' "litellm_provider": "acme", "mode": "chat"}}'
+    )
+    monkeypatch.setenv("SPENDGUARD_PRICES", str(path))
+    data = run_json(capsys, "prices", "show", "acme-chat-1")
+    assert data["match"] == "acme-chat-1" and data["from_file"] is True
+    assert data["provider"] == "acme" and data["file_as_of"] is None
+    assert data["price"]["input"] == "0.11" and data["price"]["output"] == "0.44"
+    code, out = run(capsys, "prices", "show", "acme-chat-1")
+    assert code == 0
+    assert "(acme; your price file)" in out.splitlines()[0]

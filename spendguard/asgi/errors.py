@@ -2,17 +2,26 @@
 
 A 429 names only the limit that denied, never any usage. :func:`send_refusal` renders every
 admission the engine refused; the adapter decides nothing about it.
+
+A spend-limit or balance 429 carries ``x-should-retry: false``: the official OpenAI and
+Anthropic SDKs honour it, so they raise at once instead of retrying a limit that resets
+tomorrow (or a balance that never resets by itself). A 503 is left to the SDKs' retries.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import Final
 
 from starlette.types import Send
 
 from ..engine.decision import Admission, Verdict
 from ..limits import Limit, Period, SubjectKind
 from ..usage import Dialect
+
+# Honoured by the OpenAI and Anthropic SDKs: a spend limit is not a transient rate limit.
+_NO_RETRY: Final = (b"x-should-retry", b"false")
 
 _SUBJECT_NAMES = {SubjectKind.TEAM: "Team", SubjectKind.API_KEY: "API Key"}
 _WINDOW_NAMES = {Period.DAY: "daily", Period.MONTH: "monthly"}
@@ -67,20 +76,25 @@ async def send_error(
     message: str,
     *,
     retry_after: int | None = None,
+    headers: Sequence[tuple[bytes, bytes]] = (),
 ) -> None:
     body = error_body(dialect, status, code, message)
-    headers = [
+    start_headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
+        *headers,
     ]
     if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+        start_headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": start_headers})
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_refusal(send: Send, admission: Admission) -> None:
-    """The response to an admission that was not allowed (nothing was charged)."""
+async def send_refusal(
+    send: Send, admission: Admission, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """The response to an admission that was not allowed (nothing was charged); ``headers``
+    go on a spend-limit or balance 429 (the remaining-spend headers)."""
     dialect, decision = admission.dialect, admission.decision
     if admission.verdict is Verdict.UNAUTHENTICATED:
         message = "This route needs an authenticated team and API key."
@@ -93,13 +107,14 @@ async def send_refusal(send: Send, admission: Admission) -> None:
         await send_error(send, dialect, 403, "model_not_allowed", message)
     elif admission.verdict is Verdict.DENY and decision is not None and decision.denied:
         limit = decision.denied_limit
+        denial = [_NO_RETRY, *headers]
         if limit is None:  # the prepaid balance is used up: it never resets by itself
             message = "Account balance exhausted."
-            await send_error(send, dialect, 429, "insufficient_quota", message)
+            await send_error(send, dialect, 429, "insufficient_quota", message, headers=denial)
         else:
-            message = limit_message(limit)
-            retry = decision.retry_after
-            await send_error(send, dialect, 429, "spend_limit_exceeded", message, retry_after=retry)
+            message, retry = limit_message(limit), decision.retry_after
+            code = "spend_limit_exceeded"
+            await send_error(send, dialect, 429, code, message, retry_after=retry, headers=denial)
     else:
         message = "Spend limits cannot be checked right now; retry shortly."
         retry = (decision.retry_after if decision is not None else None) or 1

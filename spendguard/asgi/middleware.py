@@ -30,6 +30,7 @@ from .deferred import deferred_inference
 from .errors import send_error, send_refusal
 from .identity import IdentityResolver, resolve
 from .lifespan import run_lifespan
+from .remaining import remaining_headers
 from .request import BadRequest, parse_request
 from .routes import RouteTable
 from .wiring import Wiring
@@ -170,7 +171,7 @@ class SpendGuardMiddleware:
         if not admission.allowed or admission.decision is None:
             if budget is not None and self.budgets is not None:
                 await self.budgets.release(budget)  # spend limits refused: return the hold
-            await send_refusal(send, admission)
+            await send_refusal(send, admission, self._remaining_headers(admission))
             return
         decision = admission.decision
         state[STATE_INFERENCE_ID] = decision.inference_id
@@ -202,7 +203,10 @@ class SpendGuardMiddleware:
 
         status_code = 0
         observer: BodyObserver | None = None
-        inference_header = admission.decision.inference_id.encode()
+        added = [
+            (_INFERENCE_ID_HEADER, admission.decision.inference_id.encode()),
+            *self._remaining_headers(admission),
+        ]
 
         async def observed_send(message: Message) -> None:
             nonlocal status_code, observer
@@ -215,7 +219,7 @@ class SpendGuardMiddleware:
                 headers = message["headers"] = list(message.get("headers", ()))
                 content_type, content_encoding = _content_headers(headers)
                 observer = guard.observe(admission, status_code, content_type, content_encoding)
-                headers.append((_INFERENCE_ID_HEADER, inference_header))
+                headers.extend(added)
                 if budget is not None:
                     headers.extend(budget.headers)
             await send(message)
@@ -234,6 +238,12 @@ class SpendGuardMiddleware:
                         await self.budgets.finish(budget, None, budget.model)
                     else:
                         await self.budgets.finish(budget, record.usage, record.model)
+
+    def _remaining_headers(self, admission: Admission) -> list[tuple[bytes, bytes]]:
+        decision = admission.decision
+        if not self.settings.remaining_headers or decision is None:
+            return []
+        return remaining_headers(decision)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_body_bytes

@@ -2,24 +2,47 @@
 
 from __future__ import annotations
 
+import logging
+from enum import StrEnum
+from typing import Final
+
 from ..errors import ConfigurationError
+from ..metrics import DEFAULT_PRICED
 from ..settings import UnknownModel
 from ..usage import Usage
 from .pricing import Price, PriceTable
 
+log = logging.getLogger("spendguard")
+
 DEFAULT_ENTRY = "default"
+# Model names are the client's: past this many, the warning stops naming new ones (the
+# counter still counts), so a client sending random names can't grow memory or flood logs.
+_WARNED_MAX: Final = 1000
+
+
+class Stage(StrEnum):
+    """Which cost a price serves (the label of the default-price counter)."""
+
+    ESTIMATE = "estimate"  # postflight's estimate (and a dead gateway's recovered one)
+    SETTLEMENT = "settlement"  # the exact charge written to the ledger
 
 
 class Coster:
     """``cost()`` is used for the postflight estimate and for the exact settlement charge, so
-    the two agree whenever the provider reported usage."""
+    the two agree whenever the provider reported usage.
 
-    __slots__ = ("_fallback", "_table", "_unknown")
+    A model the table does not price, charged the ``default`` entry, is logged once per model
+    name (a warning: the default is deliberately dear) and counted in
+    ``spendguard_default_priced_total``.
+    """
+
+    __slots__ = ("_fallback", "_table", "_unknown", "_warned")
 
     def __init__(self, table: PriceTable, unknown: UnknownModel) -> None:
         self._table = table
         self._unknown = unknown
         self._fallback: Price | None = None
+        self._warned: set[str] = set()
         if unknown is UnknownModel.DEFAULT_PRICE:
             self._fallback = table.lookup(DEFAULT_ENTRY)
             if self._fallback is None:
@@ -34,8 +57,24 @@ class Coster:
     def is_priced(self, model: str) -> bool:
         return self._table.lookup(model) is not None
 
-    def cost(self, model: str, usage: Usage) -> int:
-        price = self._table.lookup(model) or self._fallback
+    def cost(self, model: str, usage: Usage, *, stage: Stage = Stage.ESTIMATE) -> int:
+        price = self._table.lookup(model)
+        if price is None and self._fallback is not None:
+            price = self._fallback
+            self._charged_default(model, stage)
         # REJECT keeps unpriced models from reaching the provider; one that slips through (a
         # price file edited between request and settlement) is charged nothing, not guessed.
         return 0 if price is None else int(price.cost(usage))
+
+    def _charged_default(self, model: str, stage: Stage) -> None:
+        DEFAULT_PRICED.labels(stage.value).inc()
+        if model in self._warned or len(self._warned) >= _WARNED_MAX:
+            return
+        self._warned.add(model)
+        log.warning(
+            "model %r is not in the price table: charged the default price (%s in, %s out "
+            "per 1M tokens); add it to a price file (SPENDGUARD_PRICES)",
+            model,
+            self._fallback.input if self._fallback is not None else "?",
+            self._fallback.output if self._fallback is not None else "?",
+        )

@@ -60,6 +60,7 @@ _MAX_FILL_ROUNDS = 3  # a miss, a fill and a re-check; more means keys vanish as
 # ledger within about the TTL plus one settle interval).
 _HEARTBEATS_PER_TTL = 6
 _MAX_UNCLOSED = 100_000  # entries whose removal failed, kept for a retry (beyond: recovered)
+_UNCLOSED_RETRY_SECONDS = 60.0
 
 
 def new_record_id() -> str:
@@ -105,7 +106,8 @@ class SpendGuard:
         self._entries_on = False  # while this process's heartbeat is current
         self._entry_teams: set[str] = set()  # teams listed under this owner
         self._registering: SingleFlight[None] = SingleFlight()
-        self._unclosed: dict[str, list[str]] = {}  # entries key -> ids to remove again
+        # Entries to remove again: entries key -> record id -> since when (monotonic).
+        self._unclosed: dict[str, dict[str, float]] = {}
         self._unreleased: list[Decision] = []  # uncharged admissions whose release failed
         self.worker = SettlementWorker(
             self.ledger,
@@ -237,18 +239,37 @@ class SpendGuard:
                 await self._release(decision)
         if self._owners is None:
             return
-        by_key = self._unclosed
-        self._unclosed = {}
+        by_key: dict[str, list[str]] = {key: list(ids) for key, ids in self._unclosed.items()}
         for record in records:
             by_key.setdefault(self.codec.entries_key(record.identity.team), []).append(record.id)
+        if not any(by_key.values()):
+            return
         try:
             await self.store.close_entries(by_key)
         except StoreUnavailable as exc:
             # Kept for the next batch; beyond the bound a recovery removes them after this
             # process is gone (its records are in the ledger: recovering them writes nothing).
-            if sum(len(ids) for ids in by_key.values()) <= _MAX_UNCLOSED:
-                self._unclosed = by_key
             log.warning("spendguard could not remove admission entries: %s", exc)
+            if sum(len(ids) for ids in self._unclosed.values()) < _MAX_UNCLOSED:
+                self._note_unclosed(
+                    {r.id: self.codec.entries_key(r.identity.team) for r in records}
+                )
+            return
+        # A removal that failed is sent again with every batch for a while: a Redis that was
+        # paused runs the calls it had queued once it resumes, possibly after our first retry.
+        cutoff = anyio.current_time() - _UNCLOSED_RETRY_SECONDS
+        for key in list(self._unclosed):
+            kept = {rid: at for rid, at in self._unclosed[key].items() if at > cutoff}
+            if kept:
+                self._unclosed[key] = kept
+            else:
+                del self._unclosed[key]
+
+    def _note_unclosed(self, ids: dict[str, str]) -> None:
+        """Remember entries (record id -> entries key) whose removal must be sent again."""
+        now = anyio.current_time()
+        for rid, key in ids.items():
+            self._unclosed.setdefault(key, {}).setdefault(rid, now)
 
     async def stop(self) -> None:
         """Stop taking work, flush the records (shielded, bounded) and disconnect."""
@@ -430,7 +451,7 @@ class SpendGuard:
             if entry is not None and verdict is Verdict.UNAVAILABLE:
                 # The store may have run the script before the failure: remove the entry with
                 # the next records written, so it never stands for an inference not served.
-                self._unclosed.setdefault(entry.key, []).append(record_id)
+                self._note_unclosed({record_id: entry.key})
             denied = pf.denied if pf is not None else None
             target = denied.check.target if denied is not None else None
             if isinstance(target, Limit):

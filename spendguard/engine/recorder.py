@@ -17,7 +17,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from .. import metrics
-from ..errors import LedgerBusy, LedgerUnavailable
+from ..errors import LedgerBusy, LedgerDown, LedgerRefused, LedgerUnavailable
 from ..ledger import Ledger
 from ..record import InferenceRecord
 
@@ -84,7 +84,7 @@ class Recorder:
             while self._batch:
                 try:
                     await self._ledger.insert_records(self._batch)
-                except LedgerBusy:
+                except (LedgerBusy, LedgerDown):
                     raise  # the data is fine: the whole batch is retried later
                 except LedgerUnavailable:
                     await self._drop_poison()  # raises again when the database is down
@@ -95,21 +95,25 @@ class Recorder:
     async def _drop_poison(self) -> None:
         """A batch failed: is the database down, or does it refuse a record for what it is?
 
-        Records are retried one by one; if the database answers a trivial query while a
-        record keeps failing, that record is dropped (ERROR log, counted) so it can't block
-        every record queued behind it. Otherwise the failure propagates and the batch is kept.
+        Records are retried one by one. A record the database refuses for what it holds (a
+        value out of range, text it can't store), or that fails in a way of no known kind
+        while the database answers a trivial query, is dropped (ERROR log, counted) so it can't
+        block every record queued behind it. No connection (the server down, its connection
+        slots used up) drops nothing: the failure propagates and the batch is kept.
         """
-        kept: list[InferenceRecord] = []
+        refused: list[InferenceRecord] = []
         for record in self._batch:
             try:
                 await self._ledger.insert_records([record])
-            except LedgerBusy:
-                raise
+            except (LedgerBusy, LedgerDown):
+                raise  # nothing wrong with the records: the whole batch is retried later
+            except LedgerRefused:
+                refused.append(record)
             except LedgerUnavailable:
-                kept.append(record)
-        if kept:
-            await self._ledger.ping()  # LedgerUnavailable: down, keep everything for later
-            for record in kept:
+                await self._ledger.ping()  # raises when the database doesn't answer either
+                refused.append(record)
+        if refused:
+            for record in refused:
                 self.dropped += 1
                 metrics.RECORDS_DROPPED.inc()
                 log.error(

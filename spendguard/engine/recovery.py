@@ -13,7 +13,7 @@ import dataclasses
 import logging
 
 from .. import metrics
-from ..errors import LedgerBusy, LedgerUnavailable
+from ..errors import LedgerBusy, LedgerDown, LedgerRefused, LedgerUnavailable
 from ..ledger import Ledger
 from ..limits import KeyCodec
 from ..record import InferenceRecord
@@ -109,12 +109,14 @@ class Recovery:
             try:
                 await self._ledger.insert_records([record])
                 kept.append(record)
-            except LedgerBusy:
-                raise
+            except (LedgerBusy, LedgerDown):
+                raise  # every entry stays for the next pass
+            except LedgerRefused:
+                refused.append(record)
             except LedgerUnavailable:
                 refused.append(record)
+                await self._ledger.ping()  # of no known kind: refused only if it answers
         if refused:
-            await self._ledger.ping()  # down after all: raise, keep every entry for later
             for record in refused:
                 metrics.RECORDS_DROPPED.inc()
                 log.error(

@@ -26,7 +26,7 @@ from ..limits import KeyCodec
 from ..store import Store
 from ..usage import Usage
 from .cachesync import JOURNAL_KEEP_US, CacheSync
-from .costing import Coster
+from .costing import Coster, Stage
 from .recovery import Recovery
 
 log = logging.getLogger("spendguard.worker")
@@ -87,7 +87,7 @@ class SettlementWorker:
             cached_input_tokens=rec.cached_input_tokens,
             cache_write_tokens=rec.cache_write_tokens,
         )
-        return self._coster.cost(rec.model, usage)
+        return self._coster.cost(rec.model, usage, stage=Stage.SETTLEMENT)
 
     async def run_once(self) -> PassResult:
         result = PassResult()

@@ -19,7 +19,7 @@ from databases import Database
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.schema import CreateIndex, CreateTable
 
-from ..errors import LedgerBusy, LedgerUnavailable
+from ..errors import LedgerBusy, LedgerDown, LedgerRefused, LedgerUnavailable
 from .schema import metadata, records
 
 ROWS_PER_STATEMENT = 500  # keeps a multi-row statement under SQLite's and asyncpg's parameter caps
@@ -43,7 +43,7 @@ class LedgerDatabase:
         try:
             await self._db.connect()
         except Exception as exc:
-            raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
+            raise LedgerDown(f"cannot connect to the ledger database: {exc}") from exc
 
     async def disconnect(self) -> None:
         if self._batch_writer is not None:
@@ -74,7 +74,8 @@ class LedgerDatabase:
             raise LedgerBusy(f"ledger {what} waited too long for the write lock") from exc
         except Exception as exc:  # driver errors differ per backend; callers need one type
             self._forget_connection()
-            raise LedgerUnavailable(f"ledger {what} failed: {exc!r}") from exc
+            kind = _classify(exc)
+            raise kind(f"ledger {what} failed: {exc!r}") from exc
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[None]:
@@ -87,7 +88,7 @@ class LedgerDatabase:
             await connection.__aenter__()
         except Exception as exc:
             self._forget_connection()
-            raise LedgerUnavailable(f"ledger connection failed: {exc!r}") from exc
+            raise LedgerDown(f"ledger connection failed: {exc!r}") from exc
         try:
             yield
         finally:
@@ -182,6 +183,44 @@ class LedgerDatabase:
                 present = {str(r[1]) for r in rows}
             if name not in present:
                 await self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {ddl}")
+
+
+def _classify(exc: BaseException) -> type[LedgerUnavailable]:
+    """Which failure a driver's exception is: the data refused, no connection, or unknown.
+
+    The record writer drops a record only when the database refused it; an exhausted
+    connection limit or a broken socket must keep every record for a retry."""
+    refused: tuple[type[BaseException], ...] = (
+        OverflowError,
+        UnicodeError,
+        sqlite3.IntegrityError,
+        sqlite3.DataError,
+    )
+    down: tuple[type[BaseException], ...] = (OSError, TimeoutError, ConnectionError)
+    try:
+        import asyncpg  # type: ignore[import-untyped]  # an optional driver, untyped
+
+        # The server's DataError (SQLSTATE class 22) and the client's, raised while encoding
+        # an argument (an InterfaceError and a ValueError).
+        refused += (
+            asyncpg.DataError,
+            asyncpg.exceptions._base.DataError,
+            asyncpg.IntegrityConstraintViolationError,
+        )
+        down += (
+            asyncpg.PostgresConnectionError,
+            asyncpg.InterfaceError,
+            asyncpg.TooManyConnectionsError,
+            asyncpg.CannotConnectNowError,
+            asyncpg.InsufficientResourcesError,
+        )
+    except ImportError:  # pragma: no cover - SQLite-only installs
+        pass
+    if isinstance(exc, refused):  # first: a client-side DataError is an InterfaceError too
+        return LedgerRefused
+    if isinstance(exc, down):
+        return LedgerDown
+    return LedgerUnavailable
 
 
 # (table, column, its DDL) added after the first release, in the order they were added.

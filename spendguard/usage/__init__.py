@@ -6,8 +6,8 @@ provider's :class:`Usage`; :func:`estimate_usage` stands in when it reported non
 
 Modules, one concern each: ``types`` (the values), ``lines`` (bytes to lines), ``sse`` (lines to
 events), ``tail`` (bodies larger than the buffer), ``chars`` (generated-text counting),
-``openai`` and ``anthropic`` (each provider's format), ``observer`` (the glue) and ``decoding``
-(compressed bodies).
+``openai`` and ``anthropic`` (each provider's format), ``shapes`` (text deltas counted without
+a parse), ``observer`` (the glue) and ``decoding`` (compressed bodies).
 """
 
 from __future__ import annotations

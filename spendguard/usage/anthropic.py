@@ -79,6 +79,20 @@ class AnthropicStream:
             if isinstance(usage, dict):
                 self._merge(usage, final=True)
 
+    def delta_text(self, obj: dict[str, Any], kind: str) -> str | None:
+        """A ``content_block_delta``'s text (or thinking, or tool input JSON): such an event
+        changes nothing but the characters."""
+        if kind != "content_block_delta":
+            return None
+        delta = obj.get("delta")
+        if not isinstance(delta, dict):
+            return None
+        for key in ("text", "thinking", "partial_json"):
+            text = delta.get(key)
+            if isinstance(text, str):
+                return text
+        return None
+
     def apply_usage(self, usage: dict[str, Any]) -> None:
         """Take a usage object recovered from the tail of an over-long event: like the final
         counts of a message_delta."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
 from . import anthropic, openai
+from .shapes import DeltaShape, learn
 from .sse import Event, SSEDecoder
 from .tail import HEAD_BYTES, TailBuffer, recover_model, recover_usage
 from .types import Dialect, Usage, valid_model
@@ -41,6 +42,11 @@ class _Stream(Protocol):
     def apply(self, obj: dict[str, Any], kind: str) -> None: ...
     def apply_usage(self, usage: dict[str, Any]) -> None: ...
     def result(self) -> Usage | None: ...
+
+    def delta_text(self, obj: dict[str, Any], kind: str) -> str | None:
+        """The generated text of an event whose only effect was adding characters (this text
+        and, event after event, the same others), or None."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +72,7 @@ class UsageObserver:
     ``feed`` every body chunk in order, then call :meth:`result`. Neither ever raises.
     """
 
-    __slots__ = ("_body", "_failed", "_format", "_json_cache", "_sse", "_stream")
+    __slots__ = ("_body", "_failed", "_format", "_json_cache", "_shape", "_sse", "_stream")
 
     def __init__(
         self,
@@ -83,6 +89,7 @@ class UsageObserver:
         if (content_type or "").strip().lower().startswith("text/event-stream"):
             self._sse = SSEDecoder(max_buffer)
         self._stream = self._format.stream()
+        self._shape: DeltaShape | None = None  # of this stream's text deltas, once one was seen
         self._body = TailBuffer(max_buffer, HEAD_BYTES)  # JSON mode
         self._json_cache: tuple[Usage | None, int, str | None] | None = None
 
@@ -98,7 +105,7 @@ class UsageObserver:
                 return
             if self._sse is not None:
                 for event in self._sse.decode(data):
-                    _apply_event(self._stream, event)
+                    self._apply(event)
             else:
                 self._json_cache = None
                 self._body.append(data)
@@ -171,6 +178,37 @@ class UsageObserver:
 
     # -- SSE -----------------------------------------------------------------------------------
 
+    def _apply(self, event: Event) -> None:
+        """Update the stream from one event: counted from its bytes when it has the shape of
+        the last text delta, else parsed (and its shape learned, if it is a text delta)."""
+        stream = self._stream
+        data, truncated, name = event
+        shape = self._shape
+        if (
+            shape is not None
+            and not truncated
+            and name == shape.name
+            and stream.model == shape.model
+            and (chars := shape.chars(data)) is not None
+        ):
+            stream.output_chars += chars
+            return
+        if truncated:
+            _apply_event(stream, event)
+            return
+        parsed = _parse(data, name)
+        if parsed is None:
+            return
+        obj, kind = parsed
+        before = stream.output_chars
+        stream.apply(obj, kind)
+        text = stream.delta_text(obj, kind)
+        if text:
+            added = stream.output_chars - before
+            learned = learn(data.strip(), name, text, added, stream.model)
+            if learned is not None:
+                self._shape = learned
+
     def _snapshot(self, sse: SSEDecoder) -> _Stream:
         """Stream state including an event the stream has not terminated yet (no final blank
         line), without consuming it: ``feed`` may still continue that event afterwards."""
@@ -192,15 +230,23 @@ def _apply_event(stream: _Stream, event: Event) -> None:
         if recovered is not None:
             stream.apply_usage(recovered)
         return
+    parsed = _parse(data, name)
+    if parsed is not None:
+        stream.apply(*parsed)
+
+
+def _parse(data: bytes, name: str) -> tuple[dict[str, Any], str] | None:
+    """An event's data as a JSON object and its kind (its ``type``, else its ``event:`` name),
+    or None when it holds no object."""
     payload = data.strip()
     if not payload or payload == b"[DONE]":
-        return
+        return None
     try:
         # SSE is UTF-8 by definition: decoding it here spares json the encoding detection.
         obj = json.loads(payload.decode("utf-8"))
     except (ValueError, RecursionError):  # includes UnicodeDecodeError
-        return
+        return None
     if not isinstance(obj, dict):
-        return
+        return None
     kind = obj.get("type")
-    stream.apply(obj, kind if isinstance(kind, str) else name)
+    return obj, kind if isinstance(kind, str) else name

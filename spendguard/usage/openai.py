@@ -100,6 +100,20 @@ class OpenAIStream:
             self.apply_usage(usage)
         self.output_chars += choices_chars(obj.get("choices"), "delta")
 
+    def delta_text(self, obj: dict[str, Any], kind: str) -> str | None:
+        """A chat or completions chunk's first text, when the chunk carries no usage (the
+        model it repeats changes nothing once applied). Responses events number themselves
+        (``sequence_number``), so no two have the same bytes around their text: None."""
+        if kind.startswith("response.") or isinstance(obj.get("usage"), dict):
+            return None
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return None
+        choice = choices[0]
+        delta = choice.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+        return text if isinstance(text, str) else None
+
     def apply_usage(self, usage: dict[str, Any]) -> None:
         """Take a usage object (also one recovered from the tail of an over-long event)."""
         normalised = normalise(usage)

@@ -75,6 +75,39 @@ async def test_a_limit_denial_is_a_429_naming_the_limit_with_retry_after(
 
 
 @pytest.mark.parametrize("dialect", list(Dialect))
+@pytest.mark.parametrize(
+    ("target", "retry_after"), [(key_limit(ALPHA, Period.DAY), 60), (Balance("acme"), None)]
+)
+async def test_a_spend_denial_tells_sdks_not_to_retry(
+    dialect: Dialect, target: Target, retry_after: int | None
+) -> None:
+    _, headers, _ = await refusal(deny(dialect, target, retry_after))
+    assert headers["x-should-retry"] == "false"
+
+
+async def test_an_outage_leaves_retrying_to_the_sdk() -> None:
+    d = decision(Verdict.UNAVAILABLE, retry_after=1, unavailable=Unavailable.STORE)
+    _, headers, _ = await refusal(Admission(Verdict.UNAVAILABLE, ROUTE, Dialect.OPENAI, REQUEST, d))
+    assert "x-should-retry" not in headers
+
+
+async def test_extra_headers_go_on_a_spend_denial_only() -> None:
+    extra = [(b"x-spendguard-remaining-usd-day", b"0.000000")]
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await send_refusal(send, deny(Dialect.OPENAI, key_limit(ALPHA, Period.DAY), 5), extra)
+    d = decision(Verdict.UNAVAILABLE, retry_after=1, unavailable=Unavailable.STORE)
+    unavailable = Admission(Verdict.UNAVAILABLE, ROUTE, Dialect.OPENAI, REQUEST, d)
+    await send_refusal(send, unavailable, extra)
+    denied, outage = (dict(m["headers"]) for m in sent if m["type"] == "http.response.start")
+    assert denied[b"x-spendguard-remaining-usd-day"] == b"0.000000"
+    assert b"x-spendguard-remaining-usd-day" not in outage
+
+
+@pytest.mark.parametrize("dialect", list(Dialect))
 async def test_a_balance_denial_is_a_429_without_retry_after(dialect: Dialect) -> None:
     status, headers, body = await refusal(deny(dialect, Balance("acme"), None))
     assert status == 429 and "retry-after" not in headers  # a balance never resets by itself

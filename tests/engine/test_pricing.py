@@ -171,8 +171,7 @@ def table() -> PriceTable:
         ("o3-pro-2025-06-10", "o3-pro"),
         ("o3-2025-04-16", "o3"),
         # Longest prefix at a '-' boundary.
-        ("gpt-4o-mini-audio-preview", "gpt-4o-mini"),
-        ("gpt-4o-search-preview", "gpt-4o"),
+        ("gpt-4o-mini-preview", "gpt-4o-mini"),
         ("claude-sonnet-4-5-latest", "claude-sonnet-4-5"),
         ("claude-sonnet-4-7", "claude-sonnet-4"),
     ],
@@ -200,6 +199,15 @@ def test_lookup_rules(table: PriceTable, model: str, entry: str) -> None:
         "-",
         "-2024-07-18",
         "@20250101",
+        # Variants bill audio, images, searches... apart: never the text model's price.
+        "gpt-4o-mini-audio-preview",
+        "gpt-4o-audio-preview-2024-12-17",
+        "gpt-4o-search-preview",
+        "gpt-4o-realtime-preview",
+        "gpt-4o-mini-transcribe",
+        "gpt-4o-mini-tts",
+        "o3-deep-research",
+        "gpt-4o-image",
     ],
 )
 def test_lookup_misses(table: PriceTable, model: str) -> None:
@@ -523,3 +531,181 @@ def test_undecodable_file_is_a_configuration_error(tmp_path: Path) -> None:
 def test_user_file_accepts_str_paths(tmp_path: Path) -> None:
     path = write(tmp_path / "prices.json", '{"models": {"m": {"input": "1", "output": "2"}}}')
     assert PriceTable.load(str(path)).lookup("m") == Price.of(1, 2)
+
+
+# --------------------------------------------------------------------------- LiteLLM's file
+
+# Entries in the shape of LiteLLM's model_prices_and_context_window.json (numbers, not strings,
+# as LiteLLM writes them), with the kinds a loader must skip.
+LITELLM = """{
+    "sample_spec": {
+        "input_cost_per_token": 0.0,
+        "litellm_provider": "one of https://docs.litellm.ai/docs/providers",
+        "max_tokens": "LEGACY parameter.",
+        "mode": "one of: chat, embedding, completion, image_generation, audio_transcription"
+    },
+    "gemini/gemini-2.5-flash": {
+        "cache_read_input_token_cost": 7.5e-08,
+        "input_cost_per_audio_token": 1e-06,
+        "input_cost_per_token": 3e-07,
+        "input_cost_per_token_above_200k_tokens": 6e-07,
+        "litellm_provider": "gemini",
+        "max_input_tokens": 1048576,
+        "mode": "chat",
+        "output_cost_per_token": 2.5e-06,
+        "supports_vision": true
+    },
+    "claude-sonnet-4-5": {
+        "cache_creation_input_token_cost": 3.75e-06,
+        "cache_read_input_token_cost": 3e-07,
+        "input_cost_per_token": 3e-06,
+        "litellm_provider": "anthropic",
+        "mode": "chat",
+        "output_cost_per_token": 1.5e-05
+    },
+    "acme-odd": {
+        "input_cost_per_token": 1.1e-07,
+        "output_cost_per_token": 0.1234567890123456789e-06,
+        "litellm_provider": "acme",
+        "mode": "completion"
+    },
+    "acme-embed-v1": {
+        "input_cost_per_token": 2e-08,
+        "litellm_provider": "acme",
+        "mode": "embedding"
+    },
+    "gpt-5.4-pro": {
+        "input_cost_per_token": 3e-05,
+        "litellm_provider": "openai",
+        "mode": "responses",
+        "output_cost_per_token": 0.00018
+    },
+    "1024-x-1024/dall-e-2": {
+        "input_cost_per_pixel": 1.9e-08,
+        "litellm_provider": "openai",
+        "mode": "image_generation",
+        "output_cost_per_pixel": 0.0
+    },
+    "acme-tts": {
+        "input_cost_per_token": 3e-07,
+        "litellm_provider": "acme",
+        "mode": "audio_speech",
+        "output_cost_per_token": 2.5e-06
+    },
+    "acme-unpriced": {"litellm_provider": "acme", "mode": "chat", "max_tokens": 8192},
+    "acme-half": {"input_cost_per_token": 1e-06, "litellm_provider": "acme", "mode": "chat"},
+    "acme-broken": {
+        "input_cost_per_token": -1e-06,
+        "output_cost_per_token": 1e-06,
+        "litellm_provider": "acme",
+        "mode": "chat"
+    }
+}"""
+
+
+def test_a_litellm_price_file_is_read_per_token_to_per_million_exactly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = PriceTable.load(write(tmp_path / "model_prices_and_context_window.json", LITELLM))
+    flash = table.match("gemini/gemini-2.5-flash")
+    assert flash is not None and flash.from_file and flash.provider == "gemini"
+    assert flash.price == Price.of("0.3", "2.5", cached_input="0.075")
+    assert table.lookup("claude-sonnet-4-5-20250929") == Price.of(
+        "3", "15", cached_input="0.3", cache_write="3.75"
+    )
+    # Every digit of the JSON number is kept: no binary float ever held it.
+    odd = table.lookup("acme-odd")
+    assert odd is not None and odd.input == Decimal("0.11")
+    assert odd.output == Decimal("0.1234567890123456789")
+    usage = Usage(input_tokens=7, output_tokens=3)
+    assert odd.cost(usage) == math.ceil(
+        Fraction("0.11") * 7 + Fraction("0.1234567890123456789") * 3
+    )
+    assert table.lookup("acme-embed-v1") == Price.of("0.02", "0")  # embeddings: input only
+    assert table.lookup("gpt-5.4-pro") == Price.of("30", "180")  # responses mode is priced
+    assert table.user_as_of is None
+
+
+@pytest.mark.parametrize(
+    "name", ["1024-x-1024/dall-e-2", "acme-tts", "acme-unpriced", "acme-half", "acme-broken"]
+)
+def test_a_litellm_file_skips_what_is_not_priced_per_text_token(
+    tmp_path: Path, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = PriceTable.load(write(tmp_path / "litellm.json", LITELLM))
+    assert table.match(name) is None
+    assert "sample_spec" not in table
+    # The invalid entry is skipped (one odd entry must not refuse thousands), and said so.
+    assert any("acme-broken.input_cost_per_token" in r.getMessage() for r in caplog.records)
+
+
+def test_a_litellm_file_overrides_the_shipped_entries_it_names(tmp_path: Path) -> None:
+    table = PriceTable.load(write(tmp_path / "litellm.json", LITELLM))
+    shipped = PriceTable.load()
+    assert table.lookup("claude-sonnet-4-5") == shipped.lookup("claude-sonnet-4-5")
+    match = table.match("claude-sonnet-4-5")
+    assert match is not None and match.from_file and match.provider == "anthropic"
+    assert table.lookup("gpt-4o") == shipped.lookup("gpt-4o")  # not in the file: shipped
+    unchanged = table.match("gpt-4o")
+    assert unchanged is not None and not unchanged.from_file
+
+
+def test_a_spendguard_file_is_not_mistaken_for_litellm(tmp_path: Path) -> None:
+    # A typo in spendguard's own format still names the field, not "no prices".
+    with pytest.raises(ConfigurationError, match="modles: unknown field"):
+        PriceTable.load(write(tmp_path / "p.json", '{"modles": {"x": {"input": 1}}}'))
+
+
+# --------------------------------------------------------------------------- shipped families
+
+
+@pytest.mark.parametrize(
+    ("model", "entry", "provider"),
+    [
+        ("gemini-2.5-flash", "gemini-2.5-flash", "google"),
+        ("models/gemini-2.5-pro", "gemini-2.5-pro", "google"),
+        ("gemini-2.5-flash-lite-preview-09-2025", "gemini-2.5-flash-lite", "google"),
+        ("mistral-large-latest", "mistral-large", "mistral"),
+        ("mistral/mistral-small-2506", "mistral-small", "mistral"),
+        ("deepseek-chat", "deepseek-chat", "deepseek"),
+        ("deepseek/deepseek-reasoner", "deepseek-reasoner", "deepseek"),
+        ("meta-llama/llama-4-scout-17b-16e-instruct", "llama-4-scout", "meta"),
+        ("groq/llama-3.3-70b-versatile", "llama-3.3-70b-versatile", "meta"),
+        ("xai/grok-4-0709", "grok-4", "xai"),
+        ("grok-4-fast-reasoning", "grok-4-fast", "xai"),
+        ("gpt-5.4-2026-03-05", "gpt-5.4", "openai"),
+        ("gpt-5.4-mini", "gpt-5.4-mini", "openai"),
+        ("gpt-5.5", "gpt-5.5", "openai"),
+        ("gpt-5.3-codex", "gpt-5.3-codex", "openai"),
+        ("claude-sonnet-4-6", "claude-sonnet-4-6", "anthropic"),
+    ],
+)
+def test_shipped_table_prices_every_major_provider(model: str, entry: str, provider: str) -> None:
+    match = PriceTable.load().match(model)
+    assert match is not None and (match.entry, match.provider) == (entry, provider)
+
+
+def test_gemini_flash_is_no_longer_charged_the_default() -> None:
+    table = PriceTable.load()
+    flash, fallback = table.lookup("gemini-2.5-flash"), table.lookup("default")
+    assert flash is not None and fallback is not None
+    assert fallback.input / flash.input == 50  # what the default overcharged before
+
+
+def test_shipped_table_says_where_each_providers_prices_come_from() -> None:
+    raw = json.loads(resources.files("spendguard").joinpath("prices.json").read_text())
+    providers = {e["provider"] for n, e in raw["models"].items() if n != "default"}
+    assert providers == {"openai", "anthropic", "google", "mistral", "deepseek", "meta", "xai"}
+    assert set(raw["sources"]) == providers
+    assert all(raw["sources"].values())
+
+
+def test_a_miss_costs_the_same_in_a_table_of_thousands(tmp_path: Path) -> None:
+    # LiteLLM's file has thousands of entries; a name none prices is looked up on every
+    # request, so the prefix search must not walk the whole table.
+    price = Price.of("1", "1")
+    table = PriceTable({f"vendor{i}/model-{i}-x": price for i in range(20_000)}, as_of="2026-01-01")
+    started = time.perf_counter()
+    for i in range(200):
+        assert table.resolve(f"no-such-model-{i}-at-all") is None
+    assert time.perf_counter() - started < 0.5

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from spendguard.engine.recorder import Recorder
-from spendguard.errors import LedgerUnavailable
+from spendguard.errors import LedgerDown, LedgerRefused, LedgerUnavailable
 from spendguard.ledger import Ledger
 from spendguard.record import InferenceRecord
 from tests.support import make_record
@@ -115,3 +115,42 @@ async def test_a_record_the_real_database_refuses_is_dropped_and_the_rest_writte
 
 async def test_ping_answers_on_a_live_database(ledger: Ledger) -> None:
     await ledger.ping()  # raised LedgerUnavailable on PostgreSQL (a bound literal it refused)
+
+
+async def test_no_connection_slot_left_drops_nothing(ledger: Ledger) -> None:
+    """Every record write fails because the server has no connection slot left, while the
+    connection the ping uses still answers: that is the database being unreachable, not the
+    records being refused. Nothing is dropped; everything is written once slots free up."""
+
+    class Exhausted(FlakyLedger):
+        async def insert_records(self, batch: Any) -> None:
+            self.attempts += 1
+            if self.down:
+                raise LedgerDown("TooManyConnectionsError('sorry, too many clients already')")
+            await self.real.insert_records(batch)
+
+        async def ping(self) -> None:  # a pooled connection that still works
+            return None
+
+    full = Exhausted(ledger)
+    recorder = Recorder(full, capacity=100)  # type: ignore[arg-type]
+    for i in range(1, 6):
+        recorder.submit(rec(i))
+    with pytest.raises(LedgerDown):
+        await recorder.flush()
+    assert recorder.dropped == 0 and recorder.pending == 5
+    full.down = False
+    await recorder.flush()
+    assert recorder.dropped == 0 and await ledger.unsettled() == (5, 15)
+
+
+async def test_the_real_drivers_say_refused_or_down(ledger: Ledger, database_url: str) -> None:
+    """The classification behind the above on the real databases: a value out of range is
+    refused; a server that can't be reached is down."""
+    with pytest.raises(LedgerRefused):
+        await ledger.insert_records([make_record("poison", T0, 2**63)])
+    if database_url.startswith("postgresql"):
+        gone = Ledger("postgresql://postgres@127.0.0.1:1/none")
+        with pytest.raises(LedgerDown):
+            await gone.connect()
+            await gone.insert_records([rec(1)])

@@ -160,3 +160,36 @@ async def test_sending_after_the_client_left_raises_oserror_like_a_server() -> N
                 break  # leave with the response still open: closing it disconnects the app
     assert sent_late == ["client disconnected"]
     assert app.ended == ["returned"]
+
+
+def test_a_sync_client_streams_and_closing_disconnects_the_app() -> None:
+    # No event loop here: the transport runs the app on one of its own, in a thread.
+    app = _Outcome(fake_upstream(stall_after=2))
+    transport = StreamingASGITransport(app)
+    deltas = 0
+    with (
+        httpx.Client(transport=transport, base_url="http://fake") as client,
+        client.stream("POST", "/v1/messages", json=streamed("/v1/messages")) as response,
+    ):
+        assert response.status_code == 200
+        buffer = b""
+        for chunk in response.iter_bytes():
+            buffer += chunk
+            deltas = sum(is_content_delta("/v1/messages", n, d) for n, d in sse_events(buffer))
+            if deltas == 2:
+                break
+        assert app.ended == []
+    assert deltas == 2
+    assert app.ended == ["returned"]
+
+
+@pytest.mark.anyio
+async def test_an_httpx2_client_gets_httpx2_responses() -> None:
+    httpx2 = pytest.importorskip("httpx2")
+    with anyio.fail_after(TIME_LIMIT):
+        async with httpx2.AsyncClient(
+            transport=StreamingASGITransport(fake_upstream()), base_url="http://fake"
+        ) as client:
+            response = await client.post("/v1/embeddings", json=EMBEDDING)
+    assert isinstance(response, httpx2.Response)
+    assert response.status_code == 200 and response.json()["object"] == "list"
