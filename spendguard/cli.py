@@ -1,7 +1,8 @@
 """``spendguard``: policies, usage, settlement, schema and prices from the command line.
 
 Reads the same ``SPENDGUARD_*`` settings as the middleware. Readable output by default,
-``--json`` for scripts. Exit codes: 0 ok, 1 not found / nothing to do, 2 usage or config error.
+``--json`` for scripts; the database and store a command uses are named on stderr. Exit codes:
+0 ok, 1 not found / nothing to do / a failed doctor check, 2 usage or config error.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 import anyio
 
 from .budgets import cli as budgets_cli
+from .describe import ledger_description, store_description
+from .doctor import DoctorContext, run_checks
 from .engine.admin import Admin, BalanceReport, LimitUsage
 from .engine.costing import DEFAULT_ENTRY, Coster
 from .engine.pricing import Price, PriceTable
@@ -128,6 +131,19 @@ async def cmd_usage(args: argparse.Namespace, ctx: Ctx) -> int:
         lines.append(f"  {who:<24} {s['period']:<6} settled ${s['settled_usd']}{lim}")
     lines.append(f"  unsettled records: {count} (estimated ${_usd(estimates)})")
     _emit(args, data, "\n".join(lines))
+    known = (
+        any(row.amount is not None for row in report.limits)
+        or report.charges_total
+        or count
+        or await ctx.admin.balance(args.team) is not None
+    )
+    if not known:
+        print(
+            f"spendguard: team {report.team_id!r} has no policy, no records and no balance "
+            f"in {ledger_description(ctx.settings)}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -258,6 +274,20 @@ async def cmd_worker(args: argparse.Namespace, ctx: Ctx) -> int:
     print(f"spendguard worker: settling every {interval}s (Ctrl-C stops)")
     await _worker(ctx).run(interval)
     return 0
+
+
+async def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
+    findings = await run_checks(DoctorContext(settings, app=args.app))
+    if args.json:
+        data = {f.check: {"ok": f.ok, "detail": f.detail, **f.data} for f in findings}
+        print(json.dumps(data, indent=2))
+    else:
+        for f in findings:
+            print(f"{'ok ' if f.ok else 'BAD'} {f.check:<9} {f.detail}")
+            if f.check == "settings":
+                for name, value in f.data.items():
+                    print(f"      {name} = {value}")
+    return 0 if all(f.ok for f in findings) else 1
 
 
 def _policy_json(policy: Policy) -> dict[str, Any]:
@@ -417,6 +447,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("worker", parents=[common], help="run settlement in a loop").set_defaults(
         handler=cmd_worker
     )
+    doc = sub.add_parser(
+        "doctor", parents=[common], help="settings, database, store and routes, checked"
+    )
+    doc.add_argument(
+        "--app", default=None, help="the gateway app as module:attribute, to check its routes"
+    )
+    doc.set_defaults(handler=None, opens_its_own=cmd_doctor)
     budgets_cli.add_commands(sub, common)
     return parser
 
@@ -426,6 +463,15 @@ async def cmd_budgets(args: argparse.Namespace, ctx: Ctx) -> int:
 
 
 async def _run(args: argparse.Namespace, settings: Settings) -> int:
+    opens_its_own = getattr(args, "opens_its_own", None)  # doctor: never creates a database
+    if opens_its_own is not None:
+        code: int = await opens_its_own(args, settings)
+        return code
+    # Named before anything is opened: a relative path or a missing file shows here.
+    print(
+        f"spendguard: database {ledger_description(settings)}; store {store_description(settings)}",
+        file=sys.stderr,
+    )
     ledger = Ledger(settings.database_url.get_secret_value())
     store: Store | None = make_store(settings)
     if store is not None and not store.shared:

@@ -51,7 +51,8 @@ class Settings(BaseSettings):
     enabled: bool = Field(True, description="False makes the middleware a strict no-op.")
     database_url: SecretStr = Field(
         SecretStr("sqlite:///./spendguard.db"),
-        description="SQL ledger URL: sqlite:///path or postgresql://user@host/db.",
+        description="SQL ledger URL: sqlite:///path or postgresql://user@host/db. A relative "
+        "SQLite path is made absolute against the working directory when settings are read.",
     )
     redis_url: SecretStr | None = Field(
         None,
@@ -79,7 +80,9 @@ class Settings(BaseSettings):
     )
     key_prefix: str = Field("quota", description="Prefix of every cache key.")
     routes: Annotated[tuple[str, ...], NoDecode] = Field(
-        DEFAULT_ROUTES, description="Inference routes (comma-separated paths, POST only)."
+        DEFAULT_ROUTES,
+        description="Inference routes (comma-separated paths, POST only; path parameters "
+        "allowed: /openai/deployments/{deployment}/chat/completions).",
     )
     prices: Path | None = Field(None, description="Price-table file (JSON or YAML).")
     unknown_model: UnknownModel = Field(
@@ -144,9 +147,12 @@ class Settings(BaseSettings):
     def _check_routes(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value:
             raise ValueError("at least one route")
+        from .asgi.routes import route_pattern  # (the routes import these settings' module)
+
         for path in value:
             if not path.startswith("/") or any(c.isspace() for c in path):
                 raise ValueError(f"{path!r} is not an absolute path")
+            route_pattern(path)  # path parameters: /openai/deployments/{deployment}/...
         return tuple(p.rstrip("/") or "/" for p in value)
 
     @field_validator("key_prefix")
@@ -162,7 +168,7 @@ class Settings(BaseSettings):
         scheme = value.get_secret_value().split(":", 1)[0]
         if scheme.split("+", 1)[0] not in {"sqlite", "postgresql", "postgres"}:
             raise ValueError("use sqlite:///path or postgresql://user@host/db")
-        return value
+        return SecretStr(absolute_sqlite_url(value.get_secret_value()))
 
     @field_validator("prices")
     @classmethod
@@ -207,6 +213,21 @@ class Settings(BaseSettings):
             if scheme not in STORES or scheme == "memory":
                 raise ValueError("use redis://, rediss://, unix:// or redis+cluster://host:port")
         return value
+
+
+def absolute_sqlite_url(url: str) -> str:
+    """A SQLite URL with a relative path, made absolute against the working directory now.
+
+    Resolved once, when the settings are read: the gateway and the CLI then name the file they
+    use, instead of each opening whatever ``./spendguard.db`` is where it happens to run.
+    """
+    scheme, sep, rest = url.partition(":///")
+    if not sep or not scheme.startswith("sqlite"):
+        return url
+    path, query_sep, query = rest.partition("?")
+    if not path or path == ":memory:" or path.startswith("/"):
+        return url
+    return f"{scheme}:///{Path(path).absolute()}{query_sep}{query}"
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -122,6 +122,35 @@ def test_an_empty_team_is_a_usage_error_without_a_traceback(
     assert "team_id must be a non-empty string" in err and "Traceback" not in err
 
 
+def test_every_command_names_its_database_and_store_on_stderr(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["policy", "ls", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == []  # stdout stays machine-readable
+    assert "spendguard: database " in captured.err and "; store embedded" in captured.err
+    assert db.rsplit("/", 1)[-1] in captured.err or "***" in captured.err
+
+
+def test_a_relative_sqlite_path_is_named_absolute(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SPENDGUARD_DATABASE_URL", raising=False)
+    assert main(["policy", "ls"]) == 0
+    err = capsys.readouterr().err
+    assert f"SQLite file {tmp_path / 'spendguard.db'} (new: it does not exist yet)" in err
+
+
+def test_usage_of_an_unknown_team_exits_1(db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _ = run(capsys, "usage", "--team", "nobody")
+    assert code == 1
+    run(capsys, "policy", "set", "--team", "acme", "--period", "month", "--limit-usd", "5")
+    assert run(capsys, "usage", "--team", "acme")[0] == 0  # a policy: known
+    run(capsys, "balance", "topup", "--team", "funded", "--usd", "5")
+    assert run(capsys, "usage", "--team", "funded")[0] == 0  # an account: known
+
+
 # -- prices show: no database is opened (the URL below could not be) ----------------------
 
 

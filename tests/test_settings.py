@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from spendguard.errors import ConfigurationError
-from spendguard.settings import load_settings
+from spendguard.settings import Settings, load_settings
 
 
 @pytest.mark.parametrize(
@@ -47,3 +49,38 @@ def test_bad_redis_url_fails_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPENDGUARD_REDIS_URL", "memcached://localhost")
     with pytest.raises(ConfigurationError, match="SPENDGUARD_REDIS_URL"):
         load_settings()
+
+
+@pytest.mark.parametrize(
+    ("given", "relative"),
+    [
+        ("sqlite:///./spendguard.db", "spendguard.db"),
+        ("sqlite:///data/ledger.db?timeout=3", "data/ledger.db?timeout=3"),
+        ("sqlite+aiosqlite:///l.db", "l.db"),
+    ],
+)
+def test_a_relative_sqlite_path_is_made_absolute_once(
+    given: str, relative: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    settings = Settings(database_url=given)
+    scheme = given.split(":", 1)[0]
+    expected = f"{scheme}:///{tmp_path}/{relative}"
+    assert settings.database_url.get_secret_value() == expected
+    monkeypatch.chdir("/")  # resolved when the settings were read, not at each use
+    assert settings.database_url.get_secret_value() == expected
+
+
+@pytest.mark.parametrize(
+    "url", ["sqlite:////var/lib/ledger.db", "sqlite:///:memory:", "postgresql://u:p@h/db"]
+)
+def test_other_database_urls_are_kept(url: str) -> None:
+    assert Settings(database_url=url).database_url.get_secret_value() == url
+
+
+def test_the_default_database_is_in_the_working_directory_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SPENDGUARD_DATABASE_URL", raising=False)
+    assert Settings().database_url.get_secret_value() == f"sqlite:///{tmp_path}/spendguard.db"

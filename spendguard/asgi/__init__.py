@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from .identity import IdentityResolver, from_auth_state
+from .dependency import spendguard_guard
+from .identity import IdentityResolver, from_auth_state, from_user
 from .middleware import HEADER_INFERENCE_ID, SpendGuardMiddleware
 
-__all__ = ["HEADER_INFERENCE_ID", "IdentityResolver", "SpendGuardMiddleware", "from_auth_state"]
+__all__ = [
+    "HEADER_INFERENCE_ID",
+    "IdentityResolver",
+    "SpendGuardMiddleware",
+    "from_auth_state",
+    "from_user",
+    "spendguard_guard",
+]

@@ -56,6 +56,26 @@ def from_auth_state(conn: HTTPConnection) -> Identity | None:
     return None
 
 
+def from_user(team: str, api_key: str | None = None) -> IdentityResolver:
+    """A resolver reading the authenticated user's own attribute names.
+
+    For an ``AuthenticationMiddleware`` whose user object calls them something other than
+    ``team_id`` / ``api_key_id``::
+
+        SpendGuardMiddleware(app, resolve_identity=from_user(team="org", api_key="key_name"))
+    """
+
+    def resolver(conn: HTTPConnection) -> IdentityLike:
+        user = conn.scope.get("user")
+        if user is None:
+            return None
+        key = getattr(user, api_key, None) if api_key is not None else None
+        return _coerce((getattr(user, team, None), key))
+
+    resolver.__name__ = resolver.__qualname__ = f"from_user(team={team!r}, api_key={api_key!r})"
+    return resolver
+
+
 async def resolve(resolver: IdentityResolver | None, conn: HTTPConnection) -> Identity | None:
     """Run a sync or async resolver; anything that is not a usable identity counts as none."""
     if resolver is None:

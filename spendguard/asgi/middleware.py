@@ -26,12 +26,14 @@ from ..ledger import Ledger
 from ..settings import Settings, load_settings
 from ..store import Store
 from ..usage import BodyObserver, Dialect
+from .deferred import deferred_inference
 from .errors import send_error, send_refusal
 from .identity import IdentityResolver, resolve
 from .lifespan import run_lifespan
 from .remaining import remaining_headers
 from .request import BadRequest, parse_request
 from .routes import RouteTable
+from .wiring import Wiring
 
 log = logging.getLogger("spendguard")
 
@@ -82,6 +84,7 @@ class SpendGuardMiddleware:
         self.enabled = self.settings.enabled
         self.resolve_identity = resolve_identity
         self.routes = RouteTable(self.settings.routes)
+        self.wiring = Wiring(self.settings, self.routes, resolve_identity)
         # Disabled means a strict no-op: not even a database file or a price table.
         self.guard: SpendGuard | None = None
         if self.enabled:
@@ -96,11 +99,16 @@ class SpendGuardMiddleware:
             await self.app(scope, receive, send)
             return
         if scope["type"] == "http":
+            if self.wiring.pending:  # the first request: checks made once (asgi/wiring.py)
+                self.wiring.first_request(scope, self.app)
             match = self.routes.match(scope)
             if match is not None:
+                if self.wiring.unstarted:  # the first inference, and no lifespan ran
+                    await self.wiring.start_without_lifespan(self.guard)
                 await self._inference(self.guard, scope, receive, send, *match)
                 return
         elif scope["type"] == "lifespan":
+            self.wiring.lifespan(scope, self.app)
             await run_lifespan(self.app, self.guard, scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -128,6 +136,24 @@ class SpendGuardMiddleware:
                 code = "request_too_large" if exc.status == 413 else "invalid_request"
                 await send_error(send, dialect, exc.status, code, exc.message)
                 return
+        elif self.wiring.defers(scope):  # the route's own auth dependency resolves it
+            await deferred_inference(
+                guard,
+                self.app,
+                scope,
+                receive,
+                send,
+                route=route,
+                dialect=dialect,
+                read_body=self._read_body,
+                resolver=self.resolve_identity,
+                retry_of=self._retry_of,
+                no_identity=self.wiring.no_identity,
+                budgets=self.budgets,
+            )
+            return
+        else:
+            self.wiring.no_identity(scope)
 
         budget: BudgetAdmission | None = None
         if self.budgets is not None and identity is not None and request is not None:

@@ -266,10 +266,19 @@ class SqliteBatchWriter:
         conn = self._conn
         if conn is None:
             conn = sqlite3.connect(self._path, timeout=0, isolation_level=None)
-            conn.execute("PRAGMA wal_autocheckpoint=0")
-            # No fsync at COMMIT, on the loop (about 1 ms under load: it showed in every p99);
-            # the checkpoint in a worker thread syncs the WAL instead, at least every second.
-            conn.execute("PRAGMA synchronous=NORMAL")
+            try:
+                conn.execute("PRAGMA wal_autocheckpoint=0")
+                # No fsync at COMMIT, on the loop (about 1 ms under load: it showed in every
+                # p99); the checkpoint in a worker thread syncs the WAL instead, at least every
+                # second.
+                conn.execute("PRAGMA synchronous=NORMAL")
+            except sqlite3.OperationalError as exc:
+                # These meet the lock too (another connection's transaction): busy, not a
+                # refused record, so the batch is retried instead of dropped.
+                conn.close()
+                if "locked" in str(exc) or "busy" in str(exc):
+                    raise SqliteBusy(str(exc)) from exc
+                raise
             self._conn = conn
         try:
             # IMMEDIATE takes the write lock first (as LedgerDatabase._lock_for_write explains).

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from spendguard.asgi.routes import RouteTable
-from spendguard.settings import DEFAULT_ROUTES
+from spendguard.errors import ConfigurationError
+from spendguard.settings import DEFAULT_ROUTES, load_settings
 from spendguard.usage import Dialect
 from tests.support import http_scope
 
@@ -85,3 +86,59 @@ def test_the_anthropic_dialect_goes_with_a_messages_path() -> None:
         "/custom/messages/batch",
         Dialect.OPENAI,
     )
+
+
+def test_path_parameter_patterns_match_and_answer_with_the_real_path() -> None:
+    table = RouteTable(
+        [
+            "/v1/chat/completions",
+            "/openai/deployments/{deployment}/chat/completions",
+            "/claude/{version:int}/messages",
+        ]
+    )
+    azure = "/openai/deployments/gpt-4o-prod/chat/completions"
+    assert table.match(scope(azure)) == (azure, Dialect.OPENAI)
+    assert table.match(scope(azure + "/")) == (azure, Dialect.OPENAI)
+    assert table.match(scope("/claude/3/messages")) == ("/claude/3/messages", Dialect.ANTHROPIC)
+    assert table.match(scope("/claude/three/messages")) is None  # the convertor holds
+    assert table.match(scope("/openai/deployments/a/b/chat/completions")) is None  # one segment
+    assert table.match(scope("/openai/deployments/x/chat/completions", method="GET")) is None
+    assert table.match(scope("/v1/chat/completions")) == ("/v1/chat/completions", Dialect.OPENAI)
+
+
+def test_a_path_pattern_covers_everything_under_a_prefix() -> None:
+    table = RouteTable(["/llm/{rest:path}"])
+    assert table.match(scope("/llm/v1/chat/completions")) == (
+        "/llm/v1/chat/completions",
+        Dialect.OPENAI,
+    )
+    assert table.match(scope("/llm/v1/messages")) == ("/llm/v1/messages", Dialect.ANTHROPIC)
+    assert table.match(scope("/other/v1/chat/completions")) is None
+
+
+def test_a_route_written_with_the_mount_prefix_matches_inside_the_mount_too() -> None:
+    table = RouteTable(["/llm/v1/chat/completions", "/llm/deployments/{d}/chat/completions"])
+    # The middleware on the top app: the full path.
+    assert table.match(scope("/llm/v1/chat/completions")) is not None
+    # The middleware on the app mounted at /llm: Starlette passes the prefix as root_path.
+    inside = scope("/llm/v1/chat/completions", root_path="/llm")
+    assert table.match(inside) == ("/llm/v1/chat/completions", Dialect.OPENAI)
+    inside = scope("/llm/deployments/x/chat/completions", root_path="/llm")
+    assert table.match(inside) == ("/llm/deployments/x/chat/completions", Dialect.OPENAI)
+
+
+@pytest.mark.parametrize(
+    ("path", "problem"),
+    [
+        ("/x/{d:nope}/chat", "unknown path convertor 'nope'"),
+        ("/x/{d/chat", "unbalanced braces"),
+        ("/x/{d-1}/chat", "not a path parameter"),
+        ("/x/d}/chat", "unbalanced braces"),
+        ("/x/{}/chat", "not a path parameter"),
+    ],
+)
+def test_a_bad_pattern_is_refused_naming_the_problem(path: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        RouteTable([path])
+    with pytest.raises(ConfigurationError, match="SPENDGUARD_ROUTES"):
+        load_settings(routes=path)

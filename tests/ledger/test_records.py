@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 from datetime import UTC, datetime
+from pathlib import Path
 
 import anyio
 import pytest
@@ -14,6 +15,7 @@ from spendguard.errors import LedgerBusy
 from spendguard.identity import Identity
 from spendguard.ledger import Ledger
 from spendguard.ledger import records as records_module
+from spendguard.ledger.database import SqliteBatchWriter, SqliteBusy
 from spendguard.ledger.schema import records
 from spendguard.record import InferenceRecord, PostflightStatus
 from spendguard.usage import Usage
@@ -175,3 +177,25 @@ async def test_on_sqlite_a_write_lock_held_too_long_is_busy_not_a_refused_record
     await ledger.insert_records([make_record("r1", SEP30_LATE, 7)])
     assert await ledger.unsettled() == (1, 7)
     await ledger.disconnect()
+
+
+def test_on_sqlite_a_lock_met_while_the_writer_connects_is_busy_not_a_refused_record(
+    tmp_path: Path,
+) -> None:
+    """The writer's first statements on a new connection (its PRAGMAs) can meet another
+    connection's lock too: that is busy (the batch is retried), not a record the database
+    refuses (which would be dropped)."""
+    path = str(tmp_path / "locked.db")
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (a INTEGER)")
+    holder.execute("BEGIN EXCLUSIVE")
+    writer = SqliteBatchWriter(path)
+    try:
+        with pytest.raises(SqliteBusy):
+            writer.execute_many("INSERT INTO t VALUES (?)", [(1,)])
+        holder.execute("COMMIT")
+        writer.execute_many("INSERT INTO t VALUES (?)", [(2,)])  # a fresh connection works
+        assert holder.execute("SELECT a FROM t").fetchall() == [(2,)]
+    finally:
+        writer.close()
+        holder.close()

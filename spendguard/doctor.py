@@ -1,0 +1,162 @@
+"""``spendguard doctor``: what spendguard would use, and whether it can reach it.
+
+Each check is one entry of :data:`CHECKS`, an async function from the doctor's context to a
+:class:`Finding`: the effective settings (secrets redacted), the ledger database, the store,
+and the route table (matched against a gateway app's routes when one is named with
+``--app module:attribute``). Nothing is created or changed: a SQLite file that does not exist
+is reported, not made.
+
+The hook for what comes next: a check of a *running* gateway (whether its lifespan ran and its
+writer and worker are up, read through its admin routes) will be one more entry in
+:data:`CHECKS`, reading the gateway's URL from :class:`DoctorContext`; the gateway side serves
+``SpendGuardMiddleware.wiring.status()`` and ``guard.running``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from .asgi.routes import RouteTable
+from .asgi.wiring import app_routes, route_report
+from .describe import ledger_description, redact_url, sqlite_file, store_description
+from .errors import ConfigurationError, SpendGuardError
+from .ledger import Ledger
+from .settings import Settings
+from .store import make_store
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    check: str  # settings, database, store, routes
+    ok: bool
+    detail: str  # one line for people
+    data: dict[str, Any] = field(default_factory=dict)  # for --json
+
+
+@dataclass(frozen=True, slots=True)
+class DoctorContext:
+    settings: Settings
+    app: str | None = None  # "module:attribute" of the gateway app, to check its routes
+
+
+Check = Callable[[DoctorContext], Awaitable[Finding]]
+
+
+def effective_settings(settings: Settings) -> dict[str, Any]:
+    """Every setting as it is in effect, URLs with their passwords redacted."""
+    data = settings.model_dump(mode="json")
+    data["database_url"] = redact_url(settings.database_url.get_secret_value())
+    if settings.redis_url is not None:
+        data["redis_url"] = redact_url(settings.redis_url.get_secret_value())
+    return data
+
+
+async def check_settings(ctx: DoctorContext) -> Finding:
+    data = effective_settings(ctx.settings)
+    return Finding("settings", True, f"{len(data)} settings in effect", data)
+
+
+async def check_database(ctx: DoctorContext) -> Finding:
+    settings = ctx.settings
+    where = ledger_description(settings)
+    path = sqlite_file(settings)
+    if path is not None and not path.exists():
+        return Finding(
+            "database",
+            False,
+            f"SQLite file {path} does not exist: a gateway or a CLI command would create it "
+            "empty there",
+            {"url": redact_url(settings.database_url.get_secret_value()), "exists": False},
+        )
+    ledger = Ledger(settings.database_url.get_secret_value())
+    data: dict[str, Any] = {"url": redact_url(settings.database_url.get_secret_value())}
+    try:
+        with anyio.fail_after(settings.db_timeout):
+            await ledger.connect()
+            await ledger.ping()
+    except (SpendGuardError, TimeoutError, OSError) as exc:
+        return Finding("database", False, f"{where}: unreachable ({exc})", data)
+    finally:
+        await ledger.disconnect()
+    return Finding("database", True, f"{where}: reachable", data)
+
+
+async def check_store(ctx: DoctorContext) -> Finding:
+    settings = ctx.settings
+    where = store_description(settings)
+    if settings.redis_url is None:
+        return Finding("store", True, f"{where}: nothing to reach", {"url": None})
+    data = {"url": redact_url(settings.redis_url.get_secret_value())}
+    store = make_store(settings)
+    try:
+        ping = getattr(store, "ping", None)
+        if ping is not None:
+            await ping()
+    except SpendGuardError as exc:
+        return Finding("store", False, f"{where}: unreachable ({exc})", data)
+    finally:
+        await store.aclose()
+    return Finding("store", True, f"{where}: reachable", data)
+
+
+def load_app(target: str) -> object:
+    """The object ``module:attribute`` names (as uvicorn finds an app)."""
+    module_name, sep, attribute = target.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ConfigurationError(f"--app {target!r}: use module:attribute (e.g. gateway:app)")
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # the working directory, as uvicorn does
+    try:
+        app: object = importlib.import_module(module_name)
+        for name in attribute.split("."):
+            app = getattr(app, name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"--app {target!r}: {exc}") from exc
+    return app
+
+
+async def check_routes(ctx: DoctorContext) -> Finding:
+    routes = ctx.settings.routes
+    table = RouteTable(routes)
+    data: dict[str, Any] = {"configured": list(routes)}
+    if ctx.app is None:
+        return Finding("routes", True, "configured: " + ", ".join(routes), data)
+    found = app_routes(load_app(ctx.app))
+    if found is None:
+        return Finding("routes", False, f"{ctx.app} has no route table to check", data)
+    report = route_report(table, found)
+    data.update(
+        app_post_routes=list(report.posts),
+        unmatched=list(report.unmatched),
+        uncovered=list(report.uncovered),
+        stray=list(report.stray),
+        deferred=list(report.deferred),
+    )
+    problems = []
+    if report.uncovered:
+        problems.append("not limited (no configured route): " + ", ".join(report.uncovered))
+    if report.stray:
+        problems.append("Depends(spendguard_guard) on unconfigured: " + ", ".join(report.stray))
+    if report.unmatched:
+        problems.append("configured, matching no app route: " + ", ".join(report.unmatched))
+    served = [p for p in routes if p not in report.unmatched]
+    detail = "; ".join(problems) if problems else "every inference route is configured"
+    return Finding("routes", report.ok, f"guarded: {', '.join(served) or 'none'}; {detail}", data)
+
+
+CHECKS: tuple[tuple[str, Check], ...] = (
+    ("settings", check_settings),
+    ("database", check_database),
+    ("store", check_store),
+    ("routes", check_routes),
+)
+
+
+async def run_checks(ctx: DoctorContext) -> list[Finding]:
+    return [await check(ctx) for _, check in CHECKS]
