@@ -11,8 +11,9 @@ sent on each at the same moment. Reported: requests admitted, and the period's s
 multiple of the limit (1.0 = held exactly).
 
 The same burst runs against a hard limit (README, "Hard limits"), whose remaining budget after
-the warm-up covers exactly k requests' worst case: it must admit at most k, and the spend can't
-pass the limit.
+the warm-up covers exactly k requests' worst case: at most k are in flight at once, and the
+spend can't pass the limit (a request that ends early gives back the rest of its hold, so the
+burst's later requests may use it: more than k can be admitted in all).
 """
 
 from __future__ import annotations

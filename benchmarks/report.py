@@ -320,7 +320,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [
             f"A hard limit holds each request's worst case ({over['worst_case_micros']} "
             "micro-USD) from admission to its end; its remaining budget covers k worst cases, "
-            "so it admits at most k.",
+            "so at most k run at once and its spend never passes the limit.",
             "",
         ]
 

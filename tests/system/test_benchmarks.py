@@ -114,9 +114,11 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
         assert set(results["http"]["routes"][route]) == {"1", "16", "64"}
     over = results["overshoot"]["variants"]
     assert set(over) == {"embedded", "redis", "embedded/hard", "redis/hard"}
-    for variant in ("embedded/hard", "redis/hard"):  # a hard limit never admits beyond k
+    for variant in ("embedded/hard", "redis/hard"):  # a hard limit's spend never passes it
+        # (More than k may be admitted: a request that ends early gives back the rest of its
+        # hold, and the burst's later requests can use it.)
         for f in over[variant].values():
-            assert f["admitted"]["max"] <= f["k"] and f["spend_over_limit"]["max"] <= 1.0
+            assert f["spend_over_limit"]["max"] <= 1.0
     assert set(results["settlement"]["backends"]) == {"sqlite", "postgresql"}
     for target in results["targets"]:
         assert target["measured"] and isinstance(target["met"], bool), target
