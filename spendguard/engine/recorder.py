@@ -78,7 +78,7 @@ class Recorder:
             except anyio.WouldBlock:
                 return
 
-    async def _write(self) -> None:
+    async def _write(self, *, drain: bool = False) -> None:
         async with self._lock:
             self._take()
             while self._batch:
@@ -91,6 +91,10 @@ class Recorder:
                     continue
                 await self._written()
                 self._take()
+                if not drain and len(self._batch) < self._batch_size:
+                    # What arrived meanwhile waits for the writer's linger: written now, it
+                    # would make a batch of one or two per round trip under steady traffic.
+                    return
 
     async def _drop_poison(self) -> None:
         """A batch failed: is the database down, or does it refuse a record for what it is?
@@ -130,7 +134,7 @@ class Recorder:
 
     async def flush(self) -> None:
         """Write everything queued now; raises LedgerUnavailable if the database is down."""
-        await self._write()
+        await self._write(drain=True)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -139,11 +143,11 @@ class Recorder:
             if not self._batch:
                 # Sleep until a record arrives, then take it into the batch.
                 self._batch.append(await self._receive.receive())
-                if self.pending < self._batch_size:
-                    # Linger a moment so a batch forms: a transaction per record costs about a
-                    # hundred times a row written in a batch. Shutdown's flush writes what is
-                    # queued if it cancels this wait.
-                    await anyio.sleep(self._linger)
+            if self.pending < self._batch_size:
+                # Linger a moment so a batch forms: a transaction per record costs about a
+                # hundred times a row written in a batch. Shutdown's flush writes what is
+                # queued if it cancels this wait.
+                await anyio.sleep(self._linger)
             try:
                 # Shielded: a write cancelled half-way (at shutdown) would leak its pooled
                 # connection and leave the flush waiting for it; the timeout still bounds it.

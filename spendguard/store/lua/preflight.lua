@@ -118,6 +118,18 @@ for i = 1, n do
       local settled, pending = usage[1], usage[2] or '0'
       if not settled then
         allow = false -- a miss: the caller fills and asks again
+      elseif #settled <= 15 and #pending <= 15 and #limit <= 15 and #hold <= 15 then
+        -- Every operand below 10^15: their sums are exact in a double (the common case).
+        local used = tonumber(settled) + tonumber(pending)
+        if hard then
+          if used + tonumber(hold) > tonumber(limit) then
+            allow = false
+          else
+            holds[#holds + 1] = KEYS[i + 1]
+          end
+        elseif used >= tonumber(limit) then
+          allow = false
+        end
       else
         local used
         if uint(settled) and uint(pending) then
