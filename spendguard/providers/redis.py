@@ -16,14 +16,11 @@ from typing import Any, TypeVar
 import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from ..errors import ConfigurationError
 from ..identity import encode_id
 from ..store.pipeline import store_error
+from ..store.redis import client_for as store_client_for
 from .base import Attempt, StoredKey
 from .model import WINDOW_MS, ProviderKey, Refusal
 
@@ -38,32 +35,9 @@ def _lua(name: str) -> str:
 
 
 def client_for(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
-    """A client for ``redis://``, ``rediss://``, ``unix://`` or ``redis+cluster://`` URLs, with
-    the timeout bounding each round trip, connecting included."""
-    opts: dict[str, Any] = {
-        "socket_timeout": timeout,
-        "socket_connect_timeout": timeout,
-        "decode_responses": True,
-        "health_check_interval": 30,
-    }
-    scheme, sep, rest = url.partition("://")
-    if scheme in {"redis+cluster", "rediss+cluster"}:
-        return RedisCluster.from_url(f"{scheme.split('+', 1)[0]}://{rest}", **opts)
-    if sep and scheme in {"redis", "rediss", "unix"}:
-        # A blocking pool: a burst waits for a connection (bounded by the timeout) instead of
-        # failing; one quick retry on a fresh connection after a server restart.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=256,
-            timeout=timeout,
-            retry=Retry(NoBackoff(), 1),
-            retry_on_error=[RedisConnectionError],
-            **opts,
-        )
-        return aioredis.Redis(connection_pool=pool)
-    raise ConfigurationError(
-        f"unsupported Redis URL {scheme!r}: use redis://, rediss://, unix:// or redis+cluster://"
-    )
+    """The spend limits' client builder (same schemes, same bounded timeouts), with a pool
+    of its own."""
+    return store_client_for(url, timeout, max_connections=256)
 
 
 class RedisPoolStore:

@@ -81,44 +81,7 @@ class RedisStore:
         """A store for ``url``. The timeout bounds one round trip, connecting included: a
         batch of hot-path calls (a call then ends within about twice it, queueing included),
         or any other call on its own."""
-        opts: dict[str, Any] = {
-            "socket_timeout": timeout,
-            "socket_connect_timeout": timeout,
-            "decode_responses": True,
-            "health_check_interval": 30,
-        }
-        scheme, sep, rest = url.partition("://")
-        if not sep:
-            raise ConfigurationError(f"not a Redis URL: {url!r}")
-        if scheme in {"redis+cluster", "rediss+cluster"}:
-            base = scheme.split("+", 1)[0]
-            client: aioredis.Redis | RedisCluster = RedisCluster.from_url(
-                f"{base}://{rest}", **opts
-            )
-        elif scheme in {"redis", "rediss", "unix"}:
-            # The hot path's batches use connections of their own (pipeline.py); this pool
-            # serves the other calls. A blocking pool: when every connection is busy a call
-            # waits (bounded by the timeout) instead of failing at once. redis-py's default
-            # pool raises beyond 100 connections in flight, which fail-closed would turn into
-            # 503s under load.
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=max_connections,
-                timeout=timeout,
-                # One quick retry on a fresh connection: after a server restart the pool's
-                # sockets are dead, and the first command on each would otherwise fail. Only
-                # a broken connection is retried; a timeout is not: a request's wait stays
-                # bounded. (The pipeline's own connections follow the same rule.)
-                retry=Retry(NoBackoff(), 1),
-                retry_on_error=[RedisConnectionError],
-                **opts,
-            )
-            client = aioredis.Redis(connection_pool=pool)
-        else:
-            raise ConfigurationError(
-                f"unsupported Redis URL scheme {scheme!r}: use redis://, rediss://, unix:// "
-                "or redis+cluster://"
-            )
+        client = client_for(url, timeout, max_connections=max_connections)
         return cls(client, timeout=timeout, max_batch=max_batch, max_in_flight=max_in_flight)
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
@@ -332,6 +295,51 @@ class RedisStore:
     async def aclose(self) -> None:
         await self.pipeline.aclose()
         await self._client.aclose()
+
+
+def client_for(
+    url: str, timeout: float, *, max_connections: int = 512
+) -> aioredis.Redis | RedisCluster:
+    """A redis-py client for ``url`` (``redis://``, ``rediss://``, ``unix://``, or
+    ``redis+cluster://`` with any node as the seed); ``timeout`` bounds one round trip,
+    connecting included. Budgets and the provider-key pool build theirs here too."""
+    opts: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "decode_responses": True,
+        "health_check_interval": 30,
+    }
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ConfigurationError(f"not a Redis URL: {url!r}")
+    if scheme in {"redis+cluster", "rediss+cluster"}:
+        base = scheme.split("+", 1)[0]
+        client: aioredis.Redis | RedisCluster = RedisCluster.from_url(f"{base}://{rest}", **opts)
+    elif scheme in {"redis", "rediss", "unix"}:
+        # The hot path's batches use connections of their own (pipeline.py); this pool
+        # serves the other calls. A blocking pool: when every connection is busy a call
+        # waits (bounded by the timeout) instead of failing at once. redis-py's default
+        # pool raises beyond 100 connections in flight, which fail-closed would turn into
+        # 503s under load.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=timeout,
+            # One quick retry on a fresh connection: after a server restart the pool's
+            # sockets are dead, and the first command on each would otherwise fail. Only
+            # a broken connection is retried; a timeout is not: a request's wait stays
+            # bounded. (The pipeline's own connections follow the same rule.)
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[RedisConnectionError],
+            **opts,
+        )
+        client = aioredis.Redis(connection_pool=pool)
+    else:
+        raise ConfigurationError(
+            f"unsupported Redis URL scheme {scheme!r}: use redis://, rediss://, unix:// "
+            "or redis+cluster://"
+        )
+    return client
 
 
 def _uint(value: int) -> str:
