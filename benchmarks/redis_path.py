@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 
 from spendguard import Identity
 from spendguard.limits import KeyCodec
+from spendguard.store.pipeline import _Connections
 from spendguard.store.redis import RedisStore
 
 from .common import Sizes
@@ -218,6 +219,10 @@ async def _measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]
     identity = Identity("client-path", "key")
     store = RedisStore.from_url(redis_url, timeout=5.0)
     await warm_preflight_keys(store, identity)
+    # The same store on redis-py's connections (what it uses for TLS, a credential provider
+    # or RESP3) instead of its own (store/wire.py).
+    on_redis_py = RedisStore.from_url(redis_url, timeout=5.0)
+    on_redis_py.pipeline._transport = _Connections(on_redis_py.pipeline._client)
     keys = KeyCodec("quota", timedelta(days=2)).plan(identity, datetime.now(UTC))
     client = _client(redis_url, timeout=5.0)
     script = client.register_script(_preflight_lua())  # same Lua, so the store's SHA
@@ -231,6 +236,7 @@ async def _measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]
     fast = await HiredisMinimal.connect(redis_url)
     clients: dict[str, Callable[[], Awaitable[Any]]] = {
         "spendguard": lambda: store.preflight(keys),
+        "spendguard, redis-py connections": lambda: on_redis_py.preflight(keys),
         "redis-py": lambda: script(keys=redis_keys, args=args),
         "minimal": lambda: minimal.call(packed),
         "minimal, hiredis": lambda: fast.call(packed),
@@ -248,10 +254,11 @@ async def _measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]
         for _ in range(repeats):
             for conc in (1, 64):
                 for name, fn in clients.items():
-                    sent = dataclasses.replace(store.pipeline.stats)
+                    pipe = (on_redis_py if "redis-py connections" in name else store).pipeline
+                    sent = dataclasses.replace(pipe.stats)
                     res = await _timed(fn, sizes.client_calls, conc)
-                    if name == "spendguard":
-                        now = store.pipeline.stats
+                    if name.startswith("spendguard"):
+                        now = pipe.stats
                         res["calls_per_round_trip"] = (now.calls - sent.calls) / max(
                             1, now.batches - sent.batches
                         )
@@ -263,6 +270,7 @@ async def _measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]
         fast.close()
         await client.aclose()
         await store.aclose()
+        await on_redis_py.aclose()
     return {
         label: {stat: summary(values) for stat, values in stats.items()}
         for label, stats in raw.items()

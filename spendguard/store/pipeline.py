@@ -31,6 +31,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from ..errors import StoreUnavailable
+from . import wire
 
 __all__ = ["BatchStats", "ScriptPipeline", "store_error"]
 
@@ -54,7 +55,8 @@ def store_error(exc: BaseException) -> Exception:
         else:
             error = StoreUnavailable(f"redis error: {exc}")
     else:
-        error = StoreUnavailable(f"redis unavailable: {exc!r}")
+        # The class and the message: redis-py's own repr of its errors drops the message.
+        error = StoreUnavailable(f"redis unavailable: {type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
 
@@ -92,9 +94,13 @@ class ScriptPipeline:
         if max_batch < 1 or max_in_flight < 1:
             raise ValueError("max_batch and max_in_flight must be at least 1")
         self._client = client
-        self._transport: _Transport = (
-            _ClusterPipelines(client) if isinstance(client, RedisCluster) else _Connections(client)
-        )
+        self._transport: _Transport
+        if isinstance(client, RedisCluster):
+            self._transport = _ClusterPipelines(client)
+        elif wire.supports(client):
+            self._transport = wire.WireConnections(client)
+        else:  # TLS, a credential provider, RESP3: redis-py's own connections
+            self._transport = _Connections(client)
         self._timeout = timeout
         self._max_batch = max_batch
         self._max_in_flight = max_in_flight
@@ -229,9 +235,11 @@ class ScriptPipeline:
         self.stats.batches += 1
         self.stats.calls += len(calls)
         self.stats.largest = max(self.stats.largest, len(calls))
-        return await self._transport.execute(
-            [("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args) for c in calls]
-        )
+        commands = [("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args) for c in calls]
+        if isinstance(self._transport, wire.WireConnections):
+            # Its callers get their replies the moment they are read (see wire.py).
+            return await self._transport.execute(commands, [c.future for c in calls])
+        return await self._transport.execute(commands)
 
     async def _reload_and_retry(
         self, batch: list[_Call], replies: list[Any], lost: list[int]
