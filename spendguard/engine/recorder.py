@@ -40,7 +40,7 @@ class Recorder:
         self._ledger = ledger
         # Told of every batch the ledger has (or refused for good): admission entries go.
         self._on_written = on_written
-        self._linger = linger
+        self.linger = linger  # seconds to wait for a batch to form
         self._send, self._receive = anyio.create_memory_object_stream[InferenceRecord](capacity)
         self._batch: list[InferenceRecord] = []
         self._batch_size = batch_size
@@ -147,7 +147,7 @@ class Recorder:
                 # Linger a moment so a batch forms: a transaction per record costs about a
                 # hundred times a row written in a batch. Shutdown's flush writes what is
                 # queued if it cancels this wait.
-                await anyio.sleep(self._linger)
+                await anyio.sleep(self.linger)
             try:
                 # Shielded: a write cancelled half-way (at shutdown) would leak its pooled
                 # connection and leave the flush waiting for it; the timeout still bounds it.

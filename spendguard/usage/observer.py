@@ -91,7 +91,9 @@ class UsageObserver:
         self._stream = self._format.stream()
         self._shape: DeltaShape | None = None  # of this stream's text deltas, once one was seen
         self._body = TailBuffer(max_buffer, HEAD_BYTES)  # JSON mode
-        self._json_cache: tuple[Usage | None, int, str | None] | None = None
+        # The parsed body's usage, the body itself (its text is counted only if asked for:
+        # usually the provider reported usage) and its model.
+        self._json_cache: tuple[Usage | None, dict[str, Any] | None, str | None] | None = None
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -129,7 +131,8 @@ class UsageObserver:
         try:
             if self._sse is not None:
                 return self._snapshot(self._sse).output_chars
-            return self._json_result()[1]
+            obj = self._json_result()[1]
+            return self._format.output_chars(obj) if obj is not None else 0
         except Exception:
             return 0
 
@@ -151,30 +154,30 @@ class UsageObserver:
 
     # -- JSON ----------------------------------------------------------------------------------
 
-    def _json_result(self) -> tuple[Usage | None, int, str | None]:
+    def _json_result(self) -> tuple[Usage | None, dict[str, Any] | None, str | None]:
         if self._json_cache is None:
             self._json_cache = self._parse_json()
         return self._json_cache
 
-    def _parse_json(self) -> tuple[Usage | None, int, str | None]:
+    def _parse_json(self) -> tuple[Usage | None, dict[str, Any] | None, str | None]:
         if self._failed:
-            return None, 0, None
+            return None, None, None
         body = self._body
         normalise = self._format.normalise
         if body.overflowed:
             # Too big to parse whole (e.g. a large embeddings batch): only the tail is left.
             recovered = recover_usage(body.data)
             usage = normalise(recovered) if recovered is not None else None
-            return usage, 0, recover_model(body.head, body.data)
+            return usage, None, recover_model(body.head, body.data)
         try:
             obj = json.loads(body.data)
         except (ValueError, RecursionError):
-            return None, 0, None
+            return None, None, None
         if not isinstance(obj, dict):
-            return None, 0, None
+            return None, None, None
         raw_usage = obj.get("usage")
         usage = normalise(raw_usage) if isinstance(raw_usage, dict) else None
-        return usage, self._format.output_chars(obj), valid_model(obj.get("model"))
+        return usage, obj, valid_model(obj.get("model"))
 
     # -- SSE -----------------------------------------------------------------------------------
 
