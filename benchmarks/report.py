@@ -401,6 +401,46 @@ def markdown(results: dict[str, Any]) -> str:
         for label, f in client.items()
     ]
     lines += _table(["client", "p50 µs", "p99 µs", "calls/s"], rows)
+
+    features = results.get("features")
+    if features:
+        lines += [
+            "## 6. Features on (Redis, in process, one request at a time)",
+            "",
+            "Per inference on warm caches: pipelines sent to Redis (sequential round trips), "
+            "p50 time to the last response byte, and this process's CPU (gateway and upstream).",
+            "",
+        ]
+        rows = []
+        for name, configs in features.items():
+            base = configs.get("spend limits", {}).get("p50_us")
+            for config, f in configs.items():
+                added = (
+                    f"{f['p50_us']['median'] - base['median']:.0f}"
+                    if base and config != "spend limits"
+                    else "—"
+                )
+                rows.append(
+                    [
+                        "one redis-server" if name == "single" else "3-master Redis Cluster",
+                        config,
+                        _cell(f["pipelines_per_inference"], 1),
+                        _cell(f["p50_us"]),
+                        added,
+                        _cell(f["cpu_us_per_inference"]),
+                    ]
+                )
+        lines += _table(
+            [
+                "Redis",
+                "configuration",
+                "pipelines / inference",
+                "last-byte p50 µs",
+                "added p50 µs",
+                "CPU µs / inference",
+            ],
+            rows,
+        )
     return "\n".join(lines)
 
 

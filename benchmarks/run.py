@@ -28,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import budgets, http_load, inprocess, overshoot, redis_path, report, settlement
+from . import features, http_load, inprocess, overshoot, redis_path, report, settlement
 from .apps import VARIANTS
 from .common import Services, Sizes, bench_identity, set_policies
 from .loadgen import close_worker, have_wrk, run_load
@@ -188,8 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         progress("Redis client path")
         results["redis_client_path"] = redis_path.measure(redis.url, sizes, args.repeat)
-        progress("Budgets on (single node and cluster)")
-        results["budgets"] = asyncio.run(budgets.measure(services, sizes, args.repeat))
+        progress("6. features on (single node and cluster)")
+        results["features"] = asyncio.run(features.measure(services, sizes, args.repeat))
         results["machine"]["load_average_at_end"] = list(os.getloadavg())
     results["peer"] = report.peer_rows(results)
     results["run"] = {

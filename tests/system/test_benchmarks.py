@@ -30,6 +30,7 @@ SECTIONS = (
     "settlement",
     "peer",
     "redis_client_path",
+    "features",
     "targets",
     "run",
 )
@@ -120,6 +121,14 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
         for f in over[variant].values():
             assert f["spend_over_limit"]["max"] <= 1.0
     assert set(results["settlement"]["backends"]) == {"sqlite", "postgresql"}
+    for redis in ("single", "cluster"):
+        configs = results["features"][redis]
+        assert set(configs) == {"spend limits", "budgets", "everything"}
+        trips = {c: f["pipelines_per_inference"]["median"] for c, f in configs.items()}
+        # Spend limits alone: preflight and postflight. Budgets: a reserve and a commit on top.
+        # Everything: the provider pool's acquire and settle too; the rest rides in the same
+        # script calls.
+        assert trips == {"spend limits": 2, "budgets": 4, "everything": 6}, (redis, trips)
     for target in results["targets"]:
         assert target["measured"] and isinstance(target["met"], bool), target
 

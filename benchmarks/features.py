@@ -1,0 +1,227 @@
+"""Features on: what each request-path feature adds to the ``redis`` gateway variant, in process,
+one request at a time, on warm caches, for a single redis-server and a 3-master Redis Cluster.
+
+Three configurations of the same gateway, each on a team of its own (so one's policies never
+reach another's):
+
+* ``spend limits``: the key's daily and the team's monthly limit, soft (the other sections'
+  setup);
+* ``budgets``: the same plus a budgets section (key, model and global scopes, two windows,
+  counted on Redis);
+* ``everything``: every request-path feature there is: the key's limit hard, a prepaid balance,
+  model lists on the key and the team, the budgets section, rate limits on the key and the team
+  (requests and tokens per minute, parallel requests), remaining-spend headers, and the
+  handler's provider-key pool (acquire before the upstream call, settle after), all far above
+  what a run uses, so every request is checked, reserved and charged, none refused.
+
+Per configuration: the pipelines sent to Redis per inference (sequential round trips), the p50
+time to the last response byte, and this process's CPU per inference (the gateway and its
+upstream, both in process: compare configurations with each other).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Final
+
+import httpx
+from fastapi import FastAPI
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from examples import gateway
+from spendguard import SpendGuardMiddleware
+from spendguard.engine.guard import SpendGuard
+from spendguard.providers import ProviderKey, ProviderPool
+from spendguard.settings import load_settings
+from tests.support import RedisCluster
+
+from .apps import HEALTH_PATH, INFERENCE_PATH, MODEL, chat_body
+from .asgi import Call, http_scope, lifespan
+from .common import HIGH_LIMIT_MICROS, Services, Sizes, find_guard
+from .stats import percentile, summary
+
+HIGH = 10**12  # never denies during a run
+BUDGETS: dict[str, Any] = {
+    "enabled": True,
+    "storage": "redis",
+    "windows": [{"id": "daily", "period": "24h"}, {"id": "monthly", "period": "30d"}],
+    "scopes": {
+        "per_api_key": {"tokens": HIGH, "cost_usd": 1_000_000},
+        "per_model": {MODEL: {"tokens": HIGH}},
+        "global": {"tokens": HIGH, "cost_usd": 1_000_000},
+    },
+}
+CONFIGS: Final = ("spend limits", "budgets", "everything")
+KEY: Final = "k"
+POOL_KEY: Final = "bench-upstream"
+
+# One team per configuration, single node or cluster, and repeat: the example's auth looks
+# bearer tokens up in its DEMO_KEYS table.
+_runs = 0
+
+
+def _register_team() -> tuple[str, str]:
+    global _runs
+    _runs += 1
+    team, token = f"feat{_runs}", f"sk-bench-feat-{_runs}"
+    gateway.DEMO_KEYS[token] = (team, KEY)
+    return team, token
+
+
+async def _pooled_proxy(request: Request) -> Response:
+    """The benchmarks' plain proxy with the router's three pool calls around the upstream call
+    (README, "Provider keys"): acquire, call, settle."""
+    pool: ProviderPool = request.app.state.bench_pool
+    client: httpx.AsyncClient = request.app.state.upstream
+    body = await request.body()
+    lease = await pool.acquire([POOL_KEY], tokens=len(body) // 4 + 4096)
+    upstream = await client.send(
+        client.build_request(
+            "POST", request.url.path, content=body, headers={"content-type": "application/json"}
+        ),
+        stream=True,
+    )
+
+    async def done() -> None:
+        await upstream.aclose()
+        await pool.settle(lease, tokens=len(body) // 4 + 16)
+
+    return StreamingResponse(
+        upstream.aiter_raw(),
+        status_code=upstream.status_code,
+        headers={"content-type": upstream.headers.get("content-type", "application/json")},
+        background=BackgroundTask(done),
+    )
+
+
+def _app(settings: Any, pool: ProviderPool | None) -> Any:
+    from .apps import _inference
+
+    app = FastAPI(title="demo gateway", lifespan=gateway.lifespan)
+    app.add_api_route(INFERENCE_PATH, _pooled_proxy if pool else _inference, methods=["POST"])
+    app.add_api_route(HEALTH_PATH, gateway.health, methods=["GET"])
+    app.state.bench_pool = pool
+    app.add_middleware(SpendGuardMiddleware, settings=settings)
+    app.add_middleware(gateway.BearerAuth)
+    return app
+
+
+def _middleware(app: Any) -> SpendGuardMiddleware:
+    node: Any = getattr(app, "middleware_stack", None) or app
+    while not isinstance(node, SpendGuardMiddleware):
+        node = node.app
+    return node
+
+
+def _pipelines(app: Any, pool: ProviderPool | None) -> int:
+    """Pipelines (or single calls) sent so far to Redis on the request path."""
+    guard = find_guard(app)
+    assert guard is not None
+    sent: int = guard.store.pipeline.stats.batches  # type: ignore[attr-defined]
+    gate = _middleware(app).budgets
+    if gate is not None and gate.redis is not None:
+        sent += gate.redis.pipeline.stats.batches  # type: ignore[attr-defined]
+    if pool is not None:
+        sent += pool.calls  # acquire and settle, one script each
+    return sent
+
+
+async def _configure(guard: SpendGuard, team: str, config: str) -> None:
+    admin = guard.admin
+    usd = HIGH_LIMIT_MICROS // 10**6
+    hard = config == "everything"
+    await admin.set_policy(team, KEY, window="day", limit_usd=usd, hard=hard)
+    await admin.set_policy(team, window="month", limit_usd=usd)
+    if config != "everything":
+        return
+    await admin.topup(team, usd)
+    await admin.allow_models(team, KEY, ["gpt-4o*"])
+    await admin.allow_models(team, None, ["gpt-*", "claude-*"])
+    set_rates = getattr(admin, "set_rates", None)
+    if set_rates is not None:  # rate limits: RPM, TPM and parallel requests
+        for key in (KEY, None):
+            await set_rates(team, key, rpm=10**9, tpm=10**12, max_parallel=10**6)
+
+
+class _CountingPool(ProviderPool):
+    calls = 0
+
+    async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return await super().acquire(*args, **kwargs)
+
+    async def settle(self, *args: Any, **kwargs: Any) -> None:
+        self.calls += 1
+        await super().settle(*args, **kwargs)
+
+
+async def _run(redis_url: str, postgres_url: str, config: str, sizes: Sizes) -> dict[str, float]:
+    extra: dict[str, Any] = {}
+    if config != "spend limits":
+        extra["budgets"] = BUDGETS
+    if config == "everything":
+        extra["remaining_headers"] = True
+    settings = load_settings(
+        database_url=postgres_url,
+        redis_url=redis_url,
+        run_worker=False,
+        redis_timeout=2.0,
+        key_prefix="bench-features",
+        **extra,
+    )
+    pool: _CountingPool | None = None
+    if config == "everything":
+        base = ProviderPool.from_settings(settings)
+        pool = _CountingPool(base.store)
+        await pool.register(ProviderKey(POOL_KEY, "openai", tpm=10**12, rpm=10**9))
+    team, token = _register_team()
+    app = _app(settings, pool)
+    auth = [(b"authorization", f"Bearer {token}".encode()), (b"content-type", b"application/json")]
+    body = chat_body()
+    call = Call(app, http_scope("POST", INFERENCE_PATH, auth, body), body)
+    n = max(50, sizes.inproc_inference // 4)
+    async with lifespan(app):
+        guard = find_guard(app)
+        assert guard is not None
+        await _configure(guard, team, config)
+        for _ in range(max(20, sizes.inproc_warmup // 4)):
+            status, _ = await call()
+            if status != 200:
+                raise RuntimeError(f"benchmark request answered {status} ({config})")
+        before = _pipelines(app, pool)
+        times: list[int] = []
+        cpu = time.process_time()
+        for _ in range(n):
+            start = time.perf_counter_ns()
+            status, done = await call()
+            if status != 200:
+                raise RuntimeError(f"benchmark request answered {status} ({config})")
+            times.append(done - start)
+        cpu = time.process_time() - cpu
+        sent = _pipelines(app, pool) - before
+    if pool is not None:
+        await pool.aclose()
+    return {
+        "p50_us": percentile(times, 50) / 1000,
+        "pipelines_per_inference": sent / n,
+        "cpu_us_per_inference": cpu / n * 1e6,
+    }
+
+
+async def measure(services: Services, sizes: Sizes, repeats: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with RedisCluster() as cluster:
+        for name, url in (("single", services.redis_url), ("cluster", cluster.url)):
+            raw: dict[str, dict[str, list[float]]] = {c: {} for c in CONFIGS}
+            for _ in range(repeats):
+                for config in CONFIGS:
+                    got = await _run(url, services.postgres_url, config, sizes)
+                    for stat, value in got.items():
+                        raw[config].setdefault(stat, []).append(value)
+            out[name] = {
+                config: {stat: summary(values) for stat, values in stats.items()}
+                for config, stats in raw.items()
+            }
+    return out
