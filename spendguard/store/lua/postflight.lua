@@ -24,26 +24,48 @@ if amount ~= '-' and (type(amount) ~= 'string' or #amount == 0 or #amount > 18
     or not string.match(amount, '^%d+$')) then
   return redis.error_reply('spendguard postflight: bad amount')
 end
+-- One read per key, all before the first write (a key that is not a hash fails here): its
+-- hold, its tombstone, this record's marker and its settled part (every usage key has one; a
+-- key without it is absent).
+local marker, tomb, held = 'r:' .. rid, 'd:' .. rid, 'h:' .. rid
+local seen = {}
 for i = 1, nkeys do
-  local t = redis.call('TYPE', KEYS[i])['ok']
-  if t ~= 'hash' and t ~= 'none' then
+  local got = redis.pcall('HMGET', KEYS[i], held, tomb, marker, 's')
+  if got.err then
     return redis.error_reply('spendguard postflight: not a usage key')
   end
+  seen[i] = got
 end
 local applied = 0
-local marker, tomb, held = 'r:' .. rid, 'd:' .. rid, 'h:' .. rid
+local handled = {} -- a key named twice is charged once (its reads predate the first write)
 for i = 1, nkeys do
+  local hold, dead, done, settled = seen[i][1], seen[i][2], seen[i][3], seen[i][4]
+  if handled[KEYS[i]] then
+    hold, settled = nil, nil
+  end
+  handled[KEYS[i]] = true
   -- A hard limit's hold is replaced by the actual estimate (or only released).
-  local hold = redis.call('HGET', KEYS[i], held)
   if hold then
     redis.call('HDEL', KEYS[i], held)
-    redis.call('HINCRBY', KEYS[i], 'p', '-' .. hold)
   end
-  if amount ~= '-' and redis.call('EXISTS', KEYS[i]) == 1
-      and redis.call('HEXISTS', KEYS[i], tomb) == 0
-      and redis.call('HSETNX', KEYS[i], marker, amount) == 1 then
-    redis.call('HINCRBY', KEYS[i], 'p', amount)
+  local add = amount ~= '-' and settled and not dead and not done
+  if add then
+    redis.call('HSET', KEYS[i], marker, amount)
     applied = applied + 1
+  end
+  if hold and add and #hold <= 15 and #amount <= 15 then
+    -- Both below 10^15: their difference is exact in a double, one increment does both.
+    local delta = tonumber(amount) - tonumber(hold)
+    if delta ~= 0 then
+      redis.call('HINCRBY', KEYS[i], 'p', string.format('%d', delta))
+    end
+  else
+    if hold then
+      redis.call('HINCRBY', KEYS[i], 'p', '-' .. hold)
+    end
+    if add then
+      redis.call('HINCRBY', KEYS[i], 'p', amount)
+    end
   end
 end
 -- The entry now holds the whole record until the ledger has it. An entry already gone was
