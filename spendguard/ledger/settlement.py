@@ -18,7 +18,7 @@ from functools import lru_cache
 
 from .. import metrics
 from ..clock import from_micros, to_micros, utcnow
-from ..limits import Limit, Period, Window
+from ..limits import Limit, Period, SubjectKind, Window
 from ..record import PostflightStatus
 from .database import LedgerDatabase
 from .journal import JournalEntry, SettledRecord, encode_journal
@@ -62,6 +62,9 @@ class Settlement:
     estimate_error_micros: int = 0  # sum of (charge - estimate)
     claimed: int = 0  # records marked settled: the charged ones and any already charged
     seq: int | None = None  # the batch's journal row
+    # Micro-USD beyond a limit's amount that this batch's charges added, by (kind, period):
+    # kind is "team" or "api_key" (spendguard_overspend_micros_total).
+    overspend: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -109,10 +112,15 @@ class SettlementQueries(LedgerDatabase):
             bearing = _bearing(await sql.bearing(conn, teams))
             deltas, debits = _sums(claimed, bearing, charged_before)
             started = time.perf_counter()
-            await sql.add_to_aggregates(conn, deltas, now_us)
+            over = await sql.add_to_aggregates(conn, deltas, now_us)
             metrics.AGGREGATE_UPDATE_SECONDS.observe(time.perf_counter() - started)
             await sql.debit(conn, debits, now_us)
             settlement = _settlement(claimed, charged_before)
+            for api_key, period, beyond in over:
+                kind = (SubjectKind.API_KEY if api_key else SubjectKind.TEAM).value
+                settlement.overspend[(kind, period)] = (
+                    settlement.overspend.get((kind, period), 0) + beyond
+                )
             # Last, so its number is taken as close to the commit as can be (design.md,
             # "Settlement": the cache sync follows these rows in number order).
             settlement.seq = await sql.journal(conn, now_us, _journal(claimed))

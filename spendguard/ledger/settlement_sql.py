@@ -72,6 +72,9 @@ class Charges:
 
 # One aggregate delta: team, api_key ('' for a team limit), period, bucket, micro-USD.
 AggregateRow = tuple[str, str, str, str, int]
+# A limit a batch took past its amount: api_key ('' for a team limit), period, and the part of
+# the batch's delta beyond the amount (never more than the delta: counted once per batch).
+OverLimit = tuple[str, str, int]
 
 
 class PostgresSettlement:
@@ -102,13 +105,21 @@ class PostgresSettlement:
     BEARING = (
         f"SELECT team, api_key, period FROM {policies.name} WHERE team = ANY($1::text[]) AND active"
     )
+    # One statement adds the deltas and answers which limits they took over their amount
+    # (spendguard_overspend_micros_total): no round trip of its own.
     ADD_TO_AGGREGATES = (
-        f"INSERT INTO {aggregates.name} ({_AGGREGATE_KEY}, settled_micros, updated_us) "
-        "SELECT u.*, $6::bigint FROM unnest("
-        "$1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[]) AS u "
+        "WITH u AS (SELECT * FROM unnest("
+        "$1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[]"
+        ") AS u(team, api_key, period, period_id, delta)), "
+        f"up AS (INSERT INTO {aggregates.name} ({_AGGREGATE_KEY}, settled_micros, updated_us) "
+        "SELECT u.*, $6::bigint FROM u "
         f"ON CONFLICT ({_AGGREGATE_KEY}) DO UPDATE SET "
         f"settled_micros = {aggregates.name}.settled_micros + excluded.settled_micros, "
-        "updated_us = excluded.updated_us"
+        f"updated_us = excluded.updated_us RETURNING {_AGGREGATE_KEY}, settled_micros) "
+        "SELECT up.api_key, up.period, LEAST(u.delta, up.settled_micros - p.limit_micros) "
+        f"FROM up JOIN u USING ({_AGGREGATE_KEY}) JOIN {policies.name} AS p "
+        "ON p.team = up.team AND p.api_key = up.api_key AND p.period = up.period "
+        "WHERE p.active AND up.settled_micros > p.limit_micros"
     )
     # Teams without an account match no row: not balance-limited.
     DEBIT = (
@@ -142,9 +153,15 @@ class PostgresSettlement:
     async def bearing(self, conn: Any, teams: list[str]) -> list[Row]:
         return list(await conn.fetch(self.BEARING, teams))
 
-    async def add_to_aggregates(self, conn: Any, rows: list[AggregateRow], now_us: int) -> None:
-        if rows:
-            await conn.execute(self.ADD_TO_AGGREGATES, *map(list, zip(*rows, strict=True)), now_us)
+    async def add_to_aggregates(
+        self, conn: Any, rows: list[AggregateRow], now_us: int
+    ) -> list[OverLimit]:
+        """Add the deltas; returns the limits they took over their amount."""
+        if not rows:
+            return []
+        columns = map(list, zip(*rows, strict=True))
+        over = await conn.fetch(self.ADD_TO_AGGREGATES, *columns, now_us)
+        return [(row[0], row[1], int(row[2])) for row in over]
 
     async def debit(self, conn: Any, debits: dict[str, int], now_us: int) -> None:
         if debits:
@@ -216,9 +233,25 @@ class SqliteSettlement:
                 out += await cursor.fetchall()
         return out
 
-    async def add_to_aggregates(self, conn: Any, rows: list[AggregateRow], now_us: int) -> None:
-        if rows:
-            await conn.executemany(self.ADD_TO_AGGREGATE, [(*row, now_us) for row in rows])
+    async def add_to_aggregates(
+        self, conn: Any, rows: list[AggregateRow], now_us: int
+    ) -> list[OverLimit]:
+        """Add the deltas; returns the limits they took over their amount (one read per up to
+        125 rows, in process)."""
+        if not rows:
+            return []
+        await conn.executemany(self.ADD_TO_AGGREGATE, [(*row, now_us) for row in rows])
+        deltas = {row[:4]: row[4] for row in rows}
+        over: list[OverLimit] = []
+        step = _SQLITE_MAX_PARAMS // 4
+        for start in range(0, len(rows), step):
+            chunk = rows[start : start + step]
+            params = [value for row in chunk for value in row[:4]]
+            async with conn.execute(_sqlite_over_limit(len(chunk)), params) as cursor:
+                for team, api_key, period, period_id, excess in await cursor.fetchall():
+                    delta = deltas[(team, api_key, period, period_id)]
+                    over.append((api_key, period, min(delta, int(excess))))
+        return over
 
     async def debit(self, conn: Any, debits: dict[str, int], now_us: int) -> None:
         if debits:
@@ -236,6 +269,20 @@ def _sqlite_bearing(teams: int) -> str:
     marks = ", ".join("?" * teams)
     return (
         f"SELECT team, api_key, period FROM {policies.name} WHERE active = 1 AND team IN ({marks})"
+    )
+
+
+@lru_cache(maxsize=64)
+def _sqlite_over_limit(rows: int) -> str:
+    """Which of ``rows`` aggregate rows are over their active policy's amount, and by how
+    much: one fixed text per count, prepared once each."""
+    keys = ", ".join(["(?, ?, ?, ?)"] * rows)
+    return (
+        f"SELECT a.team, a.api_key, a.period, a.period_id, a.settled_micros - p.limit_micros "
+        f"FROM {aggregates.name} AS a JOIN {policies.name} AS p ON p.team = a.team "
+        "AND p.api_key = a.api_key AND p.period = a.period "
+        "WHERE p.active = 1 AND a.settled_micros > p.limit_micros "
+        f"AND (a.team, a.api_key, a.period, a.period_id) IN (VALUES {keys})"
     )
 
 
