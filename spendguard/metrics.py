@@ -11,6 +11,9 @@ from typing import Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from .hotmetrics import HotCounter, HotHistogram
+from .hotmetrics import register as register_hot_metrics
+
 STORE_UNAVAILABLE = Counter(
     "spendguard_store_unavailable_total",
     "Requests that found the store unavailable, by what spendguard did.",
@@ -58,16 +61,17 @@ DEFAULT_PRICED = Counter(
 
 # -- the request path -------------------------------------------------------------------------
 # Every label value below is from a fixed set written in this module (docs/metrics.md lists
-# them); never a team, key, model or route. The request path uses the pre-bound children
-# (``.labels()`` resolved here, once), so a request costs a few ``inc``/``observe`` calls.
+# them); never a team, key, model or route. The request path uses pre-bound children
+# (``.labels()`` resolved here, once) of lock-free counters and histograms (``hotmetrics``):
+# a request costs a few plain ``inc``/``observe`` calls, about 0.1 µs each.
 
-DECISIONS = Counter(
+DECISIONS = HotCounter(
     "spendguard_decisions_total",
     "Admission decisions, by outcome (allowed, denied, error), what decided (kind) and the "
     "deciding limit's period.",
     ["outcome", "kind", "period"],
 )
-STORE_SECONDS = Histogram(
+STORE_SECONDS = HotHistogram(
     "spendguard_store_seconds",
     "Store calls as the engine awaits them (queueing in a pipelined batch included), by call: "
     "preflight (one per round; a cache miss adds a round), postflight, release (an admitted "
@@ -91,12 +95,12 @@ STORE_SECONDS = Histogram(
         2.5,
     ),
 )
-SPEND = Counter(
+SPEND = HotCounter(
     "spendguard_spend_micros_total",
     "Micro-USD charged by postflight (its estimate at the price table; settlement's exact "
     "charge differs by spendguard_estimate_error_micros_total).",
 )
-TOKENS = Counter(
+TOKENS = HotCounter(
     "spendguard_tokens_total",
     "Tokens of charged inferences, by type (input excludes cache reads and writes).",
     ["type"],  # input | output | cached_input | cache_write
@@ -166,3 +170,4 @@ def track_pending(recorder: _Pending) -> None:
 
 
 RECORDS_PENDING.set_function(lambda: float(sum(r.pending for r in list(_recorders))))
+register_hot_metrics()

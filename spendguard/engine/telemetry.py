@@ -196,4 +196,3 @@ def trace_guard(guard: SpendGuard, enabled: bool) -> bool:
     guard.preflight = traced_preflight  # type: ignore[method-assign]
     guard.postflight = traced_postflight  # type: ignore[method-assign]
     return True
-

@@ -17,7 +17,7 @@ from spendguard.errors import StoreUnavailable
 from spendguard.ledger import Ledger
 from spendguard.limits import Period
 from spendguard.store.redis import RedisStore
-from tests.support import Gateway, chat_body
+from tests.support import Gateway
 from tests.support.records import make_record
 
 pytestmark = pytest.mark.anyio
@@ -51,9 +51,7 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def make_gateway(
-    store_kind: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[Any]:
+def make_gateway(store_kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
     """Gateways on the parametrized store (Redis: the session's private server, emptied)."""
 
     @asynccontextmanager
