@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -151,11 +152,26 @@ async def _block(guard: SpendGuard, n: int) -> int:
     return time.process_time_ns() - start
 
 
+async def _drop_keys(url: str, prefix: str) -> None:
+    """Delete the keys this run made (the server may be shared)."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url)
+    try:
+        async for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+            await client.delete(key)
+    finally:
+        await client.aclose()
+
+
 async def run(store_url: str | None, n: int, rounds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite:///{Path(tmp) / 'ledger.db'}"
         await set_policies(url, bench_identity(), now=datetime.now(UTC))
-        settings = Settings(database_url=url, redis_url=store_url, run_worker=False)
+        prefix = f"spendguard-metrics-cost-{os.getpid()}"  # never another user's keys
+        settings = Settings(
+            database_url=url, redis_url=store_url, run_worker=False, key_prefix=prefix
+        )
         guard = SpendGuard(settings)
         await guard.start(worker=False)
         kept: list[InferenceRecord] = []
@@ -176,6 +192,8 @@ async def run(store_url: str | None, n: int, rounds: int) -> dict[str, Any]:
                     (on if metrics_on else off).append(ns / n / 1000)
         finally:
             await guard.stop()
+            if store_url is not None:
+                await _drop_keys(store_url, prefix)
     diffs = [a - b for a, b in zip(on, off, strict=True)]
     return {
         **hook_sequence_us(),

@@ -6,6 +6,7 @@ Served by whatever exposes your app's default registry (e.g. ``prometheus_client
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Protocol
 
@@ -63,15 +64,22 @@ DEFAULT_PRICED = Counter(
 # Every label value below is from a fixed set written in this module (docs/metrics.md lists
 # them); never a team, key, model or route. The request path uses pre-bound children
 # (``.labels()`` resolved here, once) of lock-free counters and histograms (``hotmetrics``):
-# a request costs a few plain ``inc``/``observe`` calls, about 0.1 µs each.
+# a request costs a few plain ``inc``/``observe`` calls, about 0.1 µs each. Under
+# prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR set) they are its own
+# counters and histograms instead, which that mode aggregates across processes.
+_MULTIPROCESS = bool(
+    os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+)
+_Counter = Counter if _MULTIPROCESS else HotCounter
+_Histogram = Histogram if _MULTIPROCESS else HotHistogram
 
-DECISIONS = HotCounter(
+DECISIONS = _Counter(
     "spendguard_decisions_total",
     "Admission decisions, by outcome (allowed, denied, error), what decided (kind) and the "
     "deciding limit's period.",
     ["outcome", "kind", "period"],
 )
-STORE_SECONDS = HotHistogram(
+STORE_SECONDS = _Histogram(
     "spendguard_store_seconds",
     "Store calls as the engine awaits them (queueing in a pipelined batch included), by call: "
     "preflight (one per round; a cache miss adds a round), postflight, release (an admitted "
@@ -95,12 +103,12 @@ STORE_SECONDS = HotHistogram(
         2.5,
     ),
 )
-SPEND = HotCounter(
+SPEND = _Counter(
     "spendguard_spend_micros_total",
     "Micro-USD charged by postflight (its estimate at the price table; settlement's exact "
     "charge differs by spendguard_estimate_error_micros_total).",
 )
-TOKENS = HotCounter(
+TOKENS = _Counter(
     "spendguard_tokens_total",
     "Tokens of charged inferences, by type (input excludes cache reads and writes).",
     ["type"],  # input | output | cached_input | cache_write

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -49,3 +54,30 @@ def test_the_wrong_number_of_labels_is_refused() -> None:
     c = HotCounter("t_x_total", "help", ["kind"], export=False)
     with pytest.raises(ValueError):
         c.labels("a", "b")
+
+
+def test_under_multiprocess_mode_the_request_path_uses_prometheus_client_metrics(
+    tmp_path: Path,
+) -> None:
+    """prometheus_client's multiprocess mode aggregates only its own metrics (files per
+    process): with PROMETHEUS_MULTIPROC_DIR set, the request path counts through them."""
+    code = (
+        "from prometheus_client import CollectorRegistry, Counter, multiprocess\n"
+        "from spendguard import metrics\n"
+        "from spendguard.engine.decision import Verdict\n"
+        "from spendguard.engine.telemetry import decided\n"
+        "assert isinstance(metrics.DECISIONS, Counter)\n"
+        "decided(Verdict.ALLOW, True, None, False, None)\n"
+        "metrics.PREFLIGHT_SECONDS.observe(0.001)\n"
+        "registry = CollectorRegistry()\n"
+        "multiprocess.MultiProcessCollector(registry)\n"
+        "labels = {'outcome': 'allowed', 'kind': 'limited', 'period': 'none'}\n"
+        "print(registry.get_sample_value('spendguard_decisions_total', labels))\n"
+        "print(registry.get_sample_value('spendguard_store_seconds_count', {'call': 'preflight'}))\n"
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1.0", "1.0"]
