@@ -73,7 +73,8 @@ def test_under_multiprocess_mode_the_request_path_uses_prometheus_client_metrics
         "multiprocess.MultiProcessCollector(registry)\n"
         "labels = {'outcome': 'allowed', 'kind': 'limited', 'period': 'none'}\n"
         "print(registry.get_sample_value('spendguard_decisions_total', labels))\n"
-        "print(registry.get_sample_value('spendguard_store_seconds_count', {'call': 'preflight'}))\n"
+        "call = {'call': 'preflight'}\n"
+        "print(registry.get_sample_value('spendguard_store_seconds_count', call))\n"
     )
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     out = subprocess.run(

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from prometheus_client import REGISTRY
 
@@ -17,7 +18,7 @@ from spendguard.errors import StoreUnavailable
 from spendguard.ledger import Ledger
 from spendguard.limits import Period
 from spendguard.store.redis import RedisStore
-from tests.support import Gateway
+from tests.support import Gateway, chat_body
 from tests.support.records import make_record
 
 pytestmark = pytest.mark.anyio
@@ -185,22 +186,34 @@ def overspend(kind: str, period: str) -> tuple[str, dict[str, str]]:
     return "spendguard_overspend_micros_total", {"kind": kind, "period": period}
 
 
-async def test_settlement_counts_the_overspend_of_a_soft_cap_once(
+async def test_settlement_counts_the_overspend_of_a_soft_cap_burst_once(
     make_gateway: Any, ledger_url: str
 ) -> None:
     async with make_gateway(database_url=ledger_url) as gw:
         await gw.policy(Period.DAY, 20)  # soft: admitted while usage is below 20
         await gw.policy(Period.MONTH, 10**9, key=None)  # far from its limit
+        assert (await gw.post(x_in=0, x_out=1)).status_code == 200  # warm: policy cached
         deltas = Deltas(
             overspend("api_key", "day"), overspend("team", "month"), overspend("team", "day")
         )
-        statuses = [(await gw.post(x_in=10, x_out=5)).status_code for _ in range(3)]
-        assert statuses == [200, 200, 429]
+        statuses: list[int] = []
+        async with gw.client() as c:
+
+            async def one() -> None:
+                r = await c.post("/v1/chat/completions", json=chat_body(x_in=10, x_out=5))
+                statuses.append(r.status_code)
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(8):
+                    tg.start_soon(one)
+        allowed = statuses.count(200)
+        assert allowed >= 2 and statuses.count(429) == 8 - allowed  # 1, then 16 < 20 admit
         await gw.settle()
-        assert deltas() == [10, 0, 0]  # settled 30 against a limit of 20
+        beyond = 1 + 15 * allowed - 20  # settled against a limit of 20
+        assert deltas() == [beyond, 0, 0]
         # A later batch counts only what it adds beyond the limit, and only once.
-        await gw.policy(Period.DAY, 40)
+        await gw.policy(Period.DAY, 1 + 15 * allowed + 5)
         assert (await gw.post(x_in=10, x_out=5)).status_code == 200
         await gw.settle()
         await gw.settle()  # nothing new to settle: nothing counted again
-        assert deltas() == [15, 0, 0]  # 45 against 40: 5 more beyond it
+        assert deltas() == [beyond + 10, 0, 0]  # 15 more, 5 of them under the new limit
