@@ -68,7 +68,8 @@ DEFAULT_PRICED = Counter(
 # prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR set) they are its own
 # counters and histograms instead, which that mode aggregates across processes.
 _MULTIPROCESS = bool(
-    os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+    os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    or os.environ.get("prometheus_multiproc_dir")  # noqa: SIM112 (its deprecated spelling)
 )
 _Counter = Counter if _MULTIPROCESS else HotCounter
 _Histogram = Histogram if _MULTIPROCESS else HotHistogram
