@@ -67,9 +67,9 @@ DEFAULT_PRICED = Counter(
 # a request costs a few plain ``inc``/``observe`` calls, about 0.1 µs each. Under
 # prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR set) they are its own
 # counters and histograms instead, which that mode aggregates across processes.
+_LEGACY_MULTIPROC = "prometheus_multiproc_dir"  # the deprecated spelling, still honoured
 _MULTIPROCESS = bool(
-    os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    or os.environ.get("prometheus_multiproc_dir")  # noqa: SIM112 (its deprecated spelling)
+    os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get(_LEGACY_MULTIPROC)
 )
 _Counter = Counter if _MULTIPROCESS else HotCounter
 _Histogram = Histogram if _MULTIPROCESS else HotHistogram
