@@ -124,8 +124,9 @@ RECORDS_PENDING = Gauge(
 OVERSPEND = Counter(
     "spendguard_overspend_micros_total",
     "Micro-USD that settlement found beyond a limit: the part of each settled batch's charges "
-    "that took a limit's settled total over its amount, by the limit's kind and period.",
-    ["kind", "period"],  # team | api_key; day | month
+    "that took a limit's settled total over its amount (or a prepaid balance below zero), by "
+    "the limit's kind and period.",
+    ["kind", "period"],  # team | api_key with day | month; balance with none
 )
 
 # The closed label values (docs/metrics.md). Periods come from the window enum; a new limit
@@ -163,6 +164,7 @@ RELEASE_SECONDS = STORE_SECONDS.labels("release")
 OVERSPEND_BY_LIMIT = {
     (kind, period): OVERSPEND.labels(kind, period) for kind in LIMIT_KINDS for period in PERIODS
 }
+OVERSPEND_BY_LIMIT["balance", NO_PERIOD] = OVERSPEND.labels("balance", NO_PERIOD)
 
 _recorders: weakref.WeakSet[_Pending] = weakref.WeakSet()
 

@@ -121,11 +121,13 @@ class PostgresSettlement:
         "ON p.team = up.team AND p.api_key = up.api_key AND p.period = up.period "
         "WHERE p.active AND up.settled_micros > p.limit_micros"
     )
-    # Teams without an account match no row: not balance-limited.
+    # Teams without an account match no row: not balance-limited. Each debited account answers
+    # how far this debit took it below zero (positive: overdrawn by this batch).
     DEBIT = (
         f"UPDATE {balances.name} AS b SET charged_micros = b.charged_micros + u.amount, "
         "updated_us = $3 FROM unnest($1::text[], $2::bigint[]) AS u(team, amount) "
-        "WHERE b.team = u.team"
+        "WHERE b.team = u.team "
+        "RETURNING LEAST(u.amount, b.charged_micros - b.topped_up_micros)"
     )
 
     # The transaction's last statement, so the number it takes is close to its commit.
@@ -163,9 +165,12 @@ class PostgresSettlement:
         over = await conn.fetch(self.ADD_TO_AGGREGATES, *columns, now_us)
         return [(row[0], row[1], int(row[2])) for row in over]
 
-    async def debit(self, conn: Any, debits: dict[str, int], now_us: int) -> None:
-        if debits:
-            await conn.execute(self.DEBIT, list(debits), list(debits.values()), now_us)
+    async def debit(self, conn: Any, debits: dict[str, int], now_us: int) -> list[int]:
+        """Debit the accounts; returns the micro-USD each debit took an account beyond zero."""
+        if not debits:
+            return []
+        rows = await conn.fetch(self.DEBIT, list(debits), list(debits.values()), now_us)
+        return [int(row[0]) for row in rows if row[0] > 0]
 
     async def journal(self, conn: Any, now_us: int, records: str) -> int:
         """Write the batch's journal row; returns its number."""
@@ -253,9 +258,20 @@ class SqliteSettlement:
                     over.append((api_key, period, min(delta, int(excess))))
         return over
 
-    async def debit(self, conn: Any, debits: dict[str, int], now_us: int) -> None:
-        if debits:
-            await conn.executemany(self.DEBIT, [(a, now_us, t) for t, a in debits.items()])
+    async def debit(self, conn: Any, debits: dict[str, int], now_us: int) -> list[int]:
+        """Debit the accounts; returns the micro-USD each debit took an account beyond zero
+        (one read per up to 500 teams, in process)."""
+        if not debits:
+            return []
+        await conn.executemany(self.DEBIT, [(a, now_us, t) for t, a in debits.items()])
+        teams = list(debits)
+        over: list[int] = []
+        for start in range(0, len(teams), _SQLITE_MAX_PARAMS):
+            chunk = teams[start : start + _SQLITE_MAX_PARAMS]
+            async with conn.execute(_sqlite_overdrawn(len(chunk)), chunk) as cursor:
+                for team, below in await cursor.fetchall():
+                    over.append(min(debits[team], int(below)))
+        return over
 
     async def journal(self, conn: Any, now_us: int, records: str) -> int:
         """Write the batch's journal row; returns its number."""
@@ -269,6 +285,16 @@ def _sqlite_bearing(teams: int) -> str:
     marks = ", ".join("?" * teams)
     return (
         f"SELECT team, api_key, period FROM {policies.name} WHERE active = 1 AND team IN ({marks})"
+    )
+
+
+@lru_cache(maxsize=64)
+def _sqlite_overdrawn(teams: int) -> str:
+    """Which of ``teams`` accounts are below zero, and by how much."""
+    marks = ", ".join("?" * teams)
+    return (
+        f"SELECT team, charged_micros - topped_up_micros FROM {balances.name} "
+        f"WHERE charged_micros > topped_up_micros AND team IN ({marks})"
     )
 
 

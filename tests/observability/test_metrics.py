@@ -217,3 +217,19 @@ async def test_settlement_counts_the_overspend_of_a_soft_cap_burst_once(
         await gw.settle()
         await gw.settle()  # nothing new to settle: nothing counted again
         assert deltas() == [beyond + 10, 0, 0]  # 15 more, 5 of them under the new limit
+
+
+async def test_a_used_up_balance_denies_and_settlement_counts_its_overdraft(
+    make_gateway: Any, ledger_url: str
+) -> None:
+    async with make_gateway(database_url=ledger_url) as gw:
+        await gw.guard.admin.topup("acme", "0.00002")  # 20 micro-USD, soft
+        deltas = Deltas(
+            decisions("allowed", "limited"),
+            decisions("denied", "balance"),
+            overspend("balance", "none"),
+        )
+        statuses = [(await gw.post(x_in=10, x_out=5)).status_code for _ in range(3)]
+        assert statuses == [200, 200, 429]
+        await gw.settle()
+        assert deltas() == [2, 1, 10]  # 30 charged against 20 topped up
