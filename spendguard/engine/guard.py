@@ -20,11 +20,11 @@ import dataclasses
 import logging
 import random
 import re
-import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack, suppress
 from datetime import datetime, timedelta
 from functools import partial
+from time import perf_counter
 from types import TracebackType
 
 import anyio
@@ -487,13 +487,13 @@ class SpendGuard:
                 # recovery finds entries through this list.
                 await self._registering.do(identity.team, partial(self._register, identity.team))
             for _ in range(_MAX_FILL_ROUNDS):
-                started = time.perf_counter()
+                started = perf_counter()
                 try:
                     pf = await self.store.preflight(
                         plan, entry, record_id=record_id, hold=hold, model=model
                     )
                 finally:
-                    _PREFLIGHT_SECONDS.observe(time.perf_counter() - started)
+                    _PREFLIGHT_SECONDS.observe(perf_counter() - started)
                 if len(self.outage):
                     self.outage.clear()  # the store answers again
                 if pf.outcome is Outcome.ALLOW:
@@ -547,7 +547,7 @@ class SpendGuard:
         keys = [state.check.usage_key for state in decision.limits if state.hard]
         if not keys and decision.entry_key is None:
             return
-        started = time.perf_counter()
+        started = perf_counter()
         try:
             await self.store.postflight(
                 decision.record_id, None, keys, entry_key=decision.entry_key
@@ -561,7 +561,7 @@ class SpendGuard:
             if len(self._unreleased) < _MAX_UNCLOSED:
                 self._unreleased.append(decision)
         finally:
-            _RELEASE_SECONDS.observe(time.perf_counter() - started)
+            _RELEASE_SECONDS.observe(perf_counter() - started)
 
     # -- postflight -----------------------------------------------------------------------
     @staticmethod
@@ -619,7 +619,7 @@ class SpendGuard:
         if entry_key is not None:
             closed = closed_entry(self.owner, record, to_micros(decision.t0))
         if keys or entry_key is not None:
-            started = time.perf_counter()
+            started = perf_counter()
             try:
                 # No deadline here: every store bounds its own calls (the Redis store by its
                 # timeout; the embedded store never waits).
@@ -633,7 +633,7 @@ class SpendGuard:
                 log.warning("spendguard postflight outcome unknown: %r", exc)
                 status = PostflightStatus.UNKNOWN if keys else PostflightStatus.SKIPPED
             finally:
-                _POSTFLIGHT_SECONDS.observe(time.perf_counter() - started)
+                _POSTFLIGHT_SECONDS.observe(perf_counter() - started)
         if status is not expected:
             record = dataclasses.replace(record, postflight=status)
         self.recorder.submit(record)
