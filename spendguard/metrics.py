@@ -120,6 +120,7 @@ RECORDS_WRITTEN = Counter(
 RECORDS_PENDING = Gauge(
     "spendguard_records_pending",
     "Inference records accepted but not yet written to the ledger (every guard of the process).",
+    multiprocess_mode="livesum",
 )
 OVERSPEND = Counter(
     "spendguard_overspend_micros_total",
@@ -180,5 +181,17 @@ def track_pending(recorder: _Pending) -> None:
     _recorders.add(recorder)
 
 
-RECORDS_PENDING.set_function(lambda: float(sum(r.pending for r in list(_recorders))))
+def _pending() -> float:
+    return float(sum(r.pending for r in list(_recorders)))
+
+
+def pending_changed() -> None:
+    """The record writer's note after each write attempt. Multiprocess mode reads gauges from
+    files, not functions: there the value is stored now; otherwise a scrape reads it."""
+    if _MULTIPROCESS:
+        RECORDS_PENDING.set(_pending())
+
+
+if not _MULTIPROCESS:
+    RECORDS_PENDING.set_function(_pending)
 register_hot_metrics()

@@ -156,8 +156,10 @@ class Recorder:
                 # connection and leave the flush waiting for it; the timeout still bounds it.
                 with anyio.CancelScope(shield=True), anyio.fail_after(_WRITE_TIMEOUT):
                     await self._write()
+                metrics.pending_changed()
                 delay = 0.05
             except (LedgerUnavailable, TimeoutError) as exc:
+                metrics.pending_changed()
                 log.warning(
                     "spendguard could not write %d records, retrying in %.2fs: %s",
                     self.pending,

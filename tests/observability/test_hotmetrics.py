@@ -69,16 +69,22 @@ def test_under_multiprocess_mode_the_request_path_uses_prometheus_client_metrics
         "assert isinstance(metrics.DECISIONS, Counter)\n"
         "decided(Verdict.ALLOW, True, None, False, None)\n"
         "metrics.PREFLIGHT_SECONDS.observe(0.001)\n"
+        "class Recorder:\n"
+        "    pending = 3\n"
+        "recorder = Recorder()\n"
+        "metrics.track_pending(recorder)\n"
+        "metrics.pending_changed()  # what the record writer does after each write\n"
         "registry = CollectorRegistry()\n"
         "multiprocess.MultiProcessCollector(registry)\n"
         "labels = {'outcome': 'allowed', 'kind': 'limited', 'period': 'none'}\n"
         "print(registry.get_sample_value('spendguard_decisions_total', labels))\n"
         "call = {'call': 'preflight'}\n"
         "print(registry.get_sample_value('spendguard_store_seconds_count', call))\n"
+        "print(registry.get_sample_value('spendguard_records_pending'))\n"
     )
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1.0", "1.0"]
+    assert out.stdout.split() == ["1.0", "1.0", "3.0"]
