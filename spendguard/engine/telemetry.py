@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from .. import metrics
-from ..limits import Limit, Target
+from ..limits import Balance, Limit, Target
 from ..usage import Usage
 from .decision import Decision, Unavailable, Verdict
 
@@ -33,6 +33,7 @@ _ALLOWED_UNLIMITED = metrics.ALLOWED_BY_KIND["unlimited"]
 _ALLOWED_FAIL_OPEN = metrics.ALLOWED_BY_KIND["fail_open"]
 _DENIED_BALANCE = metrics.DENIED_BY_KIND["balance"]
 _DENIED_MODEL = metrics.DENIED_BY_KIND["model"]
+_DENIED_OTHER = metrics.DENIED_BY_KIND["other"]
 _DENIED_BY_LIMIT = metrics.DENIED_BY_LIMIT
 _ERRORS = metrics.ERROR_BY_KIND
 _SPEND = metrics.SPEND
@@ -64,13 +65,28 @@ def decided(
     elif verdict is Verdict.DENY:
         if isinstance(target, Limit):
             # StrEnum members hash as their values: the key is the label pair.
-            _DENIED_BY_LIMIT[(target.subject.kind, target.window)].inc()
-        else:
+            key = (target.subject.kind, target.window)
+            (_DENIED_BY_LIMIT.get(key) or _bind(_DENIED_BY_LIMIT, key)).inc()
+        elif isinstance(target, Balance):
             _DENIED_BALANCE.inc()
+        else:  # a target kind this mapping does not know yet: counted, never raised
+            _DENIED_OTHER.inc()
     elif verdict is Verdict.MODEL_NOT_ALLOWED:
         _DENIED_MODEL.inc()
     elif unavailable is not None:
-        _ERRORS[unavailable].inc()
+        (_ERRORS.get(unavailable) or _bind_error(unavailable)).inc()
+
+
+def _bind(children: dict[tuple[str, str], Any], key: tuple[str, str]) -> Any:
+    """The child of a limit kind or window added after this module was written (the label
+    values still come from the code's enums, never from a request)."""
+    children[key] = child = metrics.DECISIONS.labels(metrics.DENIED, str(key[0]), str(key[1]))
+    return child
+
+
+def _bind_error(cause: Unavailable) -> Any:
+    _ERRORS[cause] = child = metrics.DECISIONS.labels(metrics.ERROR, cause.value, "none")
+    return child
 
 
 def admitted(verdict: Verdict) -> None:
@@ -99,7 +115,9 @@ def labels_of(decision: Decision) -> tuple[str, str, str]:
         target = decision.denied.check.target if decision.denied is not None else None
         if isinstance(target, Limit):
             return metrics.DENIED, target.subject.kind.value, target.window.value
-        return metrics.DENIED, "balance", metrics.NO_PERIOD
+        if isinstance(target, Balance):
+            return metrics.DENIED, "balance", metrics.NO_PERIOD
+        return metrics.DENIED, "other", metrics.NO_PERIOD
     if verdict is Verdict.MODEL_NOT_ALLOWED:
         return metrics.DENIED, "model", metrics.NO_PERIOD
     cause = decision.unavailable.value if decision.unavailable is not None else "store"
