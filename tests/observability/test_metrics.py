@@ -233,3 +233,12 @@ async def test_a_used_up_balance_denies_and_settlement_counts_its_overdraft(
         assert statuses == [200, 200, 429]
         await gw.settle()
         assert deltas() == [2, 1, 10]  # 30 charged against 20 topped up
+
+
+def test_a_denial_by_a_target_kind_the_mapping_does_not_know_is_counted_not_raised() -> None:
+    from spendguard.engine.decision import Verdict
+    from spendguard.engine.telemetry import decided
+
+    deltas = Deltas(decisions("denied", "other"))
+    decided(Verdict.DENY, True, object(), False, None)  # type: ignore[arg-type]
+    assert deltas() == [1]
