@@ -6,7 +6,14 @@ Served by whatever exposes your app's default registry (e.g. ``prometheus_client
 
 from __future__ import annotations
 
+import os
+import weakref
+from typing import Protocol
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from .hotmetrics import HotCounter, HotHistogram
+from .hotmetrics import register as register_hot_metrics
 
 STORE_UNAVAILABLE = Counter(
     "spendguard_store_unavailable_total",
@@ -52,3 +59,139 @@ DEFAULT_PRICED = Counter(
     "(stage: estimate = postflight's estimate, settlement = the exact charge).",
     ["stage"],
 )
+
+# -- the request path -------------------------------------------------------------------------
+# Every label value below is from a fixed set written in this module (docs/metrics.md lists
+# them); never a team, key, model or route. The request path uses pre-bound children
+# (``.labels()`` resolved here, once) of lock-free counters and histograms (``hotmetrics``):
+# a request costs a few plain ``inc``/``observe`` calls, about 0.1 µs each. Under
+# prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR set) they are its own
+# counters and histograms instead, which that mode aggregates across processes.
+_LEGACY_MULTIPROC = "prometheus_multiproc_dir"  # the deprecated spelling, still honoured
+_MULTIPROCESS = bool(
+    os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get(_LEGACY_MULTIPROC)
+)
+_Counter = Counter if _MULTIPROCESS else HotCounter
+_Histogram = Histogram if _MULTIPROCESS else HotHistogram
+
+DECISIONS = _Counter(
+    "spendguard_decisions_total",
+    "Admission decisions, by outcome (allowed, denied, error), what decided (kind) and the "
+    "deciding limit's period.",
+    ["outcome", "kind", "period"],
+)
+STORE_SECONDS = _Histogram(
+    "spendguard_store_seconds",
+    "Store calls as the engine awaits them (queueing in a pipelined batch included), by call: "
+    "preflight (one per round; a cache miss adds a round), postflight, release (an admitted "
+    "inference that is not charged).",
+    ["call"],
+    buckets=(
+        0.00005,
+        0.0001,
+        0.00025,
+        0.0005,
+        0.001,
+        0.0025,
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1,
+        2.5,
+    ),
+)
+SPEND = _Counter(
+    "spendguard_spend_micros_total",
+    "Micro-USD charged by postflight (its estimate at the price table; settlement's exact "
+    "charge differs by spendguard_estimate_error_micros_total).",
+)
+TOKENS = _Counter(
+    "spendguard_tokens_total",
+    "Tokens of charged inferences, by type (input excludes cache reads and writes).",
+    ["type"],  # input | output | cached_input | cache_write
+)
+RECORDS_WRITTEN = Counter(
+    "spendguard_records_written_total", "Inference records written to the ledger."
+)
+RECORDS_PENDING = Gauge(
+    "spendguard_records_pending",
+    "Inference records accepted but not yet written to the ledger (every guard of the process).",
+    multiprocess_mode="livesum",
+)
+OVERSPEND = Counter(
+    "spendguard_overspend_micros_total",
+    "Micro-USD that settlement found beyond a limit: the part of each settled batch's charges "
+    "that took a limit's settled total over its amount (or a prepaid balance below zero), by "
+    "the limit's kind and period.",
+    ["kind", "period"],  # team | api_key with day | month; balance with none
+)
+
+# The closed label values (docs/metrics.md). Periods come from the window enum; a new limit
+# kind (e.g. "rate") adds its members here.
+ALLOWED, DENIED, ERROR = "allowed", "denied", "error"
+NO_PERIOD = "none"
+ALLOWED_KINDS = ("limited", "unlimited", "fail_open", "unidentified")
+LIMIT_KINDS = ("team", "api_key")
+DENIED_KINDS = ("balance", "model", "unpriced", "identity", "other")
+ERROR_KINDS = ("store", "store_full", "ledger", "vanished")
+TOKEN_TYPES = ("input", "output", "cached_input", "cache_write")
+STORE_CALLS = ("preflight", "postflight", "release")
+
+
+def _periods() -> tuple[str, ...]:
+    from .limits.windows import Period  # no engine import: the engine imports this module
+
+    return tuple(p.value for p in Period)
+
+
+PERIODS = _periods()
+# Pre-bound children: every series exists (at 0) from the start, so rate() sees the first one.
+ALLOWED_BY_KIND = {kind: DECISIONS.labels(ALLOWED, kind, NO_PERIOD) for kind in ALLOWED_KINDS}
+DENIED_BY_LIMIT = {
+    (kind, period): DECISIONS.labels(DENIED, kind, period)
+    for kind in LIMIT_KINDS
+    for period in PERIODS
+}
+DENIED_BY_KIND = {kind: DECISIONS.labels(DENIED, kind, NO_PERIOD) for kind in DENIED_KINDS}
+ERROR_BY_KIND = {kind: DECISIONS.labels(ERROR, kind, NO_PERIOD) for kind in ERROR_KINDS}
+TOKENS_BY_TYPE = tuple(TOKENS.labels(t) for t in TOKEN_TYPES)
+PREFLIGHT_SECONDS = STORE_SECONDS.labels("preflight")
+POSTFLIGHT_SECONDS = STORE_SECONDS.labels("postflight")
+RELEASE_SECONDS = STORE_SECONDS.labels("release")
+OVERSPEND_BY_LIMIT = {
+    (kind, period): OVERSPEND.labels(kind, period) for kind in LIMIT_KINDS for period in PERIODS
+}
+OVERSPEND_BY_LIMIT["balance", NO_PERIOD] = OVERSPEND.labels("balance", NO_PERIOD)
+
+_recorders: weakref.WeakSet[_Pending] = weakref.WeakSet()
+
+
+class _Pending(Protocol):
+    @property
+    def pending(self) -> int: ...
+
+
+def track_pending(recorder: _Pending) -> None:
+    """Count ``recorder``'s pending records in spendguard_records_pending while it lives (read
+    at scrape time: nothing on the request path)."""
+    _recorders.add(recorder)
+
+
+def _pending() -> float:
+    return float(sum(r.pending for r in list(_recorders)))
+
+
+def pending_changed() -> None:
+    """The record writer's note after each write attempt. Multiprocess mode reads gauges from
+    files, not functions: there the value is stored now; otherwise a scrape reads it."""
+    if _MULTIPROCESS:
+        RECORDS_PENDING.set(_pending())
+
+
+if not _MULTIPROCESS:
+    RECORDS_PENDING.set_function(_pending)
+register_hot_metrics()

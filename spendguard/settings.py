@@ -126,6 +126,11 @@ class Settings(BaseSettings):
     db_timeout: float = Field(
         5.0, gt=0, description="Seconds a ledger read on a cache miss may take."
     )
+    otel: bool = Field(
+        False,
+        description="An OpenTelemetry span around every preflight and postflight (needs the "
+        "otel extra; spans go to the tracer provider the app configured).",
+    )
     budgets_file: Path | None = Field(
         None,
         description="Budgets file (JSON or YAML): token and USD quotas over rolling windows; "

@@ -25,6 +25,7 @@ class Stage(StrEnum):
 
     ESTIMATE = "estimate"  # postflight's estimate (and a dead gateway's recovered one)
     SETTLEMENT = "settlement"  # the exact charge written to the ledger
+    HOLD = "hold"  # preflight's worst case, held on hard limits: not a charge
 
 
 class Coster:

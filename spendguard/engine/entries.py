@@ -26,7 +26,7 @@ from ..identity import Identity
 from ..record import InferenceRecord, PostflightStatus
 from ..usage import Usage
 from ..usage.types import chars_to_tokens
-from .costing import Coster
+from .costing import Coster, Stage
 from .decision import InferenceRequest
 
 # The output an open entry is charged when the request set no output cap: a crashed stream's
@@ -52,7 +52,7 @@ def admission_tokens(request: InferenceRequest) -> tuple[int, int]:
 def worst_case(request: InferenceRequest, coster: Coster) -> int:
     """What a hard limit holds for a request: its admission usage at the model's price, times
     the completions it asks for (the output of each is billed)."""
-    return coster.cost(request.model, admission_usage(request))
+    return coster.cost(request.model, admission_usage(request), stage=Stage.HOLD)
 
 
 def admission_usage(request: InferenceRequest) -> Usage:

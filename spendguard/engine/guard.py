@@ -24,6 +24,7 @@ from collections.abc import Callable
 from contextlib import AsyncExitStack, suppress
 from datetime import datetime, timedelta
 from functools import partial
+from time import perf_counter
 from types import TracebackType
 
 import anyio
@@ -49,6 +50,8 @@ from .pricing import PriceTable
 from .recorder import Recorder
 from .recovery import Recovery
 from .singleflight import SingleFlight
+from .telemetry import admitted, decided, trace_guard
+from .telemetry import charged as count_charge
 from .worker import SettlementWorker
 
 log = logging.getLogger("spendguard")
@@ -63,6 +66,9 @@ _SHARED_LINGER = 0.1  # seconds the record writer waits for a batch to form (see
 _EMBEDDED_LINGER = 0.025
 _MAX_UNCLOSED = 100_000  # entries whose removal failed, kept for a retry (beyond: recovered)
 _UNCLOSED_RETRY_SECONDS = 60.0
+_PREFLIGHT_SECONDS = metrics.PREFLIGHT_SECONDS
+_POSTFLIGHT_SECONDS = metrics.POSTFLIGHT_SECONDS
+_RELEASE_SECONDS = metrics.RELEASE_SECONDS
 
 
 def new_record_id() -> str:
@@ -137,6 +143,7 @@ class SpendGuard:
         self._cancel: anyio.CancelScope | None = None
         self._stopped = anyio.Event()
         self._connect_lock = anyio.Lock()
+        trace_guard(self, s.otel)  # spans around preflight/postflight, if enabled
 
     @property
     def admin(self) -> Admin:
@@ -345,11 +352,13 @@ class SpendGuard:
                 if self.settings.missing_identity is MissingIdentity.ALLOW
                 else Verdict.UNAUTHENTICATED
             )
+            admitted(verdict)
             return Admission(verdict, route, dialect)
         if request is None:
             raise TypeError("admit() needs the request of an identified inference")
         if self.coster.rejects_unknown and not self.coster.is_priced(request.model):
             message = f"Model {request.model!r} has no price."
+            admitted(Verdict.UNPRICED)
             return Admission(Verdict.UNPRICED, route, dialect, request, message=message)
         t0, inference_id = self._continued(t0, inference_id)
         decision = await self.preflight(
@@ -468,6 +477,7 @@ class SpendGuard:
                 retry_after: int | None = target.window.seconds_to_reset(self.clock())
             else:  # a balance never resets by itself; an outage is retried shortly
                 retry_after = 1 if verdict is Verdict.UNAVAILABLE else None
+            decided(verdict, pf is not None and bool(pf.limits), target, fail_open, unavailable)
             return Decision(
                 verdict=verdict,
                 identity=identity,
@@ -487,9 +497,13 @@ class SpendGuard:
                 # recovery finds entries through this list.
                 await self._registering.do(identity.team, partial(self._register, identity.team))
             for _ in range(_MAX_FILL_ROUNDS):
-                pf = await self.store.preflight(
-                    plan, entry, record_id=record_id, hold=hold, model=model
-                )
+                started = perf_counter()
+                try:
+                    pf = await self.store.preflight(
+                        plan, entry, record_id=record_id, hold=hold, model=model
+                    )
+                finally:
+                    _PREFLIGHT_SECONDS.observe(perf_counter() - started)
                 if len(self.outage):
                     self.outage.clear()  # the store answers again
                 if pf.outcome is Outcome.ALLOW:
@@ -543,6 +557,7 @@ class SpendGuard:
         keys = [state.check.usage_key for state in decision.limits if state.hard]
         if not keys and decision.entry_key is None:
             return
+        started = perf_counter()
         try:
             await self.store.postflight(
                 decision.record_id, None, keys, entry_key=decision.entry_key
@@ -555,6 +570,8 @@ class SpendGuard:
             log.warning("spendguard could not release an admission: %r", exc)
             if len(self._unreleased) < _MAX_UNCLOSED:
                 self._unreleased.append(decision)
+        finally:
+            _RELEASE_SECONDS.observe(perf_counter() - started)
 
     # -- postflight -----------------------------------------------------------------------
     @staticmethod
@@ -597,6 +614,7 @@ class SpendGuard:
         if not charged(status_code):
             return None
         estimate = self.coster.cost(model, usage)
+        count_charge(estimate, usage)
         if decision.fail_open:
             plan = self.codec.plan(decision.identity, decision.t0)
             self.outage.charge(decision.identity, estimate, [c.usage_key for c in plan.checks])
@@ -611,6 +629,7 @@ class SpendGuard:
         if entry_key is not None:
             closed = closed_entry(self.owner, record, to_micros(decision.t0))
         if keys or entry_key is not None:
+            started = perf_counter()
             try:
                 # No deadline here: every store bounds its own calls (the Redis store by its
                 # timeout; the embedded store never waits).
@@ -623,6 +642,8 @@ class SpendGuard:
             except Exception as exc:  # the response is already out; never fail the request
                 log.warning("spendguard postflight outcome unknown: %r", exc)
                 status = PostflightStatus.UNKNOWN if keys else PostflightStatus.SKIPPED
+            finally:
+                _POSTFLIGHT_SECONDS.observe(perf_counter() - started)
         if status is not expected:
             record = dataclasses.replace(record, postflight=status)
         self.recorder.submit(record)

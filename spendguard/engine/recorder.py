@@ -48,6 +48,7 @@ class Recorder:
         self._lock = anyio.Lock()
         self.capacity = capacity
         self.dropped = 0
+        metrics.track_pending(self)  # spendguard_records_pending, read at scrape time
 
     @property
     def pending(self) -> int:
@@ -89,6 +90,7 @@ class Recorder:
                 except LedgerUnavailable:
                     await self._drop_poison()  # raises again when the database is down
                     continue
+                metrics.RECORDS_WRITTEN.inc(len(self._batch))
                 await self._written()
                 self._take()
                 if not drain and len(self._batch) < self._batch_size:
@@ -125,6 +127,7 @@ class Recorder:
                     record.id,
                     record.identity.team,
                 )
+        metrics.RECORDS_WRITTEN.inc(len(self._batch) - len(refused))
         await self._written()
 
     async def _written(self) -> None:
@@ -153,8 +156,10 @@ class Recorder:
                 # connection and leave the flush waiting for it; the timeout still bounds it.
                 with anyio.CancelScope(shield=True), anyio.fail_after(_WRITE_TIMEOUT):
                     await self._write()
+                metrics.pending_changed()
                 delay = 0.05
             except (LedgerUnavailable, TimeoutError) as exc:
+                metrics.pending_changed()
                 log.warning(
                     "spendguard could not write %d records, retrying in %.2fs: %s",
                     self.pending,

@@ -121,6 +121,8 @@ class SettlementWorker:
             metrics.SETTLED_RECORDS.inc(batch.charged)
             error = batch.estimate_error_micros
             metrics.ESTIMATE_ERROR.labels("over" if error > 0 else "under").inc(abs(error))
+            for limit, micros in batch.overspend.items():  # committed: counted once
+                metrics.OVERSPEND.labels(*limit).inc(micros)
             if self._sync is not None:
                 self._sync.settled(batch)
             if batch.claimed < self._batch:

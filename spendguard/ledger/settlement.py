@@ -18,7 +18,7 @@ from functools import lru_cache
 
 from .. import metrics
 from ..clock import from_micros, to_micros, utcnow
-from ..limits import Limit, Period, Window
+from ..limits import Limit, Period, SubjectKind, Window
 from ..record import PostflightStatus
 from .database import LedgerDatabase
 from .journal import JournalEntry, SettledRecord, encode_journal
@@ -26,6 +26,7 @@ from .policies import _limit_columns, _limit_of
 from .settlement_sql import (
     AggregateRow,
     Charges,
+    OverLimit,
     PostgresSettlement,
     Row,
     SettlementSql,
@@ -62,6 +63,10 @@ class Settlement:
     estimate_error_micros: int = 0  # sum of (charge - estimate)
     claimed: int = 0  # records marked settled: the charged ones and any already charged
     seq: int | None = None  # the batch's journal row
+    # Micro-USD beyond a limit's amount (or below a prepaid balance's zero) that this batch's
+    # charges added, by (kind, period): ("team" | "api_key", "day" | "month") or ("balance",
+    # "none"), as spendguard_overspend_micros_total labels it.
+    overspend: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -109,10 +114,11 @@ class SettlementQueries(LedgerDatabase):
             bearing = _bearing(await sql.bearing(conn, teams))
             deltas, debits = _sums(claimed, bearing, charged_before)
             started = time.perf_counter()
-            await sql.add_to_aggregates(conn, deltas, now_us)
+            over = await sql.add_to_aggregates(conn, deltas, now_us)
             metrics.AGGREGATE_UPDATE_SECONDS.observe(time.perf_counter() - started)
-            await sql.debit(conn, debits, now_us)
+            overdrawn = await sql.debit(conn, debits, now_us)
             settlement = _settlement(claimed, charged_before)
+            settlement.overspend = _overspend(over, overdrawn)
             # Last, so its number is taken as close to the commit as can be (design.md,
             # "Settlement": the cache sync follows these rows in number order).
             settlement.seq = await sql.journal(conn, now_us, _journal(claimed))
@@ -201,6 +207,17 @@ def _sums(
                 deltas[key] += amount
     rows = [(*key, amount) for key, amount in sorted(deltas.items())]
     return rows, dict(debits)
+
+
+def _overspend(over: list[OverLimit], overdrawn: list[int]) -> dict[tuple[str, str], int]:
+    """The batch's spend beyond limits and balances, by (kind, period) as the overspend
+    metric labels it."""
+    out: dict[tuple[str, str], int] = defaultdict(int)
+    for api_key, period, beyond in over:
+        out[((SubjectKind.API_KEY if api_key else SubjectKind.TEAM).value, period)] += beyond
+    if overdrawn:
+        out[("balance", "none")] += sum(overdrawn)
+    return dict(out)
 
 
 def _settlement(claimed: _Claimed, skip: set[str]) -> Settlement:

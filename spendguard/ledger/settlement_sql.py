@@ -72,6 +72,9 @@ class Charges:
 
 # One aggregate delta: team, api_key ('' for a team limit), period, bucket, micro-USD.
 AggregateRow = tuple[str, str, str, str, int]
+# A limit a batch took past its amount: api_key ('' for a team limit), period, and the part of
+# the batch's delta beyond the amount (never more than the delta: counted once per batch).
+OverLimit = tuple[str, str, int]
 
 
 class PostgresSettlement:
@@ -102,19 +105,29 @@ class PostgresSettlement:
     BEARING = (
         f"SELECT team, api_key, period FROM {policies.name} WHERE team = ANY($1::text[]) AND active"
     )
+    # One statement adds the deltas and answers which limits they took over their amount
+    # (spendguard_overspend_micros_total): no round trip of its own.
     ADD_TO_AGGREGATES = (
-        f"INSERT INTO {aggregates.name} ({_AGGREGATE_KEY}, settled_micros, updated_us) "
-        "SELECT u.*, $6::bigint FROM unnest("
-        "$1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[]) AS u "
+        "WITH u AS (SELECT * FROM unnest("
+        "$1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[]"
+        ") AS u(team, api_key, period, period_id, delta)), "
+        f"up AS (INSERT INTO {aggregates.name} ({_AGGREGATE_KEY}, settled_micros, updated_us) "
+        "SELECT u.*, $6::bigint FROM u "
         f"ON CONFLICT ({_AGGREGATE_KEY}) DO UPDATE SET "
         f"settled_micros = {aggregates.name}.settled_micros + excluded.settled_micros, "
-        "updated_us = excluded.updated_us"
+        f"updated_us = excluded.updated_us RETURNING {_AGGREGATE_KEY}, settled_micros) "
+        "SELECT up.api_key, up.period, LEAST(u.delta, up.settled_micros - p.limit_micros) "
+        f"FROM up JOIN u USING ({_AGGREGATE_KEY}) JOIN {policies.name} AS p "
+        "ON p.team = up.team AND p.api_key = up.api_key AND p.period = up.period "
+        "WHERE p.active AND up.settled_micros > p.limit_micros"
     )
-    # Teams without an account match no row: not balance-limited.
+    # Teams without an account match no row: not balance-limited. Each debited account answers
+    # how far this debit took it below zero (positive: overdrawn by this batch).
     DEBIT = (
         f"UPDATE {balances.name} AS b SET charged_micros = b.charged_micros + u.amount, "
         "updated_us = $3 FROM unnest($1::text[], $2::bigint[]) AS u(team, amount) "
-        "WHERE b.team = u.team"
+        "WHERE b.team = u.team "
+        "RETURNING LEAST(u.amount, b.charged_micros - b.topped_up_micros)"
     )
 
     # The transaction's last statement, so the number it takes is close to its commit.
@@ -142,13 +155,22 @@ class PostgresSettlement:
     async def bearing(self, conn: Any, teams: list[str]) -> list[Row]:
         return list(await conn.fetch(self.BEARING, teams))
 
-    async def add_to_aggregates(self, conn: Any, rows: list[AggregateRow], now_us: int) -> None:
-        if rows:
-            await conn.execute(self.ADD_TO_AGGREGATES, *map(list, zip(*rows, strict=True)), now_us)
+    async def add_to_aggregates(
+        self, conn: Any, rows: list[AggregateRow], now_us: int
+    ) -> list[OverLimit]:
+        """Add the deltas; returns the limits they took over their amount."""
+        if not rows:
+            return []
+        columns = map(list, zip(*rows, strict=True))
+        over = await conn.fetch(self.ADD_TO_AGGREGATES, *columns, now_us)
+        return [(row[0], row[1], int(row[2])) for row in over]
 
-    async def debit(self, conn: Any, debits: dict[str, int], now_us: int) -> None:
-        if debits:
-            await conn.execute(self.DEBIT, list(debits), list(debits.values()), now_us)
+    async def debit(self, conn: Any, debits: dict[str, int], now_us: int) -> list[int]:
+        """Debit the accounts; returns the micro-USD each debit took an account beyond zero."""
+        if not debits:
+            return []
+        rows = await conn.fetch(self.DEBIT, list(debits), list(debits.values()), now_us)
+        return [int(row[0]) for row in rows if row[0] > 0]
 
     async def journal(self, conn: Any, now_us: int, records: str) -> int:
         """Write the batch's journal row; returns its number."""
@@ -216,13 +238,40 @@ class SqliteSettlement:
                 out += await cursor.fetchall()
         return out
 
-    async def add_to_aggregates(self, conn: Any, rows: list[AggregateRow], now_us: int) -> None:
-        if rows:
-            await conn.executemany(self.ADD_TO_AGGREGATE, [(*row, now_us) for row in rows])
+    async def add_to_aggregates(
+        self, conn: Any, rows: list[AggregateRow], now_us: int
+    ) -> list[OverLimit]:
+        """Add the deltas; returns the limits they took over their amount (one read per up to
+        125 rows, in process)."""
+        if not rows:
+            return []
+        await conn.executemany(self.ADD_TO_AGGREGATE, [(*row, now_us) for row in rows])
+        deltas = {row[:4]: row[4] for row in rows}
+        over: list[OverLimit] = []
+        step = _SQLITE_MAX_PARAMS // 4
+        for start in range(0, len(rows), step):
+            chunk = rows[start : start + step]
+            params = [value for row in chunk for value in row[:4]]
+            async with conn.execute(_sqlite_over_limit(len(chunk)), params) as cursor:
+                for team, api_key, period, period_id, excess in await cursor.fetchall():
+                    delta = deltas[(team, api_key, period, period_id)]
+                    over.append((api_key, period, min(delta, int(excess))))
+        return over
 
-    async def debit(self, conn: Any, debits: dict[str, int], now_us: int) -> None:
-        if debits:
-            await conn.executemany(self.DEBIT, [(a, now_us, t) for t, a in debits.items()])
+    async def debit(self, conn: Any, debits: dict[str, int], now_us: int) -> list[int]:
+        """Debit the accounts; returns the micro-USD each debit took an account beyond zero
+        (one read per up to 500 teams, in process)."""
+        if not debits:
+            return []
+        await conn.executemany(self.DEBIT, [(a, now_us, t) for t, a in debits.items()])
+        teams = list(debits)
+        over: list[int] = []
+        for start in range(0, len(teams), _SQLITE_MAX_PARAMS):
+            chunk = teams[start : start + _SQLITE_MAX_PARAMS]
+            async with conn.execute(_sqlite_overdrawn(len(chunk)), chunk) as cursor:
+                for team, below in await cursor.fetchall():
+                    over.append(min(debits[team], int(below)))
+        return over
 
     async def journal(self, conn: Any, now_us: int, records: str) -> int:
         """Write the batch's journal row; returns its number."""
@@ -236,6 +285,30 @@ def _sqlite_bearing(teams: int) -> str:
     marks = ", ".join("?" * teams)
     return (
         f"SELECT team, api_key, period FROM {policies.name} WHERE active = 1 AND team IN ({marks})"
+    )
+
+
+@lru_cache(maxsize=64)
+def _sqlite_overdrawn(teams: int) -> str:
+    """Which of ``teams`` accounts are below zero, and by how much."""
+    marks = ", ".join("?" * teams)
+    return (
+        f"SELECT team, charged_micros - topped_up_micros FROM {balances.name} "
+        f"WHERE charged_micros > topped_up_micros AND team IN ({marks})"
+    )
+
+
+@lru_cache(maxsize=64)
+def _sqlite_over_limit(rows: int) -> str:
+    """Which of ``rows`` aggregate rows are over their active policy's amount, and by how
+    much: one fixed text per count, prepared once each."""
+    keys = ", ".join(["(?, ?, ?, ?)"] * rows)
+    return (
+        f"SELECT a.team, a.api_key, a.period, a.period_id, a.settled_micros - p.limit_micros "
+        f"FROM {aggregates.name} AS a JOIN {policies.name} AS p ON p.team = a.team "
+        "AND p.api_key = a.api_key AND p.period = a.period "
+        "WHERE p.active = 1 AND a.settled_micros > p.limit_micros "
+        f"AND (a.team, a.api_key, a.period, a.period_id) IN (VALUES {keys})"
     )
 
 

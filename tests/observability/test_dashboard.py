@@ -1,0 +1,135 @@
+"""The Grafana dashboard under examples/ and docs/metrics.md cannot drift from the metrics the
+library registers: every query names only registered series with labels they have, and every
+registered metric is documented."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+import spendguard.budgets.metrics
+import spendguard.metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "examples" / "grafana-dashboard.json"
+SERIES = re.compile(r"\b(spendguard_[a-z_]+)(\{[^}]*\})?")
+MATCHER = re.compile(r'([a-z_]+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
+BY = re.compile(r"\bby\s*\(([^)]*)\)")
+# Labels Prometheus adds at scrape time, and the histogram bucket label.
+SCRAPE_LABELS = {"job", "instance"}
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_count", "_sum", "_created"),
+}
+
+
+def registered() -> dict[str, set[str]]:
+    """Every spendguard series name a scrape can show -> its label names (from the samples,
+    and for a labelled metric with no child yet, from its declaration)."""
+    declared: dict[str, set[str]] = {}
+    for collector in list(REGISTRY._collector_to_names):
+        for family in getattr(collector, "families", None) or [collector]:  # the hot collector
+            labelnames = getattr(family, "labelnames", None) or getattr(family, "_labelnames", ())
+            declared[getattr(family, "_name", getattr(family, "name", ""))] = set(labelnames)
+    series: dict[str, set[str]] = {}
+    for family in REGISTRY.collect():
+        if not family.name.startswith("spendguard_"):
+            continue
+        labels = declared.get(family.name, set())
+        labels |= {k for sample in family.samples for k in sample.labels if k != "le"}
+        for suffix in SUFFIXES.get(family.type, ("",)):
+            series[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+    return series
+
+
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return data
+
+
+def panels() -> list[dict[str, Any]]:
+    return [p for p in dashboard()["panels"] if p["type"] != "row"]
+
+
+def expressions() -> list[str]:
+    return [t["expr"] for p in panels() for t in p["targets"]]
+
+
+def test_the_dashboard_is_a_grafana_dashboard_on_a_prometheus_datasource_variable() -> None:
+    data = dashboard()
+    assert data["title"] and data["uid"] and isinstance(data["schemaVersion"], int)
+    variables = {v["name"]: v for v in data["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    ids = [p["id"] for p in data["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in panels():
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert p["targets"], p["title"]
+        grid = p["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, p["title"]
+        for target in p["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}"
+            assert 'job=~"$job"' in target["expr"], target["expr"]
+
+
+def test_every_query_names_registered_series_with_labels_they_have() -> None:
+    series = registered()
+    used = set()
+    for expr in expressions():
+        found = SERIES.findall(expr)
+        assert found, expr
+        for name, selector in found:
+            assert name in series, f"{name} is not a metric spendguard registers ({expr})"
+            used.add(name)
+            labels = {m[0] for m in MATCHER.findall(selector)}
+            assert labels <= series[name] | SCRAPE_LABELS, (name, labels)
+        for group in BY.findall(expr):
+            wanted = {label.strip() for label in group.split(",") if label.strip()}
+            assert any(wanted <= series[name] for name, _ in found), (wanted, expr)
+    # The panels the dashboard promises are there.
+    for name in (
+        "spendguard_decisions_total",
+        "spendguard_spend_micros_total",
+        "spendguard_tokens_total",
+        "spendguard_store_seconds_bucket",
+        "spendguard_records_pending",
+        "spendguard_records_written_total",
+        "spendguard_overspend_micros_total",
+        "spendguard_default_priced_total",
+        "spendguard_store_unavailable_total",
+    ):
+        assert name in used, name
+
+
+def test_label_values_in_queries_are_from_the_closed_sets() -> None:
+    allowed = {
+        "outcome": {
+            spendguard.metrics.ALLOWED,
+            spendguard.metrics.DENIED,
+            spendguard.metrics.ERROR,
+        },
+        "call": set(spendguard.metrics.STORE_CALLS),
+    }
+    for expr in expressions():
+        for label, op, val in MATCHER.findall(expr):
+            if label in allowed and op == "=":
+                assert val in allowed[label], (label, val, expr)
+
+
+@pytest.mark.parametrize("doc", ["docs/metrics.md"])
+def test_every_registered_metric_is_documented(doc: str) -> None:
+    text = (ROOT / doc).read_text()
+    names = {
+        name.removesuffix("_total")
+        for name in registered()
+        if not name.endswith(("_created", "_bucket", "_count", "_sum"))
+    }
+    missing = sorted(n for n in names if n not in text)
+    assert not missing, missing
