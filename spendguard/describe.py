@@ -8,10 +8,20 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .settings import Settings
 
+_SECRET_PARAMS = frozenset({"password", "passwd", "pass", "sslpassword", "token"})
+
 
 def redact_url(url: str) -> str:
-    """The URL with its password (if any) replaced by ``***``."""
+    """The URL with its password (if any, in the netloc or as a ``password=`` query
+    parameter) replaced by ``***``."""
     parts = urlsplit(url)
+    if parts.query:
+        query = "&".join(
+            f"{name}=***" if name.lower() in _SECRET_PARAMS and sep else f"{name}{sep}{value}"
+            for name, sep, value in (p.partition("=") for p in parts.query.split("&"))
+        )
+        parts = parts._replace(query=query)
+        url = urlunsplit(parts)
     if parts.password is None:
         return url
     user = parts.username or ""

@@ -49,11 +49,13 @@ Check = Callable[[DoctorContext], Awaitable[Finding]]
 
 
 def effective_settings(settings: Settings) -> dict[str, Any]:
-    """Every setting as it is in effect, URLs with their passwords redacted."""
+    """Every setting as it is in effect, URLs with their passwords redacted and the admin
+    token replaced by ``***`` (None: not set)."""
     data = settings.model_dump(mode="json")
     data["database_url"] = redact_url(settings.database_url.get_secret_value())
     if settings.redis_url is not None:
         data["redis_url"] = redact_url(settings.redis_url.get_secret_value())
+    data["admin_token"] = None if settings.admin_token is None else "***"
     return data
 
 

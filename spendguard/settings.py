@@ -139,6 +139,11 @@ class Settings(BaseSettings):
     budgets: dict[str, Any] | None = Field(
         None, description="The budgets section itself (used when no budgets_file is set)."
     )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Bearer token of the admin HTTP routes (spendguard.asgi.admin_app); "
+        "unset or empty: those routes answer 404.",
+    )
 
     @field_validator("routes", mode="before")
     @classmethod
@@ -204,6 +209,16 @@ class Settings(BaseSettings):
                 parse_budgets(value)
             except BudgetConfigError as exc:
                 raise ValueError("; ".join(exc.problems)) from None
+        return value
+
+    @field_validator("admin_token")
+    @classmethod
+    def _check_admin_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None  # empty: the admin routes stay off
+        token = value.get_secret_value()
+        if any(not c.isprintable() or c.isspace() for c in token):
+            raise ValueError("no whitespace or control characters in the admin token")
         return value
 
     @field_validator("redis_url")

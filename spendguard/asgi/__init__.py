@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .admin import admin_app
 from .dependency import spendguard_guard
 from .identity import IdentityResolver, from_auth_state, from_user
 from .middleware import HEADER_INFERENCE_ID, SpendGuardMiddleware
@@ -10,6 +11,7 @@ __all__ = [
     "HEADER_INFERENCE_ID",
     "IdentityResolver",
     "SpendGuardMiddleware",
+    "admin_app",
     "from_auth_state",
     "from_user",
     "spendguard_guard",

@@ -48,6 +48,7 @@ class Recorder:
         self._lock = anyio.Lock()
         self.capacity = capacity
         self.dropped = 0
+        self.running = False  # run() is writing batches (for the admin status route)
         metrics.track_pending(self)  # spendguard_records_pending, read at scrape time
 
     @property
@@ -140,6 +141,13 @@ class Recorder:
         await self._write(drain=True)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self.running = True
+        try:
+            await self._run(task_status)
+        finally:
+            self.running = False
+
+    async def _run(self, task_status: TaskStatus[None]) -> None:
         task_status.started()
         delay = 0.05
         while True:

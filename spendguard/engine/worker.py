@@ -67,6 +67,7 @@ class SettlementWorker:
         # settle=False keeps only the cache in sync (policy changes, records settled by a
         # standalone worker): an in-process cache can only be refreshed from inside.
         self._settle = settle
+        self.running = False  # run() is looping (for the admin status route)
         self._sync = None if store is None else CacheSync(ledger, store, codec, clock)
         self._pruned_at: int | None = None
 
@@ -161,9 +162,11 @@ class SettlementWorker:
         self, interval: float, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         lock = self._claim_sqlite()
+        self.running = True
         try:
             await self._loop(interval, task_status)
         finally:
+            self.running = False
             if lock is not None:
                 lock.close()
 
