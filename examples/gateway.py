@@ -13,6 +13,9 @@ cools a key for ``GATEWAY_COOLDOWN`` seconds (default 30). Replicas share the po
 ``GATEWAY_POOL_URL`` (a Redis URL; unset: in this process).
 
     uvicorn examples.gateway:app --port 8000
+
+With ``SPENDGUARD_ADMIN_TOKEN`` set, spendguard's admin routes answer under
+``/admin/spendguard`` (docs/admin-http.md); Prometheus metrics are at ``/metrics``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from contextlib import asynccontextmanager
 import anyio
 import httpx
 from fastapi import FastAPI, Request
+from prometheus_client import make_asgi_app
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -39,6 +43,7 @@ from spendguard import (
     StoreUnavailable,
     retry_after_seconds,
 )
+from spendguard.asgi import admin_app
 from spendguard.testing import StreamingASGITransport, fake_upstream
 from spendguard.usage import Dialect, Usage, UsageObserver
 
@@ -259,3 +264,9 @@ async def health() -> JSONResponse:
 # Settings come from SPENDGUARD_* environment variables (defaults: embedded store + SQLite).
 app.add_middleware(SpendGuardMiddleware)
 app.add_middleware(BearerAuth)
+
+# spendguard's admin routes (policies, usage, balances, status...): off (404) unless
+# SPENDGUARD_ADMIN_TOKEN is set, then behind "Authorization: Bearer <that token>".
+app.mount("/admin/spendguard", admin_app(app))
+# Prometheus metrics (spendguard's, in the default registry), for a scraper on the inside.
+app.add_route("/metrics", make_asgi_app())

@@ -277,7 +277,7 @@ async def cmd_worker(args: argparse.Namespace, ctx: Ctx) -> int:
 
 
 async def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
-    findings = await run_checks(DoctorContext(settings, app=args.app))
+    findings = await run_checks(DoctorContext(settings, app=args.app, gateway=args.gateway))
     if args.json:
         data = {f.check: {"ok": f.ok, "detail": f.detail, **f.data} for f in findings}
         print(json.dumps(data, indent=2))
@@ -448,10 +448,17 @@ def build_parser() -> argparse.ArgumentParser:
         handler=cmd_worker
     )
     doc = sub.add_parser(
-        "doctor", parents=[common], help="settings, database, store and routes, checked"
+        "doctor", parents=[common], help="settings, database, store, routes (and a gateway)"
     )
     doc.add_argument(
         "--app", default=None, help="the gateway app as module:attribute, to check its routes"
+    )
+    doc.add_argument(
+        "--gateway",
+        default=None,
+        metavar="URL",
+        help="a running gateway's admin routes (e.g. http://127.0.0.1:8000/admin/spendguard), "
+        "read with SPENDGUARD_ADMIN_TOKEN: its lifespan, writer, worker and store",
     )
     doc.set_defaults(handler=None, opens_its_own=cmd_doctor)
     budgets_cli.add_commands(sub, common)

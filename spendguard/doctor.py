@@ -6,10 +6,11 @@ and the route table (matched against a gateway app's routes when one is named wi
 ``--app module:attribute``). Nothing is created or changed: a SQLite file that does not exist
 is reported, not made.
 
-The hook for what comes next: a check of a *running* gateway (whether its lifespan ran and its
-writer and worker are up, read through its admin routes) will be one more entry in
-:data:`CHECKS`, reading the gateway's URL from :class:`DoctorContext`; the gateway side serves
-``SpendGuardMiddleware.wiring.status()`` and ``guard.running``.
+With ``--gateway URL`` (where a running gateway mounts its admin routes, e.g.
+``http://127.0.0.1:8000/admin/spendguard``) one more check reads that gateway's
+``GET /status`` with ``SPENDGUARD_ADMIN_TOKEN``: whether its lifespan ran (or the background
+tasks started lazily on the first inference request, or not at all), whether its record
+writer and settlement worker run, the records not yet written, and its store mode.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import httpx
 
 from .asgi.routes import RouteTable
 from .asgi.wiring import app_routes, route_report
@@ -43,6 +45,7 @@ class Finding:
 class DoctorContext:
     settings: Settings
     app: str | None = None  # "module:attribute" of the gateway app, to check its routes
+    gateway: str | None = None  # base URL of a running gateway's admin routes
 
 
 Check = Callable[[DoctorContext], Awaitable[Finding]]
@@ -152,13 +155,65 @@ async def check_routes(ctx: DoctorContext) -> Finding:
     return Finding("routes", report.ok, f"guarded: {', '.join(served) or 'none'}; {detail}", data)
 
 
+_LIFESPAN_TEXT = {
+    "lifespan": "started by the ASGI lifespan",
+    "first_request": "started lazily on the first inference request (no lifespan reached it)",
+    "host_app": "started by the host app",
+    "not_started": "not started (no lifespan ran and no inference request came yet)",
+}
+
+
+async def check_gateway(ctx: DoctorContext) -> Finding:
+    """The running gateway at ``ctx.gateway``, through its admin ``GET /status``."""
+    assert ctx.gateway is not None
+    url = ctx.gateway.rstrip("/") + "/status"
+    data: dict[str, Any] = {"url": url}
+    token = ctx.settings.admin_token
+    if token is None:
+        return Finding("gateway", False, "set SPENDGUARD_ADMIN_TOKEN to read its status", data)
+    headers = {"authorization": f"Bearer {token.get_secret_value()}"}
+    try:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            answer = await client.get(url, headers=headers)
+    except httpx.HTTPError as exc:
+        return Finding("gateway", False, f"{url}: unreachable ({exc!r})", data)
+    data["status_code"] = answer.status_code
+    if answer.status_code in (401, 403):
+        return Finding("gateway", False, f"{url}: the admin token was refused", data)
+    if answer.status_code == 404:
+        why = "admin routes off there (no SPENDGUARD_ADMIN_TOKEN) or not mounted at that URL"
+        return Finding("gateway", False, f"{url}: 404, {why}", data)
+    try:
+        status = answer.json()
+        state, running = status["lifespan"], status["running"]
+    except (ValueError, KeyError, TypeError):
+        return Finding("gateway", False, f"{url}: {answer.status_code}, not a status", data)
+    data.update(status)
+    writer, worker = status.get("record_writer") or {}, status.get("worker") or {}
+    store = status.get("store") or {}
+    if not status.get("enabled", True):
+        return Finding("gateway", False, "spendguard is disabled in the gateway", data)
+    parts = [
+        _LIFESPAN_TEXT.get(state, str(state)),
+        f"record writer {'running' if writer.get('running') else 'NOT running'} "
+        f"({writer.get('pending', 0)} records pending)",
+        f"worker {'running' if worker.get('running') else 'NOT running'}",
+        f"store {store.get('mode')}",
+    ]
+    ok = bool(running and writer.get("running") and worker.get("running"))
+    return Finding("gateway", ok, "; ".join(parts), data)
+
+
 CHECKS: tuple[tuple[str, Check], ...] = (
     ("settings", check_settings),
     ("database", check_database),
     ("store", check_store),
     ("routes", check_routes),
+    ("gateway", check_gateway),  # only when a gateway URL is given
 )
 
 
 async def run_checks(ctx: DoctorContext) -> list[Finding]:
-    return [await check(ctx) for _, check in CHECKS]
+    return [
+        await check(ctx) for name, check in CHECKS if name != "gateway" or ctx.gateway is not None
+    ]

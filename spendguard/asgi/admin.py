@@ -268,6 +268,11 @@ class AdminApp:
             exception_handlers={HTTPException: self._http_error},  # type: ignore[dict-item]
         )
 
+    @property
+    def routes(self) -> list[Any]:
+        """The route table (for spendguard's own route checks and the doctor's)."""
+        return list(self.router.routes)
+
     # -- the gate in front of every route --------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
