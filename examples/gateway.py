@@ -29,7 +29,7 @@ from contextlib import asynccontextmanager
 import anyio
 import httpx
 from fastapi import FastAPI, Request
-from prometheus_client import make_asgi_app
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -268,5 +268,9 @@ app.add_middleware(BearerAuth)
 # spendguard's admin routes (policies, usage, balances, status...): off (404) unless
 # SPENDGUARD_ADMIN_TOKEN is set, then behind "Authorization: Bearer <that token>".
 app.mount("/admin/spendguard", admin_app(app))
+
+
 # Prometheus metrics (spendguard's, in the default registry), for a scraper on the inside.
-app.add_route("/metrics", make_asgi_app())
+@app.get("/metrics")
+async def metrics() -> Response:
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
