@@ -234,6 +234,7 @@ class AdminApp:
         self._token = token
         self._budgets = budgets
         self._target: _Target | None = None
+        self._warned = False
         self.router = Starlette(
             routes=[
                 Route("/status", self._wrap(self.status), methods=["GET"]),
@@ -278,6 +279,8 @@ class AdminApp:
         if scope["type"] != "http":
             if scope["type"] == "lifespan":  # mounted apps get none; a top-level one might
                 await self.router(scope, receive, send)
+            elif scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
             return
         request = Request(scope, receive)
         token = self._expected_token()
@@ -331,6 +334,13 @@ class AdminApp:
             return self._target
         middleware = _find_middleware(source)
         if middleware is None:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "spendguard admin routes: no SpendGuardMiddleware in %r (yet); pass "
+                    "admin_app() the app the middleware was added to",
+                    source,
+                )
             return None
         self._target = _Target(
             middleware.settings,
@@ -505,7 +515,9 @@ class AdminApp:
 
     @staticmethod
     def _budget_admin(target: _Target) -> BudgetAdmin:
-        if target.budgets is None or target.guard is None:
+        if target.guard is None:
+            raise AdminError(503, "disabled", "spendguard is disabled (SPENDGUARD_ENABLED=false)")
+        if target.budgets is None:
             raise AdminError(404, "no_budgets", "no budgets are configured")
         return BudgetAdmin.of(target.budgets, target.guard.ledger)
 
@@ -518,7 +530,7 @@ class AdminApp:
         fields = {"scope", "window", "team_id", "api_key_id", "model"}
         body = await _body(request, fields, {"scope"})
         for name, value in body.items():
-            if value is not None and not isinstance(value, str):
+            if (value is not None or name == "scope") and not isinstance(value, str):
                 raise AdminError(400, "invalid_request", f"{name}: a string")
         for name in ("team_id", "api_key_id"):
             value = body.get(name)

@@ -348,8 +348,12 @@ async def test_a_disabled_middleware(tmp_path: Path) -> None:
         refused = await c.put(
             PREFIX + "/teams/acme/policies/day", json={"limit_usd": "1"}, headers=AUTH
         )
+        budgets = await c.get(PREFIX + "/budgets", headers=AUTH)
+        config = await c.get(PREFIX + "/config", headers=AUTH)
     assert status.json()["enabled"] is False and status.json()["lifespan"] == "not_started"
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "disabled"
+    assert budgets.status_code == 503 and budgets.json()["error"]["code"] == "disabled"
+    assert config.status_code == 200 and config.json()["enabled"] is False
     assert not (tmp_path / "l.db").exists()
 
 

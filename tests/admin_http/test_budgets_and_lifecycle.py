@@ -56,6 +56,9 @@ async def test_budgets_inspect_and_reset(bgw: AdminGateway) -> None:
     bad = [
         {"scope": "nope"},
         {"scope": 1},
+        {"scope": None},
+        {"scope": "global", "window": "weekly"},
+        {"scope": "global", "window": 3},
         {},
         {"scope": "global", "extra": 1},
         {"scope": "per_api_key", "team_id": "a\nb", "api_key_id": "k"},
