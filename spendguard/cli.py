@@ -31,6 +31,7 @@ from .errors import ConfigurationError, SpendGuardError
 from .ledger import Ledger
 from .limits import KeyCodec, Period, Policy
 from .limits.codec import field_of
+from .limits.rates import Rates
 from .money import checked_amount, micros_to_usd, usd_to_micros
 from .settings import Settings, UnknownModel, load_settings
 from .store import OwnerLog, Store, make_store
@@ -199,6 +200,31 @@ async def cmd_models(args: argparse.Namespace, ctx: Ctx) -> int:
     data = {"team": args.team, "lists": {key or "": pats for key, pats in lists.items()}}
     lines = [f"{key or '(team)'}: {', '.join(pats)}" for key, pats in lists.items()]
     _emit(args, data, "\n".join(lines) or "no model lists: every model is allowed")
+    return 0
+
+
+def _rates_json(value: Rates) -> dict[str, int | None]:
+    return {"rpm": value.rpm, "tpm": value.tpm, "max_parallel": value.max_parallel}
+
+
+async def cmd_rate(args: argparse.Namespace, ctx: Ctx) -> int:
+    if args.rate_cmd == "set":
+        given = (args.rpm, args.tpm, args.max_parallel)
+        if all(v is None for v in given):
+            raise ConfigurationError("give at least one of --rpm, --tpm, --max-parallel")
+        await ctx.admin.set_rates(
+            args.team, args.api_key, rpm=args.rpm, tpm=args.tpm, max_parallel=args.max_parallel
+        )
+    elif args.rate_cmd == "rm":
+        await ctx.admin.remove_rates(args.team, args.api_key)
+    rates = await ctx.admin.list_rates(args.team)
+    data = {"team": args.team, "rates": {k or "": _rates_json(v) for k, v in rates.items()}}
+    lines = [
+        f"{key or '(team)'}: "
+        + ", ".join(f"{name} {v}" for name, v in _rates_json(value).items() if v is not None)
+        for key, value in rates.items()
+    ]
+    _emit(args, data, "\n".join(lines) or "no rates")
     return 0
 
 
@@ -416,6 +442,28 @@ def build_parser() -> argparse.ArgumentParser:
     m_ls = mod.add_parser("ls", parents=[common], help="a team's model lists")
     m_ls.add_argument("--team", required=True)
     m_ls.set_defaults(handler=cmd_models)
+
+    rate = sub.add_parser("rate", help="requests and tokens per minute, requests in flight")
+    rate_sub = rate.add_subparsers(dest="rate_cmd", required=True)
+    r_set = rate_sub.add_parser(
+        "set", parents=[common], help="set rates (a rate not given is kept; 0 removes it)"
+    )
+    for name, text in (
+        ("rm", "remove every rate of a key (or the team)"),
+        ("ls", "a team's rates"),
+    ):
+        rate_sub.add_parser(name, parents=[common], help=text)
+    for cmd, r in rate_sub.choices.items():
+        r.add_argument("--team", required=True)
+        if cmd != "ls":
+            r.add_argument("--api-key", default=None, help="a key's rates (default: the team's)")
+        r.set_defaults(handler=cmd_rate)
+    for flag, text in (
+        ("--rpm", "requests per minute"),
+        ("--tpm", "tokens per minute (prompt estimate + output cap reserved at admission)"),
+        ("--max-parallel", "requests in flight at once"),
+    ):
+        r_set.add_argument(flag, type=int, default=None, metavar="N", help=text)
 
     bal = sub.add_parser("balance", help="prepaid credit").add_subparsers(
         dest="balance_cmd", required=True

@@ -25,3 +25,8 @@ def from_micros(us: int) -> datetime:
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def to_millis(t: datetime) -> int:
+    """Epoch milliseconds (the rate windows' time, passed to the store scripts)."""
+    return to_micros(t) // 1000

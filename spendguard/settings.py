@@ -72,6 +72,14 @@ class Settings(BaseSettings):
         description="With Redis: seconds after its last heartbeat that a gateway counts as "
         "dead, and a settling worker writes the records of the inferences it left.",
     )
+    rate_slot_ttl: float = Field(
+        600.0,
+        ge=1,
+        le=86_400,
+        description="Seconds an admitted request counts against a max-parallel rate (and keeps "
+        "its TPM reservation open) at most: the bound after which a slot left by a gateway "
+        "that died is freed.",
+    )
     fail_mode: FailMode = Field(
         FailMode.CLOSED, description="Redis unavailable: closed (503) or open (allow, tracked)."
     )

@@ -5,7 +5,9 @@ admission the engine refused; the adapter decides nothing about it.
 
 A spend-limit or balance 429 carries ``x-should-retry: false``: the official OpenAI and
 Anthropic SDKs honour it, so they raise at once instead of retrying a limit that resets
-tomorrow (or a balance that never resets by itself). A 503 is left to the SDKs' retries.
+tomorrow (or a balance that never resets by itself). A 503 is left to the SDKs' retries, and so
+is a rate's 429 (``rate_limit_exceeded``, with ``Retry-After`` and OpenAI's ``x-ratelimit-*``
+headers), unless the request alone is larger than a tokens-per-minute rate.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from starlette.types import Send
 
 from ..engine.decision import Admission, Verdict
 from ..limits import Limit, Period, SubjectKind
+from ..limits.rates import RateDenial, RateKind, Scope
 from ..usage import Dialect
+from .ratelimit import rate_limit_headers
 
 # Honoured by the OpenAI and Anthropic SDKs: a spend limit is not a transient rate limit.
 _NO_RETRY: Final = (b"x-should-retry", b"false")
@@ -51,7 +55,30 @@ def limit_message(limit: Limit) -> str:
     return f"{subject} {_WINDOW_NAMES[limit.window]} spend limit exceeded."
 
 
-def error_body(dialect: Dialect, status: int, code: str, message: str) -> bytes:
+_RATE_NAMES = {
+    RateKind.RPM: ("requests per minute", "requests"),
+    RateKind.TPM: ("tokens per minute", "tokens"),
+    RateKind.PARALLEL: ("parallel requests", "requests"),
+}
+
+
+def rate_message(denial: RateDenial) -> str:
+    """``Rate limit reached for API Key on requests per minute: limit 60.`` and the like."""
+    subject = "API Key" if denial.state.scope is Scope.API_KEY else "Team"
+    what = _RATE_NAMES[denial.kind][0]
+    message = f"Rate limit reached for {subject} on {what}: limit {denial.limit}"
+    if denial.kind is RateKind.TPM:
+        message += f", requested {denial.cost}"
+        if denial.cost > denial.limit:
+            return f"Request too large for {subject} on {what}: limit {denial.limit}, " + (
+                f"requested {denial.cost}. Lower max_tokens or the prompt."
+            )
+    return message + "."
+
+
+def error_body(
+    dialect: Dialect, status: int, code: str, message: str, error_type: str | None = None
+) -> bytes:
     if dialect is Dialect.ANTHROPIC:
         body: dict[str, object] = {
             "type": "error",
@@ -60,7 +87,7 @@ def error_body(dialect: Dialect, status: int, code: str, message: str) -> bytes:
     else:
         body = {
             "error": {
-                "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
+                "type": error_type or _OPENAI_TYPES.get(status, "invalid_request_error"),
                 "code": code,
                 "message": message,
             }
@@ -77,8 +104,9 @@ async def send_error(
     *,
     retry_after: int | None = None,
     headers: Sequence[tuple[bytes, bytes]] = (),
+    error_type: str | None = None,
 ) -> None:
-    body = error_body(dialect, status, code, message)
+    body = error_body(dialect, status, code, message, error_type)
     start_headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -105,6 +133,22 @@ async def send_refusal(
         model = admission.request.model if admission.request is not None else ""
         message = f"Model {model!r} is not allowed for this API key."
         await send_error(send, dialect, 403, "model_not_allowed", message)
+    elif admission.verdict is Verdict.RATE_LIMITED and decision and decision.rate_denied:
+        rated = decision.rate_denied
+        rate_headers = rate_limit_headers(decision)
+        retry = decision.retry_after
+        if retry is None:  # larger than the rate itself: no retry can succeed
+            rate_headers.append(_NO_RETRY)
+        await send_error(
+            send,
+            dialect,
+            429,
+            "rate_limit_exceeded",
+            rate_message(rated),
+            retry_after=retry,
+            headers=rate_headers,
+            error_type=_RATE_NAMES[rated.kind][1],  # OpenAI's: "requests" or "tokens"
+        )
     elif admission.verdict is Verdict.DENY and decision is not None and decision.denied:
         limit = decision.denied_limit
         denial = [_NO_RETRY, *headers]

@@ -30,6 +30,7 @@ from .deferred import deferred_inference
 from .errors import send_error, send_refusal
 from .identity import IdentityResolver, resolve
 from .lifespan import run_lifespan
+from .ratelimit import rate_limit_headers
 from .remaining import remaining_headers
 from .request import BadRequest, parse_request
 from .routes import RouteTable
@@ -206,6 +207,7 @@ class SpendGuardMiddleware:
         added = [
             (_INFERENCE_ID_HEADER, admission.decision.inference_id.encode()),
             *self._remaining_headers(admission),
+            *rate_limit_headers(admission.decision),
         ]
 
         async def observed_send(message: Message) -> None:

@@ -29,6 +29,7 @@ from ..identity import Identity
 from ..ledger import Account, Ledger
 from ..limits import Balance, KeyCodec, Limit, Period, Policy, Subject, Window, window_of
 from ..limits.models import check_pattern
+from ..limits.rates import Rates
 from ..money import MAX_TOTAL_MICROS, checked_amount, micros_to_usd, usd_to_micros
 from ..store import CachedParts, RefreshEntry, Store
 
@@ -165,6 +166,57 @@ class Admin:
     async def list_models(self, team_id: str) -> dict[str | None, list[str]]:
         """The team's model lists: by encoded API key (None: the team's own list)."""
         return await self.ledger.load_models(Identity(team_id).team)
+
+    # -- rates ----------------------------------------------------------------------------
+    async def set_rates(
+        self,
+        team_id: str,
+        api_key_id: str | None = None,
+        *,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        max_parallel: int | None = None,
+    ) -> Rates:
+        """Set the request rates of a key (or, with no key, of the team): requests and tokens
+        per minute, requests in flight. A rate not given keeps its value; 0 removes it.
+        Returns the subject's rates now. ValueError on a bad id or rate."""
+        identity = Identity(team_id, api_key_id)
+        current = (await self.ledger.load_rates(identity.team)).get(identity.api_key, Rates())
+
+        def merged(given: int | None, kept: int | None) -> int | None:
+            return kept if given is None else (given or None)
+
+        value = Rates(
+            merged(rpm, current.rpm),
+            merged(tpm, current.tpm),
+            merged(max_parallel, current.max_parallel),
+        )
+        await self._save_rates(identity, value, "rates saved")
+        return value
+
+    async def remove_rates(self, team_id: str, api_key_id: str | None = None) -> bool:
+        """Remove every rate of a key (or the team); False when it had none."""
+        identity = Identity(team_id, api_key_id)
+        had = identity.api_key in await self.ledger.load_rates(identity.team)
+        if had:
+            await self._save_rates(identity, Rates(), "rates removed")
+        return had
+
+    async def list_rates(self, team_id: str) -> dict[str | None, Rates]:
+        """The team's rates: by raw API key id (None: the team's own)."""
+        listed = await self.ledger.list_rates(Identity(team_id).team)
+        return {key_id if key else None: value for key, (key_id, value) in listed.items()}
+
+    async def _save_rates(self, identity: Identity, value: Rates, what: str) -> None:
+        await self.ledger.set_rates(
+            identity.team,
+            identity.api_key,
+            team_id=identity.team_id,
+            api_key_id=identity.api_key_id,
+            value=value,
+            now=self.clock(),
+        )
+        await self._sync(identity.team, what)
 
     async def list_policies(self, team_id: str | None = None) -> list[Policy]:
         team = None if team_id is None else Identity(team_id).team

@@ -14,6 +14,7 @@ from enum import StrEnum
 
 from ..identity import Identity
 from ..limits import Limit
+from ..limits.rates import RateDenial, RateState
 from ..store import LimitState
 from ..usage import Dialect
 
@@ -27,6 +28,7 @@ class Verdict(StrEnum):
     UNAUTHENTICATED = "unauthenticated"  # no identity: 401
     UNPRICED = "unpriced"  # the model has no price and unknown models are rejected: 400
     MODEL_NOT_ALLOWED = "model_not_allowed"  # not on the key's (or team's) model list: 403
+    RATE_LIMITED = "rate_limited"  # a rate (RPM, TPM, parallel) of the key or team: 429
 
 
 class Unavailable(StrEnum):
@@ -52,6 +54,11 @@ class Decision:
     # The team's entries hash when preflight wrote this inference's admission entry (a shared
     # store): finishing it closes the entry.
     entry_key: str | None = None
+    # The rated scopes (the key's, then the team's) as preflight left them; the rate that
+    # denied; the rate hashes in which the inference is in flight (finishing it closes them).
+    rates: tuple[RateState, ...] = ()
+    rate_denied: RateDenial | None = None
+    rate_keys: tuple[str, ...] = ()
 
     @property
     def denied(self) -> LimitState | None:

@@ -25,6 +25,7 @@ from .. import metrics
 from ..errors import LedgerUnavailable
 from ..ledger import Account, Ledger
 from ..limits import Balance, Check, KeyCodec, KeyPlan, Limit, Policy
+from ..limits.rates import Rates
 from ..store import Preflight, Store, UsageFill
 from .singleflight import SingleFlight
 
@@ -39,6 +40,7 @@ class _Known(NamedTuple):
     policies: list[Policy]
     account: Account | None
     models: dict[str | None, list[str]]  # allowed model patterns per API key (None: team)
+    rates: dict[str | None, Rates]  # request rates per API key (None: team)
     read_at: float  # time.monotonic() of the ledger read
 
 
@@ -46,6 +48,7 @@ class _Limits(NamedTuple):
     policies: list[Policy]
     account: Account | None
     models: dict[str | None, list[str]]
+    rates: dict[str | None, Rates]
 
 
 class CacheFiller:
@@ -89,6 +92,7 @@ class CacheFiller:
                 balance=account is not None,
                 balance_hard=account is not None and account.hard,
                 models=limits.models,
+                rates=limits.rates,
             )
             if not fresh:
                 # The ledger is down: only the policy hash. Usage keys normally outlive it; the
@@ -107,7 +111,8 @@ class CacheFiller:
 
     async def _load_limits(self, team: str) -> _Limits:
         policies, account = await self._ledger.load_limits(team)
-        return _Limits(policies, account, await self._ledger.load_models(team))
+        models = await self._ledger.load_models(team)
+        return _Limits(policies, account, models, await self._ledger.load_rates(team))
 
     async def _policies(self, team: str) -> tuple[_Limits, bool]:
         """The team's policies and account from the ledger (fresh); the last ones read (not
@@ -126,7 +131,7 @@ class CacheFiller:
                 team,
                 self._monotonic() - known.read_at,
             )
-            return _Limits(known.policies, known.account, known.models), False
+            return _Limits(known.policies, known.account, known.models, known.rates), False
         if len(self._known) >= _MAX_KNOWN_TEAMS and team not in self._known:
             self._known.clear()
         self._known[team] = _Known(*limits, self._monotonic())

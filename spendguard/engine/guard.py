@@ -31,11 +31,12 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from .. import metrics
-from ..clock import as_utc, to_micros, utcnow
+from ..clock import as_utc, to_micros, to_millis, utcnow
 from ..errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnavailable
 from ..identity import Identity
 from ..ledger import Ledger
 from ..limits import KeyCodec, Limit
+from ..limits.rates import Scope
 from ..record import InferenceRecord, PostflightStatus
 from ..settings import FailMode, MissingIdentity, Settings, load_settings
 from ..store import EntryWrite, Outcome, OwnerLog, Preflight, Store, make_store
@@ -43,7 +44,7 @@ from ..usage import BodyObserver, Dialect, Usage, estimate_usage, observer_for
 from .admin import Admin
 from .costing import Coster
 from .decision import Admission, Decision, InferenceRequest, Unavailable, Verdict
-from .entries import closed_entry, open_entry, worst_case
+from .entries import admission_tokens, closed_entry, open_entry, worst_case
 from .fill import CacheFiller
 from .outage import OutageTracker
 from .pricing import PriceTable
@@ -453,6 +454,7 @@ class SpendGuard:
         # What a hard limit holds for this request until it ends (soft limits ignore it).
         hold = worst_case(request, self.coster) if request is not None else 0
         model = request.model if request is not None else ""
+        tokens = sum(admission_tokens(request)) if request is not None else 0  # a TPM's reserve
         if request is not None and self._entries_on:
             entry_key = self.codec.entries_key(identity.team)
             value = open_entry(
@@ -473,8 +475,11 @@ class SpendGuard:
                 self._note_unclosed({record_id: entry.key})
             denied = pf.denied if pf is not None else None
             target = denied.check.target if denied is not None else None
-            if isinstance(target, Limit):
-                retry_after: int | None = target.window.seconds_to_reset(self.clock())
+            rate_denied = pf.rate_denied if pf is not None else None
+            if rate_denied is not None:
+                retry_after: int | None = rate_denied.retry_after()
+            elif isinstance(target, Limit):
+                retry_after = target.window.seconds_to_reset(self.clock())
             else:  # a balance never resets by itself; an outage is retried shortly
                 retry_after = 1 if verdict is Verdict.UNAVAILABLE else None
             decided(verdict, pf is not None and bool(pf.limits), target, fail_open, unavailable)
@@ -489,6 +494,13 @@ class SpendGuard:
                 fail_open=fail_open,
                 unavailable=unavailable,
                 entry_key=entry.key if entry is not None and verdict is Verdict.ALLOW else None,
+                rates=pf.rates if pf is not None else (),
+                rate_denied=rate_denied,
+                rate_keys=tuple(
+                    plan.rate_keys[r.scope is Scope.TEAM]
+                    for r in (pf.rates if pf is not None and verdict is Verdict.ALLOW else ())
+                    if r.tracked
+                ),
             )
 
         try:
@@ -500,7 +512,14 @@ class SpendGuard:
                 started = perf_counter()
                 try:
                     pf = await self.store.preflight(
-                        plan, entry, record_id=record_id, hold=hold, model=model
+                        plan,
+                        entry,
+                        record_id=record_id,
+                        hold=hold,
+                        model=model,
+                        tokens=tokens,
+                        now_ms=to_millis(self.clock()),
+                        slot_ttl_ms=int(self.settings.rate_slot_ttl * 1000),
                     )
                 finally:
                     _PREFLIGHT_SECONDS.observe(perf_counter() - started)
@@ -514,6 +533,8 @@ class SpendGuard:
                     return conclude(Verdict.DENY, pf)
                 if pf.outcome is Outcome.MODEL:
                     return conclude(Verdict.MODEL_NOT_ALLOWED, pf)
+                if pf.outcome is Outcome.RATE:
+                    return conclude(Verdict.RATE_LIMITED, pf)
                 await self.filler.fill(plan, pf)
         except StoreFull as exc:
             log.error("spendguard store full, refusing: %s", exc)
@@ -555,12 +576,16 @@ class SpendGuard:
         """An admitted inference that is not charged (an upstream error, no response): its
         holds on hard limits and its admission entry go; there will be no record."""
         keys = [state.check.usage_key for state in decision.limits if state.hard]
-        if not keys and decision.entry_key is None:
+        if not keys and decision.entry_key is None and not decision.rate_keys:
             return
         started = perf_counter()
         try:
             await self.store.postflight(
-                decision.record_id, None, keys, entry_key=decision.entry_key
+                decision.record_id,
+                None,
+                keys,
+                entry_key=decision.entry_key,
+                rate_keys=decision.rate_keys,
             )
         except Exception as exc:
             # A hold left behind blocks budget until its key expires, so the release is
@@ -628,13 +653,22 @@ class SpendGuard:
         record = self._record(decision, model, route, status_code, usage, estimate, expected)
         if entry_key is not None:
             closed = closed_entry(self.owner, record, to_micros(decision.t0))
-        if keys or entry_key is not None:
+        if keys or entry_key is not None or decision.rate_keys:
             started = perf_counter()
             try:
                 # No deadline here: every store bounds its own calls (the Redis store by its
                 # timeout; the embedded store never waits).
                 applied = await self.store.postflight(
-                    decision.record_id, estimate, keys, entry_key=entry_key, closed=closed
+                    decision.record_id,
+                    estimate,
+                    keys,
+                    entry_key=entry_key,
+                    closed=closed,
+                    rate_keys=decision.rate_keys,
+                    tokens=usage.input_tokens
+                    + usage.output_tokens
+                    + usage.cached_input_tokens
+                    + usage.cache_write_tokens,
                 )
                 status = PostflightStatus.APPLIED if applied else PostflightStatus.SKIPPED
                 if applied and self._fail_open:

@@ -18,9 +18,10 @@ import sqlalchemy as sa
 
 from ..clock import to_micros, utcnow
 from ..limits import Limit, Period, Policy, Subject, window_of
+from ..limits.rates import Rates
 from .balances import Account, BalanceQueries
 from .database import _text, _tuples
-from .schema import aggregates, balances, charge_bucket, charges, model_access, policies
+from .schema import aggregates, balances, charge_bucket, charges, model_access, policies, rates
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +275,76 @@ class PolicyQueries(BalanceQueries):
             out.setdefault(key or None, []).append(pattern)
         return out
 
+    async def set_rates(
+        self,
+        team: str,
+        api_key: str | None,
+        *,
+        team_id: str,
+        api_key_id: str | None,
+        value: Rates,
+        now: datetime | None = None,
+    ) -> None:
+        """Set a key's (or, with None, the team's) rates; empty :class:`Rates` removes them."""
+        now_us = to_micros(now or utcnow())
+        row = {
+            "rpm": value.rpm,
+            "tpm": value.tpm,
+            "max_parallel": value.max_parallel,
+            "active": not value.empty,
+            "updated_us": now_us,
+        }
+        stmt = self._insert(rates).values(
+            team=team,
+            api_key=api_key or "",
+            team_id=_text(team_id),
+            api_key_id=_text(api_key_id),
+            **row,
+        )
+        async with self._guard("rates write"):
+            await self._db.execute(
+                stmt.on_conflict_do_update(index_elements=[rates.c.team, rates.c.api_key], set_=row)
+            )
+
+    async def load_rates(self, team: str) -> dict[str | None, Rates]:
+        """The team's rates: per encoded API key, and under None for the team."""
+        query = sa.select(rates.c.api_key, rates.c.rpm, rates.c.tpm, rates.c.max_parallel).where(
+            rates.c.team == team, rates.c.active == sa.true()
+        )
+        async with self._guard("rates read"):
+            rows = _tuples(await self._db.fetch_all(query))
+        return {
+            key or None: Rates(
+                None if rpm is None else int(rpm),
+                None if tpm is None else int(tpm),
+                None if par is None else int(par),
+            )
+            for key, rpm, tpm, par in rows
+        }
+
+    async def list_rates(self, team: str) -> dict[str | None, tuple[str | None, Rates]]:
+        """Like :meth:`load_rates`, with each key's raw id for display."""
+        query = (
+            sa.select(
+                rates.c.api_key, rates.c.api_key_id, rates.c.rpm, rates.c.tpm, rates.c.max_parallel
+            )
+            .where(rates.c.team == team, rates.c.active == sa.true())
+            .order_by(rates.c.api_key)
+        )
+        async with self._guard("rates read"):
+            rows = _tuples(await self._db.fetch_all(query))
+        return {
+            key or None: (
+                key_id,
+                Rates(
+                    None if rpm is None else int(rpm),
+                    None if tpm is None else int(tpm),
+                    None if par is None else int(par),
+                ),
+            )
+            for key, key_id, rpm, tpm, par in rows
+        }
+
     async def policies_changed_since(self, since_us: int) -> dict[str, int]:
         """Teams whose policies changed at or after ``since_us`` (by anyone, e.g. the CLI),
         with the time of their latest change."""
@@ -282,7 +353,7 @@ class PolicyQueries(BalanceQueries):
             .where(policies.c.updated_us >= since_us)
             .group_by(policies.c.team)
         )
-        # An account opened, topped up or switched hard/soft, and model lists changed: the
+        # An account opened, topped up or switched hard/soft, model lists or rates changed: the
         # cached policy hash holds all of them.
         accounts = sa.select(balances.c.team, balances.c.updated_us).where(
             balances.c.updated_us >= since_us
@@ -292,10 +363,16 @@ class PolicyQueries(BalanceQueries):
             .where(model_access.c.updated_us >= since_us)
             .group_by(model_access.c.team)
         )
+        rated = (
+            sa.select(rates.c.team, sa.func.max(rates.c.updated_us))
+            .where(rates.c.updated_us >= since_us)
+            .group_by(rates.c.team)
+        )
         async with self._guard("policy read"):
             rows = _tuples(await self._db.fetch_all(query))
             rows += _tuples(await self._db.fetch_all(accounts))
             rows += _tuples(await self._db.fetch_all(models))
+            rows += _tuples(await self._db.fetch_all(rated))
         changed: dict[str, int] = {}
         for team, at in rows:
             changed[team] = max(changed.get(team, 0), int(at))

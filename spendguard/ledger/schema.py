@@ -45,6 +45,22 @@ model_access = sa.Table(
     sa.Column("updated_us", sa.BigInteger, nullable=False),
 )
 
+# Request rates of a key (api_key set) or a whole team (api_key ''): requests and tokens per
+# minute, requests in flight; NULL: not limited. An inactive row: no rates.
+rates = sa.Table(
+    "spendguard_rates",
+    metadata,
+    sa.Column("team", sa.String(100), primary_key=True),
+    sa.Column("api_key", sa.String(100), primary_key=True),  # '' = the whole team
+    sa.Column("team_id", sa.Text, nullable=False),
+    sa.Column("api_key_id", sa.Text, nullable=True),
+    sa.Column("rpm", sa.BigInteger, nullable=True),
+    sa.Column("tpm", sa.BigInteger, nullable=True),
+    sa.Column("max_parallel", sa.BigInteger, nullable=True),
+    sa.Column("active", sa.Boolean, nullable=False),
+    sa.Column("updated_us", sa.BigInteger, nullable=False),
+)
+
 records = sa.Table(
     "spendguard_records",
     metadata,

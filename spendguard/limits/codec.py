@@ -10,6 +10,8 @@ else. The layout::
     {prefix}:{team}:spend:usage:api_key:<key>:month:YYYYMM
     {prefix}:{team}:spend:balance                               the team's prepaid account
     {prefix}:{team}:spend:open                                  admission entries: id -> entry
+    {prefix}:{team}:spend:rate:team                             the team's request rates
+    {prefix}:{team}:spend:rate:api_key:<key>                    a key's request rates
     {prefix}:spend:owners                                       gateways that wrote entries
     {prefix}:spend:owner:{owner}:alive / :teams                 an owner's heartbeat, its teams
 
@@ -30,6 +32,7 @@ from ..money import MAX_AMOUNT_MICROS
 from .model import Balance, Limit, Policy, Subject, SubjectKind, Target, applicable
 from .models import ALLOW_PREFIX, allow_field
 from .models import encode as encode_models
+from .rates import Rates, rate_field
 from .windows import Period, Window
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -94,6 +97,10 @@ class KeyPlan:
     checks: tuple[Check, ...]  # in check order
     # The policy-hash fields of the model lists that apply: the team's, the key's ("" none).
     allow_fields: tuple[str, str] = (ALLOW_PREFIX, "")
+    # The policy-hash fields of the rates that apply and their rate hashes: the key's ("" for
+    # none: its key name is then the team's, never touched), then the team's.
+    rate_fields: tuple[str, str] = ("", "rate:")
+    rate_keys: tuple[str, str] = ("", "")
 
     def find(self, target: Target) -> Check:
         """The check of ``target``; KeyError when it does not apply to this request."""
@@ -111,11 +118,27 @@ class _Stems:
     takes it as is (no bucket formatting, no allocation).
     """
 
-    __slots__ = ("entries", "plan", "policy_key", "valid_from", "valid_until")
+    __slots__ = (
+        "entries",
+        "plan",
+        "policy_key",
+        "rate_fields",
+        "rate_keys",
+        "valid_from",
+        "valid_until",
+    )
 
-    def __init__(self, policy_key: str, entries: tuple[tuple[Target, str, str], ...]) -> None:
+    def __init__(
+        self,
+        policy_key: str,
+        entries: tuple[tuple[Target, str, str], ...],
+        rate_fields: tuple[str, str],
+        rate_keys: tuple[str, str],
+    ) -> None:
         self.policy_key = policy_key
         self.entries = entries  # target, field, usage key without the bucket
+        self.rate_fields = rate_fields
+        self.rate_keys = rate_keys
         self.plan: KeyPlan | None = None
         self.valid_from = self.valid_until = _EPOCH
 
@@ -161,6 +184,12 @@ class KeyCodec:
         """The teams an owner wrote entries for (set), so recovery finds them."""
         return f"{self.prefix}:spend:owner:{{{owner}}}:teams"
 
+    def rate_key(self, team: str, api_key: str | None) -> str:
+        """The rate hash of a key (or, with None, of the team): counters and requests in
+        flight (see :mod:`spendguard.limits.rates`)."""
+        subject = "team" if api_key is None else f"api_key:{api_key}"
+        return f"{self.prefix}:{{{team}}}:spend:rate:{subject}"
+
     def _usage_stem(self, target: Limit) -> str:
         return f"{self.prefix}:{{{target.team}}}:spend:usage:{field_of(target)}:"
 
@@ -190,7 +219,14 @@ class KeyCodec:
             valid_from = max(valid_from, window.start(t0))
             valid_until = min(valid_until, window.end(t0))
         key_list = allow_field(identity.api_key) if identity.api_key is not None else ""
-        plan = KeyPlan(identity.team, stems.policy_key, checks, (allow_field(None), key_list))
+        plan = KeyPlan(
+            identity.team,
+            stems.policy_key,
+            checks,
+            (allow_field(None), key_list),
+            stems.rate_fields,
+            stems.rate_keys,
+        )
         stems.plan, stems.valid_from, stems.valid_until = plan, valid_from, valid_until
         return plan
 
@@ -223,7 +259,14 @@ class KeyCodec:
         if len(self._stems) >= self.MAX_CACHED_IDENTITIES:
             self._stems.clear()  # a bound, not an LRU: rebuilding is cheap, growing is not
         entries = tuple((t, *self._parts(t)) for t in applicable(identity))
-        stems = _Stems(self.policy_key(identity.team), entries)
+        team, key = identity.team, identity.api_key
+        team_rates = self.rate_key(team, None)
+        stems = _Stems(
+            self.policy_key(team),
+            entries,
+            ("" if key is None else rate_field(key), rate_field(None)),
+            (team_rates if key is None else self.rate_key(team, key), team_rates),
+        )
         self._stems[(identity.team, identity.api_key)] = stems
         return stems
 
@@ -234,6 +277,7 @@ class KeyCodec:
         balance: bool,
         balance_hard: bool = False,
         models: Mapping[str | None, Sequence[str]] | None = None,
+        rates: Mapping[str | None, Rates] | None = None,
     ) -> dict[str, int | str]:
         """A team's policy hash: field -> amount (empty: "no policy"), plus the balance
         marker when the team has a prepaid account."""
@@ -249,4 +293,7 @@ class KeyCodec:
         for api_key, patterns in (models or {}).items():
             if patterns:
                 fields[allow_field(api_key)] = encode_models(patterns)
+        for api_key, subject_rates in (rates or {}).items():
+            if not subject_rates.empty:
+                fields[rate_field(api_key)] = subject_rates.encode()
         return fields

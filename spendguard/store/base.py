@@ -28,6 +28,7 @@ from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from ..limits import Balance, Check, KeyPlan
+from ..limits.rates import RateDenial, RateKind, RateState, Scope, parse_state
 
 
 class Outcome(StrEnum):
@@ -35,6 +36,7 @@ class Outcome(StrEnum):
     DENY = "deny"
     MISS = "miss"
     MODEL = "model"  # the model is on none of the lists that apply: nothing was checked
+    RATE = "rate"  # every limit allows, a rate (RPM, TPM, parallel) does not: nothing written
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +59,33 @@ class Preflight:
     limits: tuple[LimitState, ...] = ()
     missing_policy: bool = False
     missing_usage: tuple[Check, ...] = ()
+    # The rated scopes (the key's, then the team's), counted when allowed; the rate that denied.
+    rates: tuple[RateState, ...] = ()
+    rate_denied: RateDenial | None = None
 
     @property
     def denied(self) -> LimitState | None:
         return self.limits[-1] if self.outcome is Outcome.DENY else None
+
+
+def with_rates(
+    pf: Preflight, denial: str | None, states: Sequence[str | None], now_ms: int, tokens: int
+) -> Preflight:
+    """A preflight's spend answer with the rates part of the store's reply: the denying rate
+    (``"key:rpm"``, ``"team:par"``, ...) or None, and each scope's state (key, team) or None."""
+    rates = tuple(
+        parse_state(scope, raw, now_ms)
+        for scope, raw in zip((Scope.API_KEY, Scope.TEAM), states, strict=True)
+        if raw is not None
+    )
+    if denial is None or pf.outcome is not Outcome.ALLOW:
+        return Preflight(pf.outcome, pf.limits, pf.missing_policy, pf.missing_usage, rates)
+    scope, kind = denial.split(":")
+    state = next(r for r in rates if r.scope == scope)
+    rate = RateKind(kind)
+    cost = tokens if rate is RateKind.TPM else 1
+    denied = RateDenial(state, rate, cost)
+    return Preflight(Outcome.RATE, pf.limits, rates=rates, rate_denied=denied)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,11 +170,16 @@ class Store(Protocol):
         record_id: str = "",
         hold: int = 0,
         model: str = "",
+        tokens: int = 0,
+        now_ms: int | None = None,
+        slot_ttl_ms: int = 600_000,
     ) -> Preflight:
         """Check every policy-bearing check of ``plan``; one round trip. With ``model``,
-        first the model lists of the plan's team and key (MODEL: none admits it). An ALLOW
-        also, in the same atomic step, holds ``hold`` for ``record_id`` (or ``entry``'s) in
-        every hard limit, and writes ``entry``."""
+        first the model lists of the plan's team and key (MODEL: none admits it). When every
+        limit allows, the rates of the plan's key and team at ``now_ms`` (RATE: one does not;
+        ``tokens`` is what a TPM rate reserves). An ALLOW also, in the same atomic step, holds
+        ``hold`` for ``record_id`` (or ``entry``'s) in every hard limit, counts the request in
+        its rates (in flight for at most ``slot_ttl_ms``) and writes ``entry``."""
         ...
 
     async def fill(
@@ -172,9 +202,14 @@ class Store(Protocol):
         *,
         entry_key: str | None = None,
         closed: str = "",
+        rate_keys: Sequence[str] = (),
+        tokens: int | None = None,
     ) -> int:
         """Add ``amount`` to the existing ``usage_keys`` once; returns how many were charged.
         The record's holds in those keys are released first (``amount`` None: only that).
+
+        In each of ``rate_keys`` the record stops being in flight, and a TPM reservation is
+        trued up to ``tokens`` (None: released).
 
         With ``entry_key``, the record's admission entry is closed in the same step: replaced
         by ``closed`` if it still exists, or removed when ``closed`` is empty."""

@@ -11,12 +11,22 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from ..clock import utcnow
+from ..clock import to_millis, utcnow
 from ..errors import StoreFull
 from ..limits import Balance, Check, KeyPlan
 from ..limits.codec import HARD_PREFIX, LOADED_FIELD
 from ..limits.models import ALLOW_PREFIX, allows
-from .base import CachedParts, EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
+from ..limits.rates import RATE_PREFIX, WINDOW_MS, Rates, RateState, Scope, exceeds, minute_of
+from .base import (
+    CachedParts,
+    EntryWrite,
+    Outcome,
+    Preflight,
+    RefreshEntry,
+    UsageFill,
+    decide,
+    with_rates,
+)
 
 
 @dataclass(slots=True)
@@ -35,6 +45,30 @@ class _Policy:
     limits: dict[str, int]
     expires_at: datetime
     models: dict[str, str] = field(default_factory=dict)  # allow field -> encoded list
+    rates: dict[str, Rates] = field(default_factory=dict)  # rate field -> the subject's rates
+
+
+@dataclass(slots=True)
+class _Rate:
+    """A subject's rate hash (see :mod:`spendguard.limits.rates`), as the script keeps it."""
+
+    minute: int
+    requests: int = 0
+    tokens: int = 0
+    prev_requests: int = 0
+    prev_tokens: int = 0
+    # record id -> (deadline ms, minute, reserved tokens or None)
+    slots: dict[str, tuple[int, int, int | None]] = field(default_factory=dict)
+    earliest: int | None = None  # no later than the earliest deadline of slots
+    expires_ms: int = 0
+
+    def roll(self, minute: int) -> None:
+        if self.minute == minute - 1:
+            self.prev_requests, self.prev_tokens = self.requests, self.tokens
+            self.requests = self.tokens = 0
+        elif self.minute < minute - 1:
+            self.prev_requests = self.prev_tokens = self.requests = self.tokens = 0
+        self.minute = max(self.minute, minute)
 
 
 class MemoryStore:
@@ -50,6 +84,7 @@ class MemoryStore:
         # Admission entries, as the Redis store keeps them (one process: a crash loses them
         # with everything else, so the engine writes none here; kept for the one contract).
         self._entries: dict[str, dict[str, str]] = {}
+        self._rates: dict[str, _Rate] = {}
 
     # -- helpers --------------------------------------------------------------------------
     def _live_usage(self, key: str, now: datetime) -> _Usage | None:
@@ -67,13 +102,16 @@ class MemoryStore:
         return entry
 
     def _make_room(self, needed: int, now: datetime) -> None:
-        if len(self._usage) + len(self._policies) + needed <= self._max_keys:
+        if len(self) + needed <= self._max_keys:
             return
         for key in [k for k, v in self._usage.items() if v.expires_at <= now]:
             del self._usage[key]
         for key in [k for k, p in self._policies.items() if p.expires_at <= now]:
             del self._policies[key]
-        if len(self._usage) + len(self._policies) + needed > self._max_keys:
+        now_ms = to_millis(now)
+        for key in [k for k, r in self._rates.items() if r.expires_ms <= now_ms]:
+            del self._rates[key]
+        if len(self) + needed > self._max_keys:
             raise StoreFull(f"embedded store is full ({self._max_keys} keys)")
 
     # -- Store ----------------------------------------------------------------------------
@@ -88,17 +126,27 @@ class MemoryStore:
         record_id: str = "",
         hold: int = 0,
         model: str = "",
+        tokens: int = 0,
+        now_ms: int | None = None,
+        slot_ttl_ms: int = 600_000,
     ) -> Preflight:
         _check_amount(hold)
-        if model:
-            policy = self._live_policy(plan.policy_key, self._clock())
-            if policy is not None and any(
+        _check_amount(tokens)
+        policy = self._live_policy(plan.policy_key, self._clock())
+        if (
+            model
+            and policy is not None
+            and any(
                 not allows(policy.models[f], model) for f in plan.allow_fields if f in policy.models
-            ):
-                return Preflight(Outcome.MODEL)
+            )
+        ):
+            return Preflight(Outcome.MODEL)
         pf = self._preflight(plan, hold)
+        rid = entry.record_id if entry is not None else record_id
+        if policy is not None and policy.rates and pf.outcome is Outcome.ALLOW:
+            now_ms = to_millis(self._clock()) if now_ms is None else now_ms
+            pf = self._rate(plan, policy, pf, rid, tokens, now_ms, slot_ttl_ms)
         if pf.outcome is Outcome.ALLOW:
-            rid = entry.record_id if entry is not None else record_id
             if hold:
                 now = self._clock()
                 for state in pf.limits:
@@ -109,6 +157,75 @@ class MemoryStore:
             if entry is not None:
                 self._entries.setdefault(entry.key, {})[entry.record_id] = entry.value
         return pf
+
+    def _rate(
+        self,
+        plan: KeyPlan,
+        policy: _Policy,
+        pf: Preflight,
+        rid: str,
+        tokens: int,
+        now_ms: int,
+        slot_ttl_ms: int,
+    ) -> Preflight:
+        """The rates of the plan's key and team (preflight.lua's rule, on the same integers)."""
+        minute, weight = minute_of(now_ms)
+        rated: list[tuple[Scope, Rates, _Rate, str]] = []
+        denial: str | None = None
+        for scope, fld, key in zip(
+            (Scope.API_KEY, Scope.TEAM), plan.rate_fields, plan.rate_keys, strict=True
+        ):
+            rates = policy.rates.get(fld) if fld else None
+            if rates is None:
+                continue
+            rate = self._rates.get(key)
+            if rate is None or rate.expires_ms <= now_ms:
+                self._rates.pop(key, None)
+                self._make_room(1, self._clock())
+                rate = _Rate(minute)
+            rate.roll(minute)
+            if rate.earliest is not None and now_ms >= rate.earliest:
+                # Some entry may have outlived its deadline (its gateway died): drop them.
+                rate.slots = {k: v for k, v in rate.slots.items() if v[0] > now_ms}
+                rate.earliest = min((v[0] for v in rate.slots.values()), default=None)
+            if denial is None:
+                if rates.rpm and exceeds(rate.prev_requests, rate.requests, 1, rates.rpm, weight):
+                    denial = f"{scope}:rpm"
+                elif rates.tpm and exceeds(
+                    rate.prev_tokens, rate.tokens, tokens, rates.tpm, weight
+                ):
+                    denial = f"{scope}:tpm"
+                elif rates.max_parallel and len(rate.slots) + 1 > rates.max_parallel:
+                    denial = f"{scope}:par"
+            rated.append((scope, rates, rate, key))
+        if denial is None:
+            deadline = now_ms + slot_ttl_ms
+            for _, rates, rate, key in rated:
+                rate.requests += 1
+                if rates.tpm:
+                    rate.tokens += tokens
+                if (rates.tpm or rates.max_parallel) and rid not in rate.slots:
+                    rate.slots[rid] = (deadline, minute, tokens if rates.tpm else None)
+                    if rate.earliest is None:
+                        rate.earliest = deadline
+                rate.expires_ms = now_ms + max(2 * WINDOW_MS, slot_ttl_ms) + WINDOW_MS
+                self._rates[key] = rate
+        states = {
+            scope: RateState(
+                scope,
+                rates,
+                rate.prev_requests,
+                rate.requests,
+                rate.prev_tokens,
+                rate.tokens,
+                len(rate.slots),
+                now_ms,
+            ).encode()
+            for scope, rates, rate, _ in rated
+        }
+        return with_rates(
+            pf, denial, [states.get(Scope.API_KEY), states.get(Scope.TEAM)], now_ms, tokens
+        )
 
     def _preflight(self, plan: KeyPlan, hold: int) -> Preflight:
         now = self._clock()
@@ -138,8 +255,10 @@ class MemoryStore:
         policy_ttl: float,
     ) -> None:
         now = self._clock()
-        amounts = {k: v for k, v in (policies or {}).items() if not k.startswith(ALLOW_PREFIX)}
-        models = {k: v for k, v in (policies or {}).items() if k.startswith(ALLOW_PREFIX)}
+        given = policies or {}
+        amounts = {k: v for k, v in given.items() if not k.startswith((ALLOW_PREFIX, RATE_PREFIX))}
+        models = {k: v for k, v in given.items() if k.startswith(ALLOW_PREFIX)}
+        rates = {k: Rates.decode(str(v)) for k, v in given.items() if k.startswith(RATE_PREFIX)}
         for value in [*amounts.values(), *(u.settled for u in usage)]:
             _check_amount(value)  # type: ignore[arg-type]  # a str fails the check
         if not all(isinstance(v, str) and v for v in models.values()):
@@ -158,6 +277,7 @@ class MemoryStore:
                 limits,  # type: ignore[arg-type]  # checked above: integers only
                 now + timedelta(seconds=policy_ttl),
                 {k: str(v) for k, v in models.items()},
+                rates,
             )
         for u in new_usage:
             self._usage[u.usage_key] = _Usage(u.settled, u.expires_at, limit=u.limit)
@@ -170,11 +290,31 @@ class MemoryStore:
         *,
         entry_key: str | None = None,
         closed: str = "",
+        rate_keys: Sequence[str] = (),
+        tokens: int | None = None,
     ) -> int:
         if not record_id:
             raise ValueError("record_id must not be empty")
         if amount is not None:
             _check_amount(amount)
+        if tokens is not None:
+            _check_amount(tokens)
+        for key in rate_keys:
+            rate = self._rates.get(key)
+            slot = None if rate is None else rate.slots.pop(record_id, None)
+            if rate is None or slot is None:
+                continue
+            if not rate.slots:
+                rate.earliest = None
+            _, minute, reserved = slot
+            if reserved is None:
+                continue
+            # True up the reservation in the minute it was made, while that minute counts.
+            delta = (tokens or 0) - reserved
+            if minute == rate.minute:
+                rate.tokens = max(0, rate.tokens + delta)
+            elif minute == rate.minute - 1:
+                rate.prev_tokens = max(0, rate.prev_tokens + delta)
         now = self._clock()
         applied = 0
         for key in usage_keys:
@@ -266,9 +406,10 @@ class MemoryStore:
     async def aclose(self) -> None:
         self._usage.clear()
         self._policies.clear()
+        self._rates.clear()
 
     def __len__(self) -> int:
-        return len(self._usage) + len(self._policies)
+        return len(self._usage) + len(self._policies) + len(self._rates)
 
 
 def _check_amount(value: int) -> None:

@@ -28,9 +28,19 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from ..clock import to_millis, utcnow
 from ..errors import ConfigurationError, StoreUnavailable
 from ..limits import Check, KeyPlan
-from .base import CachedParts, EntryWrite, Outcome, Preflight, RefreshEntry, UsageFill, decide
+from .base import (
+    CachedParts,
+    EntryWrite,
+    Outcome,
+    Preflight,
+    RefreshEntry,
+    UsageFill,
+    decide,
+    with_rates,
+)
 from .pipeline import ScriptPipeline, store_error
 
 log = logging.getLogger("spendguard.store")
@@ -110,12 +120,18 @@ class RedisStore:
         record_id: str = "",
         hold: int = 0,
         model: str = "",
+        tokens: int = 0,
+        now_ms: int | None = None,
+        slot_ttl_ms: int = 600_000,
     ) -> Preflight:
         checks = plan.checks
-        keys = [plan.policy_key, *(c.usage_key for c in checks)]
+        keys = [plan.policy_key, *(c.usage_key for c in checks), *plan.rate_keys]
         args = [str(len(checks)), *(c.field for c in checks)]
         rid = entry.record_id if entry is not None else record_id
-        args += (rid, _uint(hold), model, *plan.allow_fields)
+        if now_ms is None:
+            now_ms = to_millis(utcnow())
+        args += (rid, _uint(hold), model, *plan.allow_fields, *plan.rate_fields)
+        args += (str(now_ms), _uint(tokens), str(slot_ttl_ms))
         if entry is not None:
             keys.append(entry.key)
             args.append(entry.value)
@@ -129,7 +145,11 @@ class RedisStore:
             limit, settled, pending, hard = raw[4 * i : 4 * i + 4]
             used = None if settled is None else int(settled) + int(pending or 0)
             found.append((check, None if limit is None else int(limit), used, hard is not None))
-        return decide(found, hold)
+        pf = decide(found, hold)
+        n = 4 * len(checks)
+        if len(raw) == n:
+            return pf  # no rates apply (or a limit decided first)
+        return with_rates(pf, raw[n], raw[n + 1 : n + 3], now_ms, tokens)
 
     async def fill(
         self,
@@ -159,16 +179,19 @@ class RedisStore:
         *,
         entry_key: str | None = None,
         closed: str = "",
+        rate_keys: Sequence[str] = (),
+        tokens: int | None = None,
     ) -> int:
         charge = "-" if amount is None else _uint(amount)
+        used = "-" if tokens is None else _uint(tokens)
+        args = [record_id, charge, str(len(rate_keys)), used]
+        keys = [*usage_keys, *rate_keys]
         if entry_key is None:
-            if not usage_keys:
+            if not keys:
                 return 0
-            args = [record_id, charge]
-            keys = usage_keys
         else:
-            args = [record_id, charge, closed]
-            keys = [*usage_keys, entry_key]
+            args.append(closed)
+            keys.append(entry_key)
         return int(await self._batched("postflight", keys, args))
 
     async def open_entries(self, entries_key: str) -> dict[str, str]:

@@ -28,6 +28,11 @@ for i = 3, first_usage - 1, 2 do
     if #ARGV[i + 1] == 0 or #ARGV[i + 1] > 65536 then
       return redis.error_reply('spendguard fill: bad model list')
     end
+  elseif string.sub(field, 1, 5) == 'rate:' then
+    -- A subject's rates: "rpm tpm max_parallel".
+    if not string.match(ARGV[i + 1], '^%d+ %d+ %d+$') then
+      return redis.error_reply('spendguard fill: bad rates')
+    end
   elseif (field ~= 'balance' and string.find(field, ':', 1, true) == nil)
       or not is_uint(ARGV[i + 1]) then
     return redis.error_reply('spendguard fill: bad policy field')

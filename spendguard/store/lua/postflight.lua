@@ -1,22 +1,35 @@
 -- Postflight (design.md, "Invariants" 1, 2 and 5): add one record's estimate to the usage keys that exist, once.
 --
 -- KEYS[i]  a usage hash the preflight found policy-bearing
--- KEYS[#KEYS]  (with ARGV[3]) the team's admission entries
+-- then ARGV[3] rate hashes in which the preflight left the record in flight
+-- KEYS[#KEYS]  (with ARGV[5]) the team's admission entries
 -- ARGV[1]  record id
 -- ARGV[2]  estimate in micro-USD (decimal string), or "-": not charged (holds released only)
--- ARGV[3]  (optional) the record, to replace its admission entry with ("" removes the entry:
+-- ARGV[3]  how many rate hashes follow the usage hashes
+-- ARGV[4]  the tokens the inference used, or "-": not charged (a TPM reservation is released)
+-- ARGV[5]  (optional) the record, to replace its admission entry with ("" removes the entry:
 --          an inference that is not charged)
+--
+-- In each rate hash (design.md, "Rates") the record's in-flight entry goes, and a TPM rate's
+-- reservation is trued up to what was used, in the minute it was reserved in (while that minute
+-- still counts; never below 0). An entry already gone (expired, or a re-sent call) changes
+-- nothing.
 --
 -- Everything is validated before the first write. A missing key is not created from 0 (the
 -- next preflight reloads it from the ledger). Per key the record leaves a marker r:<id> holding
 -- its estimate, next to the running pending total p: the marker makes a re-sent postflight a
 -- no-op and lets settlement subtract exactly this estimate later. A tombstone d:<id> means
 -- settlement already handled the record: a postflight arriving that late adds nothing.
-local rid, amount, closed = ARGV[1], ARGV[2], ARGV[3]
+local rid, amount, nrates, used, closed = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local nkeys = #KEYS
 if closed then
   nkeys = nkeys - 1
 end
+if nrates == nil or nrates > nkeys or (used ~= '-' and not tonumber(used)) then
+  return redis.error_reply('spendguard postflight: bad rate arguments')
+end
+nkeys = nkeys - nrates
+
 if type(rid) ~= 'string' or #rid == 0 or #rid > 64 or string.find(rid, '[^%w%-_]') then
   return redis.error_reply('spendguard postflight: bad record id')
 end
@@ -35,6 +48,26 @@ for i = 1, nkeys do
     return redis.error_reply('spendguard postflight: not a usage key')
   end
   seen[i] = got
+end
+for i = nkeys + 1, nkeys + nrates do
+  local key, slot = KEYS[i], 'f:' .. rid
+  local f = redis.call('HGET', KEYS[i], slot)
+  if f then
+    redis.call('HDEL', key, slot)
+    if redis.call('HINCRBY', key, 'n', -1) <= 0 then
+      redis.call('HDEL', key, 'n', 'e')
+    end
+    local minute, reserved = string.match(f, '^%d+ (%d+) (%S+)$')
+    if reserved ~= '-' then
+      local delta = (used == '-' and 0 or tonumber(used)) - tonumber(reserved)
+      local m = tonumber(redis.call('HGET', key, 'm'))
+      local field = (tonumber(minute) == m and 't') or (tonumber(minute) == m - 1 and 'pt') or nil
+      if field and delta ~= 0 then
+        local v = (tonumber(redis.call('HGET', key, field)) or 0) + delta
+        redis.call('HSET', key, field, math.max(0, v))
+      end
+    end
+  end
 end
 local applied = 0
 local handled = {} -- a key named twice is charged once (its reads predate the first write)

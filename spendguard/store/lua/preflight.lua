@@ -4,14 +4,18 @@
 --
 -- KEYS[1]    the team's policy hash ({prefix}:{team}:spend:policy)
 -- KEYS[1+i]  the usage hash of candidate i for t0's period, i = 1..n
--- KEYS[n+2]  (with an entry) the team's admission entries ({prefix}:{team}:spend:open)
+-- KEYS[n+2], KEYS[n+3]  the rate hashes of the key and of the team
+-- KEYS[n+4]  (with an entry) the team's admission entries ({prefix}:{team}:spend:open)
 -- ARGV[1]    n
 -- ARGV[1+i]  the policy field of candidate i (team:month, api_key:<key>:day, balance, ...)
 -- ARGV[n+2]  the record id ("" with no entry and no hold)
 -- ARGV[n+3]  the hold in micro-USD a hard limit must fit (the request's worst case)
 -- ARGV[n+4]  the requested model ("" checks no model list)
 -- ARGV[n+5], ARGV[n+6]  the policy fields of the team's and the key's model lists
--- ARGV[n+7]  (optional) the entry's value
+-- ARGV[n+7], ARGV[n+8]  the policy fields of the key's and the team's rates ("" none)
+-- ARGV[n+9]  now (epoch ms), ARGV[n+10] the tokens a TPM rate reserves, ARGV[n+11] how long
+--            (ms) an in-flight entry counts at most
+-- ARGV[n+12] (optional) the entry's value
 --
 -- A model list is newline-separated globs (* any run, ? any one byte, the rest literal); a
 -- request whose model matches no glob of a list that exists gets "model" back, and nothing is
@@ -30,14 +34,20 @@
 -- pending in every hard key (postflight replaces it with the actual cost, or releases it), and
 -- its entry, so a gateway killed while the request runs cannot lose it. Amounts are compared
 -- exactly, as decimal strings when they are too long for a double.
+--
+-- Rates (design.md, "Rates") are checked only when every limit allows, key first: a rate
+-- field holds "rpm tpm par" (0: none). Two entries follow the 4n: the rate that denied
+-- ("key:rpm", "team:par", ... or nil), then each rated scope's state "rpm tpm par pr r pt t n"
+-- (key, team; nil for a scope without rates), after counting the request when it is allowed.
 local n = tonumber(ARGV[1])
-if n == nil or #KEYS < n + 1 or #ARGV < n + 6 then
+if n == nil or #KEYS < n + 3 or #ARGV < n + 11 then
   return redis.error_reply('spendguard preflight: argument count')
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
 end
-local rid, hold, model, entry = ARGV[n + 2], ARGV[n + 3], ARGV[n + 4], ARGV[n + 7]
+local rid, hold, model, entry = ARGV[n + 2], ARGV[n + 3], ARGV[n + 4], ARGV[n + 12]
+local scoped = redis.call('HMGET', KEYS[1], ARGV[n + 5], ARGV[n + 6], ARGV[n + 7], ARGV[n + 8])
 
 local function glob_matches(glob, name)
   local pattern = string.gsub(glob, '[%^%$%(%)%%%.%[%]%+%-]', '%%%0')
@@ -46,9 +56,8 @@ local function glob_matches(glob, name)
   return string.find(name, '^' .. pattern .. '$') ~= nil
 end
 if model ~= '' then
-  local lists = redis.call('HMGET', KEYS[1], ARGV[n + 5], ARGV[n + 6])
   for i = 1, 2 do
-    local list = lists[i]
+    local list = scoped[i]
     if list then
       local allowed = false
       for glob in string.gmatch(list, '[^\n]+') do
@@ -156,6 +165,102 @@ for i = 1, n do
     out[4 * i] = false
   end
 end
+local rated = {}
+if allow and (scoped[3] or scoped[4]) then
+  local W, now, tokens, ttl = 60000, tonumber(ARGV[n + 9]), tonumber(ARGV[n + 10]), tonumber(ARGV[n + 11])
+  if not (now and tokens and ttl) then
+    return redis.error_reply('spendguard preflight: bad rate arguments')
+  end
+  local minute = math.floor(now / W)
+  local weight = W - (now - minute * W)
+  out[4 * n + 1] = false
+  for s = 1, 2 do
+    local spec = scoped[s + 2]
+    if spec then
+      local key = KEYS[n + 1 + s]
+      local rpm, tpm, par = string.match(spec, '^(%d+) (%d+) (%d+)$')
+      rpm, tpm, par = tonumber(rpm), tonumber(tpm), tonumber(par)
+      local h = redis.call('HMGET', key, 'm', 'r', 't', 'pr', 'pt', 'n', 'e')
+      local m = tonumber(h[1]) or minute
+      local r, t, pr, pt = tonumber(h[2]) or 0, tonumber(h[3]) or 0, tonumber(h[4]) or 0, tonumber(h[5]) or 0
+      local inflight, e = tonumber(h[6]) or 0, tonumber(h[7])
+      if m == minute - 1 then
+        pr, pt, r, t = r, t, 0, 0
+      elseif m < minute - 1 then
+        pr, pt, r, t = 0, 0, 0, 0
+      end
+      if e and now >= e then
+        -- Some entry may have outlived its deadline (its gateway died): drop every such one.
+        local all = redis.call('HGETALL', key)
+        inflight, e = 0, nil
+        for i = 1, #all, 2 do
+          if string.sub(all[i], 1, 2) == 'f:' then
+            local deadline = tonumber(string.match(all[i + 1], '^%d+'))
+            if deadline <= now then
+              redis.call('HDEL', key, all[i])
+            else
+              inflight = inflight + 1
+              if not e or deadline < e then e = deadline end
+            end
+          end
+        end
+        if e then
+          redis.call('HSET', key, 'n', inflight, 'e', e)
+        else
+          redis.call('HDEL', key, 'n', 'e')
+        end
+      end
+      local scope = s == 1 and 'key:' or 'team:'
+      if allow == true then
+        if rpm > 0 and pr * weight + (r + 1) * W > rpm * W then
+          allow = scope .. 'rpm'
+        elseif tpm > 0 and pt * weight + (t + tokens) * W > tpm * W then
+          allow = scope .. 'tpm'
+        elseif par > 0 and inflight + 1 > par then
+          allow = scope .. 'par'
+        end
+      end
+      rated[s] = {key, rpm, tpm, par, pr, r, pt, t, inflight, e, m}
+    end
+  end
+  if allow ~= true then
+    out[4 * n + 1] = allow
+    allow = false
+  else
+    local deadline = now + ttl
+    for s = 1, 2 do
+      local q = rated[s]
+      if q then
+        local key, tpm, par = q[1], q[3], q[4]
+        q[6] = q[6] + 1
+        local write = {'m', math.max(q[11], minute), 'r', q[6], 'pr', q[5], 'pt', q[7]}
+        if tpm > 0 then
+          q[8] = q[8] + tokens
+        end
+        write[#write + 1] = 't'
+        write[#write + 1] = q[8]
+        if tpm > 0 or par > 0 then
+          local reserved = tpm > 0 and tokens or '-'
+          if redis.call('HSETNX', key, 'f:' .. rid, deadline .. ' ' .. minute .. ' ' .. reserved) == 1 then
+            q[9] = q[9] + 1
+          end
+          write[#write + 1] = 'n'
+          write[#write + 1] = q[9]
+          if not q[10] then
+            write[#write + 1] = 'e'
+            write[#write + 1] = deadline
+          end
+        end
+        redis.call('HSET', key, unpack(write))
+        redis.call('PEXPIRE', key, math.max(2 * W, ttl) + W)
+      end
+    end
+  end
+  for s = 1, 2 do
+    local q = rated[s]
+    out[4 * n + 1 + s] = q and table.concat({q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9]}, ' ') or false
+  end
+end
 if allow then
   if hold ~= '0' then
     for _, key in ipairs(holds) do
@@ -165,7 +270,7 @@ if allow then
     end
   end
   if entry then
-    redis.call('HSET', KEYS[n + 2], rid, entry)
+    redis.call('HSET', KEYS[n + 4], rid, entry)
   end
 end
 return out

@@ -1,0 +1,197 @@
+"""Request rates per key and per team: requests per minute (RPM), tokens per minute (TPM) and
+requests in flight (design.md, "Rates").
+
+A subject's rates live in the ledger and are cached in the team's policy hash next to its
+limits, one field per subject (``rate:`` for the team, ``rate:<key>`` for a key) holding
+``"<rpm> <tpm> <max_parallel>"`` (0: not limited). The preflight script checks them after the
+spend limits, in the same call, and counts an admitted request in the subject's rate hash
+(``{prefix}:{team}:spend:rate:<subject>``):
+
+    m        the current minute (epoch ms // 60,000)
+    r / t    requests / tokens counted in minute m
+    pr / pt  the same for minute m - 1
+    f:<id>   an admitted request in flight: "<deadline ms> <minute> <reserved tokens or ->"
+    n        how many f: entries there are; e: a deadline no later than the earliest one
+
+The window slides over the two fixed minutes: usage at ``elapsed`` ms into minute m is
+``pr * (60,000 - elapsed) / 60,000 + r`` (the previous minute weighted by how much of it the
+last 60 s still cover). Every comparison is made on integers (both sides times 60,000), so the
+script and the embedded store decide the same on the same numbers.
+
+This module holds the rule (shared by the embedded store) and what a caller derives from a
+scope's counters: what is left, when it resets, when a denied request would fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+RATE_PREFIX: Final = "rate:"
+WINDOW_MS: Final = 60_000
+MAX_RATE: Final = 10**10  # bound on every rate, so counts times 60,000 stay exact in a double
+
+
+class RateKind(StrEnum):
+    RPM = "rpm"
+    TPM = "tpm"
+    PARALLEL = "par"
+
+
+class Scope(StrEnum):
+    API_KEY = "key"
+    TEAM = "team"
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """A subject's rates; None: not limited."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    max_parallel: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rpm", "tpm", "max_parallel"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_RATE
+            ):
+                raise ValueError(f"{name} must be a whole number from 1 to {MAX_RATE}")
+
+    @property
+    def empty(self) -> bool:
+        return self.rpm is None and self.tpm is None and self.max_parallel is None
+
+    def encode(self) -> str:
+        """The policy-hash value: ``"<rpm> <tpm> <max_parallel>"``, 0 for none."""
+        return f"{self.rpm or 0} {self.tpm or 0} {self.max_parallel or 0}"
+
+    @classmethod
+    def decode(cls, value: str) -> Rates:
+        rpm, tpm, par = (int(v) for v in value.split(" "))
+        return cls(rpm or None, tpm or None, par or None)
+
+
+def rate_field(api_key: str | None) -> str:
+    """The policy-hash field of a key's rates (``api_key`` encoded) or the team's (None)."""
+    return RATE_PREFIX + (api_key or "")
+
+
+def minute_of(now_ms: int) -> tuple[int, int]:
+    """The minute containing ``now_ms`` and the weight of the previous one (ms of it the last
+    60 s still cover)."""
+    minute = now_ms // WINDOW_MS
+    return minute, WINDOW_MS - (now_ms - minute * WINDOW_MS)
+
+
+def exceeds(prev: int, cur: int, cost: int, limit: int, weight: int) -> bool:
+    """Whether ``cost`` more would pass ``limit`` in the sliding minute (integers only)."""
+    return prev * weight + (cur + cost) * WINDOW_MS > limit * WINDOW_MS
+
+
+@dataclass(frozen=True, slots=True)
+class RateState:
+    """One scope's rates and counters as a preflight saw them (after counting the request
+    when it was admitted); ``now_ms`` is the preflight's time."""
+
+    scope: Scope
+    rates: Rates
+    prev_requests: int
+    requests: int
+    prev_tokens: int
+    tokens: int
+    in_flight: int
+    now_ms: int
+
+    @property
+    def tracked(self) -> bool:
+        """Whether admitted requests leave an in-flight entry postflight must close."""
+        return self.rates.tpm is not None or self.rates.max_parallel is not None
+
+    def _weight(self) -> int:
+        return minute_of(self.now_ms)[1]
+
+    def remaining(self, kind: RateKind) -> int:
+        """What is left of an RPM or TPM rate now (0 when over it)."""
+        limit, prev, cur = self._parts(kind)
+        left = limit * WINDOW_MS - prev * self._weight() - cur * WINDOW_MS
+        return max(0, left // WINDOW_MS)
+
+    def reset_ms(self, kind: RateKind) -> int:
+        """Milliseconds until nothing counts against the rate any more (its initial state)."""
+        _, prev, cur = self._parts(kind)
+        weight = self._weight()
+        if cur:
+            return weight + WINDOW_MS  # minute m counts fully until it ends, then fades
+        return weight if prev else 0
+
+    def wait_ms(self, kind: RateKind, cost: int) -> int | None:
+        """Milliseconds until ``cost`` more would fit (0: now; None: never, it is larger
+        than the rate). A slot of the parallel cap frees when a request ends: unknown, None."""
+        if kind is RateKind.PARALLEL:
+            return None
+        limit, prev, cur = self._parts(kind)
+        if cost > limit:
+            return None
+        weight = self._weight()
+        elapsed = WINDOW_MS - weight
+        if cur + cost <= limit:
+            # Within this minute, as the previous one fades: prev * (W - e) <= (limit-cur-cost) W
+            if prev == 0:
+                return 0
+            at = WINDOW_MS - (limit - cur - cost) * WINDOW_MS // prev
+            return max(0, at - elapsed)
+        # Next minute: this one becomes the previous (cur), the new one starts empty.
+        at = WINDOW_MS - (limit - cost) * WINDOW_MS // cur if cur else 0
+        return weight + max(0, at)
+
+    def _parts(self, kind: RateKind) -> tuple[int, int, int]:
+        if kind is RateKind.RPM:
+            return self.rates.rpm or 0, self.prev_requests, self.requests
+        return self.rates.tpm or 0, self.prev_tokens, self.tokens
+
+    def encode(self) -> str:
+        """The script's reply for a scope (parsed back by :func:`parse_state`)."""
+        r = self.rates
+        return " ".join(
+            str(v)
+            for v in (
+                r.rpm or 0,
+                r.tpm or 0,
+                r.max_parallel or 0,
+                self.prev_requests,
+                self.requests,
+                self.prev_tokens,
+                self.tokens,
+                self.in_flight,
+            )
+        )
+
+
+def parse_state(scope: Scope, raw: str, now_ms: int) -> RateState:
+    rpm, tpm, par, pr, r, pt, t, n = (int(v) for v in raw.split(" "))
+    return RateState(scope, Rates(rpm or None, tpm or None, par or None), pr, r, pt, t, n, now_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class RateDenial:
+    """Which rate of which scope refused a request, and what it would have cost."""
+
+    state: RateState
+    kind: RateKind
+    cost: int  # 1 request, the reserved tokens, or 1 slot
+
+    @property
+    def limit(self) -> int:
+        r = self.state.rates
+        value = {RateKind.RPM: r.rpm, RateKind.TPM: r.tpm, RateKind.PARALLEL: r.max_parallel}
+        return value[self.kind] or 0
+
+    def retry_after(self) -> int | None:
+        """Whole seconds until the request would fit (None: never, it is too large)."""
+        if self.kind is RateKind.PARALLEL:
+            return 1  # a slot frees when a request ends
+        wait = self.state.wait_ms(self.kind, self.cost)
+        return None if wait is None else max(1, -(-wait // 1000))
