@@ -91,7 +91,12 @@ async def test_concurrent_misses_of_one_team_make_one_ledger_read_each(ledger: L
     async with anyio.create_task_group() as tg:
         for _ in range(50):
             tg.start_soon(cf.fill, plan, miss)
-    assert dict(counted.calls) == {"load_limits": 1, "load_models": 1, "load_aggregates": 1}
+    assert dict(counted.calls) == {
+        "load_limits": 1,
+        "load_models": 1,
+        "load_rates": 1,
+        "load_aggregates": 1,
+    }
     assert (await store.preflight(plan)).outcome is Outcome.ALLOW
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import anyio
 import pytest
@@ -17,6 +18,7 @@ from spendguard.errors import StoreFull
 from spendguard.identity import Identity
 from spendguard.limits import Balance, KeyCodec, KeyPlan, Period, Target, key_limit, team_limit
 from spendguard.limits.codec import field_of
+from spendguard.limits.rates import RateKind, Rates, Scope, rate_field
 from spendguard.store import CachedParts, EntryWrite, Outcome, RefreshEntry, Store, UsageFill
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
@@ -487,3 +489,158 @@ async def test_read_parts_tells_settled_pending_and_held_apart(harness: Harness)
     parts = await harness.store.read_parts([day, "quota:{acme}:absent"])
     assert parts[day] == CachedParts(settled=7, pending=20, held=100)
     assert parts["quota:{acme}:absent"] is None
+
+
+# -- rates (design.md, "Rates") ------------------------------------------------------------
+W = 60_000
+
+
+def minute_start(h: Harness) -> int:
+    """The start (epoch ms) of the next whole minute: the rates' time is the caller's."""
+    return (int(h.now().timestamp() * 1000) // W + 1) * W
+
+
+async def rated(
+    h: Harness, p: KeyPlan, rates: dict[str | None, Rates], limits: dict[Target, int] | None = None
+) -> None:
+    policy: dict[str, int | str] = {**fields(limits or {})}
+    policy.update({rate_field(k): r.encode() for k, r in rates.items()})
+    await h.store.fill(p, policy, [], policy_ttl=60)
+    if limits:
+        await warm(h, p, limits)
+
+
+async def admit(h: Harness, p: KeyPlan, rid: str, now_ms: int, tokens: int = 0, **kw: Any) -> Any:
+    return await h.store.preflight(p, record_id=rid, now_ms=now_ms, tokens=tokens, **kw)
+
+
+async def test_without_rates_nothing_is_counted(harness: Harness) -> None:
+    p = keys_for(harness)
+    await rated(harness, p, {}, {KEY_DAY: 10**6})
+    pf = await admit(harness, p, "a", minute_start(harness), tokens=500)
+    assert pf.outcome is Outcome.ALLOW and pf.rates == () and pf.rate_denied is None
+
+
+async def test_rpm_slides_over_two_fixed_minutes(harness: Harness) -> None:
+    p = keys_for(harness)
+    await rated(harness, p, {ALPHA.api_key: Rates(rpm=3)})
+    t = minute_start(harness)
+    for i in range(3):
+        pf = await admit(harness, p, f"a{i}", t + i)
+        assert pf.outcome is Outcome.ALLOW
+    assert pf.rates[0].requests == 3 and pf.rates[0].remaining(RateKind.RPM) == 0
+    pf = await admit(harness, p, "a3", t + 59_999)
+    assert pf.outcome is Outcome.RATE and pf.rate_denied is not None
+    assert (pf.rate_denied.kind, pf.rate_denied.state.scope) == (RateKind.RPM, Scope.API_KEY)
+    # The next minute opens with the previous one weighing fully: still 3 of 3...
+    pf = await admit(harness, p, "b0", t + W)
+    assert pf.outcome is Outcome.RATE and pf.rate_denied is not None
+    assert pf.rate_denied.retry_after() == 20  # 3 * (1 - 20/60) + 1 <= 3 from 20 s on
+    # ...one millisecond early is still one too many; at 20 s exactly one fits, not two.
+    assert (await admit(harness, p, "b1", t + W + 19_999)).outcome is Outcome.RATE
+    assert (await admit(harness, p, "b2", t + W + 20_000)).outcome is Outcome.ALLOW
+    assert (await admit(harness, p, "b3", t + W + 20_000)).outcome is Outcome.RATE
+    # Two minutes on, nothing counts any more.
+    for i in range(3):
+        assert (await admit(harness, p, f"c{i}", t + 3 * W)).outcome is Outcome.ALLOW
+
+
+async def test_tpm_reserves_at_admission_and_trues_up_at_completion(harness: Harness) -> None:
+    p = keys_for(harness)
+    await rated(harness, p, {ALPHA.api_key: Rates(tpm=1000)})
+    rate_key = p.rate_keys[0]
+    t = minute_start(harness)
+    assert (await admit(harness, p, "a", t, tokens=400)).outcome is Outcome.ALLOW
+    assert (await admit(harness, p, "b", t, tokens=400)).outcome is Outcome.ALLOW
+    pf = await admit(harness, p, "c", t, tokens=400)
+    assert pf.outcome is Outcome.RATE and pf.rate_denied is not None
+    assert (pf.rate_denied.kind, pf.rate_denied.cost) == (RateKind.TPM, 400)
+    assert pf.rates[0].tokens == 800  # a denied request reserved nothing
+    # "a" used 100 of its 400: 300 come back, and "c" fits.
+    await harness.store.postflight("a", 1, [], rate_keys=[rate_key], tokens=100)
+    pf = await admit(harness, p, "c", t + 1, tokens=400)
+    assert pf.outcome is Outcome.ALLOW and pf.rates[0].tokens == 900
+    # An uncharged inference gives its whole reservation back; a re-sent postflight nothing.
+    await harness.store.postflight("b", None, [], rate_keys=[rate_key])
+    await harness.store.postflight("b", None, [], rate_keys=[rate_key])
+    pf = await admit(harness, p, "d", t + 2, tokens=0)
+    assert pf.rates[0].tokens == 500
+    # Using more than reserved counts in full, in the minute the reservation was made.
+    await harness.store.postflight("c", 1, [], rate_keys=[rate_key], tokens=2000)
+    pf = await admit(harness, p, "e", t + W, tokens=1)
+    assert pf.outcome is Outcome.RATE and pf.rates[0].prev_tokens == 2100
+    # A request larger than the rate itself never fits.
+    pf = await admit(harness, p, "f", t + 10 * W, tokens=1001)
+    assert pf.outcome is Outcome.RATE and pf.rate_denied is not None
+    assert pf.rate_denied.retry_after() is None
+
+
+async def test_parallel_cap_frees_slots_at_completion_and_at_their_deadline(
+    harness: Harness,
+) -> None:
+    p = keys_for(harness)
+    await rated(harness, p, {ALPHA.api_key: Rates(max_parallel=2)})
+    rate_key = p.rate_keys[0]
+    t = minute_start(harness)
+    ttl = {"slot_ttl_ms": 1000}
+    assert (await admit(harness, p, "a", t, **ttl)).outcome is Outcome.ALLOW
+    assert (await admit(harness, p, "b", t, **ttl)).outcome is Outcome.ALLOW
+    pf = await admit(harness, p, "c", t + 1, **ttl)
+    assert pf.outcome is Outcome.RATE and pf.rate_denied is not None
+    assert pf.rate_denied.kind is RateKind.PARALLEL and pf.rates[0].in_flight == 2
+    await harness.store.postflight("a", 1, [], rate_keys=[rate_key], tokens=5)
+    assert (await admit(harness, p, "c", t + 2, **ttl)).outcome is Outcome.ALLOW
+    # "b" and "c" belong to a gateway that died: nobody finishes them. Until their deadline
+    # they hold their slots; after it they are dropped.
+    assert (await admit(harness, p, "d", t + 999, **ttl)).outcome is Outcome.RATE
+    pf = await admit(harness, p, "d", t + 1002, **ttl)
+    assert pf.outcome is Outcome.ALLOW and pf.rates[0].in_flight == 1
+    # A late postflight of an expired slot frees nothing twice.
+    await harness.store.postflight("b", 1, [], rate_keys=[rate_key], tokens=5)
+    assert (await admit(harness, p, "e", t + 1003, **ttl)).outcome is Outcome.ALLOW
+    assert (await admit(harness, p, "f", t + 1004, **ttl)).outcome is Outcome.RATE
+
+
+async def test_key_rates_are_checked_before_the_team_rates(harness: Harness) -> None:
+    alpha, beta = keys_for(harness), keys_for(harness, key="beta")
+    await rated(harness, alpha, {None: Rates(rpm=3), "beta": Rates(rpm=1)})
+    t = minute_start(harness)
+    assert (await admit(harness, alpha, "a1", t)).outcome is Outcome.ALLOW
+    pf = await admit(harness, alpha, "a2", t)
+    assert pf.outcome is Outcome.ALLOW
+    assert [s.scope for s in pf.rates] == [Scope.TEAM]  # alpha has no rates of its own
+    pf = await admit(harness, beta, "b1", t)
+    assert pf.outcome is Outcome.ALLOW
+    assert [(s.scope, s.requests) for s in pf.rates] == [(Scope.API_KEY, 1), (Scope.TEAM, 3)]
+    pf = await admit(harness, beta, "b2", t)
+    assert pf.outcome is Outcome.RATE and pf.rate_denied is not None
+    assert pf.rate_denied.state.scope is Scope.API_KEY  # the narrowest first
+    pf = await admit(harness, alpha, "a3", t)
+    assert pf.outcome is Outcome.RATE and pf.rate_denied is not None
+    assert pf.rate_denied.state.scope is Scope.TEAM
+
+
+async def test_a_rate_denial_writes_nothing_and_a_spend_denial_counts_no_rate(
+    harness: Harness,
+) -> None:
+    p = keys_for(harness)
+    limits: dict[Target, int] = {TEAM_MONTH: 1000}
+    policy = {**fields(limits), rate_field(ALPHA.api_key): Rates(rpm=1).encode()}
+    policy["h:" + field_of(TEAM_MONTH)] = policy.pop(field_of(TEAM_MONTH))
+    month = usage_key(p, TEAM_MONTH)
+    await harness.store.fill(
+        p, policy, [UsageFill(month, 0, p.find(TEAM_MONTH).expires_at)], policy_ttl=60
+    )
+    t = minute_start(harness)
+    assert (await admit(harness, p, "a", t, hold=100, entry=entry("a", "v"))).outcome is (
+        Outcome.ALLOW
+    )
+    pf = await admit(harness, p, "b", t, hold=100, entry=entry("b", "v"))
+    assert pf.outcome is Outcome.RATE
+    assert set(await harness.store.open_entries(ENTRIES)) == {"a"}  # no entry for "b"
+    parts = await harness.store.read_parts([usage_key(p, TEAM_MONTH)])
+    assert parts[usage_key(p, TEAM_MONTH)] == CachedParts(0, 0, 100)  # "a"'s hold only
+    # A spend limit that denies decides first, and no rate counts the request.
+    pf = await admit(harness, p, "c", t + 2 * W, hold=2000)
+    assert pf.outcome is Outcome.DENY and pf.rates == ()
+    assert (await admit(harness, p, "d", t + 2 * W, hold=1)).outcome is Outcome.ALLOW
