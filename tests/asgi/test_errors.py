@@ -177,3 +177,23 @@ async def test_non_ascii_messages_are_sent_as_utf8() -> None:
     admission = Admission(Verdict.UNPRICED, ROUTE, Dialect.OPENAI, REQUEST, message=message)
     _, _, body = await refusal(admission)
     assert body["error"]["message"] == message
+
+
+def test_rate_429_in_both_dialects() -> None:
+    from spendguard.asgi.errors import error_body, rate_message
+    from spendguard.limits.rates import RateDenial, RateKind, Rates, RateState, Scope
+
+    team = RateState(Scope.TEAM, Rates(tpm=100), 0, 0, 0, 90, 0, 0)
+    denial = RateDenial(team, RateKind.TPM, 20)
+    message = rate_message(denial)
+    assert message == "Rate limit reached for Team on tokens per minute: limit 100, requested 20."
+    openai_body = json.loads(
+        error_body(Dialect.OPENAI, 429, "rate_limit_exceeded", message, "tokens")
+    )
+    assert openai_body["error"]["code"] == "rate_limit_exceeded"
+    assert openai_body["error"]["type"] == "tokens"
+    anthropic_body = json.loads(error_body(Dialect.ANTHROPIC, 429, "rate_limit_exceeded", message))
+    assert anthropic_body == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": message},
+    }

@@ -68,6 +68,32 @@ async def test_warm_inference_is_two_round_trips_and_no_sql(
     assert len(submitted) == 1  # the record went to the background writer
 
 
+@pytest.mark.parametrize("rated", [False, True])
+async def test_rates_add_no_round_trip_and_no_key_without_rates(
+    redis_gw: Gateway, shared_redis: RedisServer, rated: bool
+) -> None:
+    await redis_gw.policy(Period.DAY, 10**9)
+    if rated:
+        await redis_gw.guard.admin.set_rates("acme", "alpha", rpm=100, tpm=10**6, max_parallel=5)
+        await redis_gw.guard.admin.set_rates("acme", None, rpm=1000, max_parallel=50)
+    async with redis_gw.client() as c:
+        assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200  # warm
+        shared_redis.cli("CONFIG", "RESETSTAT")
+        r = await c.post("/v1/chat/completions", json=chat_body())
+    assert r.status_code == 200
+    assert data_commands(shared_redis)["evalsha"] == 2  # the rates ride in the same scripts
+    rate_keys = sorted(k for k in shared_redis.cli("KEYS", "*").split() if ":rate:" in k)
+    if not rated:
+        assert rate_keys == []  # no rates: nothing is counted anywhere
+        return
+    assert rate_keys == ["quota:{acme}:spend:rate:api_key:alpha", "quota:{acme}:spend:rate:team"]
+    for key in rate_keys:  # two requests counted, none left in flight
+        fields = shared_redis.cli("HGETALL", key).split()
+        counted = dict(zip(fields[::2], fields[1::2], strict=True))
+        assert counted["r"] == "2" and "n" not in counted
+        assert not any(f.startswith("f:") for f in counted)
+
+
 async def test_concurrent_misses_make_one_ledger_read(redis_gw: Gateway) -> None:
     await redis_gw.policy(Period.DAY, 10**9)
     loads = {"policies": 0, "aggregates": 0}

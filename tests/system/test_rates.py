@@ -170,14 +170,16 @@ def test_cli_rate_set_rm_ls(tmp_path: Path) -> None:
     env = clean_env(SPENDGUARD_DATABASE_URL=f"sqlite:///{tmp_path / 'l.db'}")
     out = run_cli(env, "rate", "set", "--team", "acme", "--api-key", "k", "--rpm", "60")
     assert out["rates"] == {"k": {"rpm": 60, "tpm": None, "max_parallel": None}}
-    run_cli(env, "rate", "set", "--team", "acme", "--api-key", "k", "--tpm", "1000")
     run_cli(env, "rate", "set", "--team", "acme", "--max-parallel", "4", "--rpm", "600")
-    assert run_cli(env, "rate", "ls", "--team", "acme")["rates"] == {
+    # A rate not given is kept; 0 removes one.
+    out = run_cli(
+        env, "rate", "set", "--team", "acme", "--api-key", "k", "--rpm", "0", "--tpm", "9"
+    )
+    assert out["rates"] == {
         "": {"rpm": 600, "tpm": None, "max_parallel": 4},
-        "k": {"rpm": 60, "tpm": 1000, "max_parallel": None},
+        "k": {"rpm": None, "tpm": 9, "max_parallel": None},
     }
-    run_cli(env, "rate", "set", "--team", "acme", "--api-key", "k", "--rpm", "0")  # 0: removed
     run_cli(env, "rate", "rm", "--team", "acme")
     assert run_cli(env, "rate", "ls", "--team", "acme")["rates"] == {
-        "k": {"rpm": None, "tpm": 1000, "max_parallel": None}
+        "k": {"rpm": None, "tpm": 9, "max_parallel": None}
     }
