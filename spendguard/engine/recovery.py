@@ -13,7 +13,7 @@ import dataclasses
 import logging
 
 from .. import metrics
-from ..errors import LedgerBusy, LedgerDown, LedgerRefused, LedgerUnavailable
+from ..errors import LedgerBusy, LedgerDown, LedgerRefused, LedgerUnavailable, StoreUnavailable
 from ..ledger import Ledger
 from ..limits import KeyCodec
 from ..record import InferenceRecord
@@ -61,6 +61,7 @@ class Recovery:
         key = self._codec.entries_key(team)
         entries = await self._store.open_entries(key)
         records: list[InferenceRecord] = []
+        cut: list[InferenceRecord] = []  # in flight when the gateway died
         done: list[str] = []
         for rid, value in entries.items():
             if owner_of(value) != owner:
@@ -75,12 +76,14 @@ class Recovery:
                 # Never finished: charged what admission allowed it to use.
                 estimate = self._coster.cost(record.model, record.usage)
                 record = dataclasses.replace(record, estimate_micros=estimate)
+                cut.append(record)
             records.append(record)
         if not records and not done:
             return 0
         written = await self._write(records)
         done += [r.id for r in records]
         await self._store.close_entries({key: done})
+        await self._free_slots(cut)
         for r in written:
             metrics.RECOVERED_RECORDS.labels("open" if r.status_code == 0 else "closed").inc()
         if written:
@@ -92,6 +95,20 @@ class Recovery:
                 owner,
             )
         return len(written)
+
+    async def _free_slots(self, cut: list[InferenceRecord]) -> None:
+        """Requests a dead gateway had in flight leave its key's and team's rates now rather
+        than at their deadline (design.md, "Rates"); a TPM reservation counts what the record
+        is charged, the admission estimate. A store that fails leaves it to the deadline."""
+        for r in cut:
+            team, api_key = r.identity.team, r.identity.api_key
+            keys = {self._codec.rate_key(team, api_key), self._codec.rate_key(team, None)}
+            tokens = r.usage.input_tokens + r.usage.output_tokens
+            try:
+                await self._store.postflight(r.id, None, [], rate_keys=sorted(keys), tokens=tokens)
+            except (StoreUnavailable, ValueError) as exc:
+                log.warning("spendguard left the rate slots of %s to their deadline: %s", r.id, exc)
+                return
 
     async def _write(self, records: list[InferenceRecord]) -> list[InferenceRecord]:
         """Write idempotently; the records the database refuses while it answers are dropped

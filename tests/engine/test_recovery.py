@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from spendguard import Identity, Settings, SpendGuard
-from spendguard.clock import to_micros
+from spendguard.clock import to_micros, to_millis
 from spendguard.engine.costing import Coster
 from spendguard.engine.decision import InferenceRequest
 from spendguard.engine.entries import (
@@ -30,8 +30,10 @@ from spendguard.errors import LedgerUnavailable
 from spendguard.ledger import Ledger
 from spendguard.ledger.schema import records
 from spendguard.limits import KeyCodec
+from spendguard.limits.rates import Rates, rate_field
 from spendguard.record import PostflightStatus
 from spendguard.settings import UnknownModel
+from spendguard.store import Outcome
 from spendguard.store.redis import RedisStore
 from spendguard.usage import Dialect
 from tests.support.records import make_record
@@ -119,6 +121,23 @@ async def test_a_dead_gateways_entries_become_records_once(
     assert await store.members(CODEC.owners_key()) == []
     assert await recovery.run_once() == 0  # nothing twice
     assert len(await written(database_url)) == 3
+
+
+async def test_a_dead_gateways_requests_leave_the_parallel_cap(
+    ledger: Ledger, database_url: str, store: RedisStore
+) -> None:
+    now = datetime.now(UTC)
+    plan = CODEC.plan(ALPHA, now)
+    await store.fill(plan, {rate_field(ALPHA.api_key): Rates(max_parallel=1).encode()}, [],
+                     policy_ttl=60)  # fmt: skip
+    now_ms = to_millis(now)
+    assert (await store.preflight(plan, record_id="cut1", now_ms=now_ms)).outcome is Outcome.ALLOW
+    assert (await store.preflight(plan, record_id="x", now_ms=now_ms)).outcome is Outcome.RATE
+    value = open_entry("dead", ALPHA, T0_US, "inf-1", request(), ROUTE)
+    await leave(store, "dead", {"cut1": value}, alive=False)
+    assert await Recovery(ledger, store, store, CODEC, coster(), me="me").run_once() == 1
+    # Its slot is free at once, long before its deadline.
+    assert (await store.preflight(plan, record_id="y", now_ms=now_ms)).outcome is Outcome.ALLOW
 
 
 async def test_a_live_gateways_entries_are_left_alone(
