@@ -226,11 +226,12 @@ async def _measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]
     keys = KeyCodec("quota", timedelta(days=2)).plan(identity, datetime.now(UTC))
     client = _client(redis_url, timeout=5.0)
     script = client.register_script(_preflight_lua())  # same Lua, so the store's SHA
-    redis_keys = [keys.policy_key, *(c.usage_key for c in keys.checks)]
+    redis_keys = [keys.policy_key, *(c.usage_key for c in keys.checks), *keys.rate_keys]
     # The store's own layout: the number of fields, the fields, a record id, a hold, a model
-    # (none here, as in the store call above) and the model-list fields.
+    # (none here, as in the store call above), the model-list and rate fields, the time, the
+    # tokens a TPM rate reserves and the in-flight deadline.
     args = [str(len(keys.checks)), *(c.field for c in keys.checks), "", "0", ""]
-    args += keys.allow_fields
+    args += [*keys.allow_fields, *keys.rate_fields, str(int(time.time() * 1000)), "0", "600000"]
     packed = _pack("EVALSHA", script.sha, str(len(redis_keys)), *redis_keys, *args)
     minimal = await MinimalRedis.connect(redis_url)
     fast = await HiredisMinimal.connect(redis_url)

@@ -182,6 +182,7 @@ if allow and (scoped[3] or scoped[4]) then
       rpm, tpm, par = tonumber(rpm), tonumber(tpm), tonumber(par)
       local h = redis.call('HMGET', key, 'm', 'r', 't', 'pr', 'pt', 'n', 'e')
       local m = tonumber(h[1]) or minute
+      local rolled = h[1] == false or m < minute -- a new key, or a new minute: write it all
       local r, t, pr, pt = tonumber(h[2]) or 0, tonumber(h[3]) or 0, tonumber(h[4]) or 0, tonumber(h[5]) or 0
       local inflight, e = tonumber(h[6]) or 0, tonumber(h[7])
       if m == minute - 1 then
@@ -220,7 +221,7 @@ if allow and (scoped[3] or scoped[4]) then
           allow = scope .. 'par'
         end
       end
-      rated[s] = {key, rpm, tpm, par, pr, r, pt, t, inflight, e, m}
+      rated[s] = {key, rpm, tpm, par, pr, r, pt, t, inflight, e, rolled}
     end
   end
   if allow ~= true then
@@ -233,12 +234,15 @@ if allow and (scoped[3] or scoped[4]) then
       if q then
         local key, tpm, par = q[1], q[3], q[4]
         q[6] = q[6] + 1
-        local write = {'m', math.max(q[11], minute), 'r', q[6], 'pr', q[5], 'pt', q[7]}
+        local write = {'r', q[6]}
         if tpm > 0 then
           q[8] = q[8] + tokens
         end
-        write[#write + 1] = 't'
-        write[#write + 1] = q[8]
+        if q[11] then
+          write = {'m', minute, 'r', q[6], 'pr', q[5], 'pt', q[7], 't', q[8]}
+        elseif tpm > 0 then
+          write[3], write[4] = 't', q[8]
+        end
         if tpm > 0 or par > 0 then
           local reserved = tpm > 0 and tokens or '-'
           if redis.call('HSETNX', key, 'f:' .. rid, deadline .. ' ' .. minute .. ' ' .. reserved) == 1 then
@@ -252,7 +256,10 @@ if allow and (scoped[3] or scoped[4]) then
           end
         end
         redis.call('HSET', key, unpack(write))
-        redis.call('PEXPIRE', key, math.max(2 * W, ttl) + W)
+        if q[11] then
+          -- Set at most a minute ago, this outlives every entry's deadline and both minutes.
+          redis.call('PEXPIRE', key, math.max(2 * W, ttl) + W)
+        end
       end
     end
   end
