@@ -26,6 +26,7 @@ from ..usage import BodyObserver, Dialect
 from .dependency import STATE_ADMIT, Refused
 from .errors import send_error, send_refusal
 from .identity import IdentityResolver, resolve
+from .ratelimit import rate_limit_headers
 from .request import BadRequest, parse_request
 
 
@@ -134,6 +135,7 @@ async def deferred_inference(
                 observer = guard.observe(admitted, status_code, content_type, content_encoding)
                 inference_id = admitted.decision.inference_id.encode()
                 headers.append((HEADER_INFERENCE_ID.encode(), inference_id))
+                headers.extend(rate_limit_headers(admitted.decision))
                 if budget is not None:
                     headers.extend(budget.headers)
         await send(message)
