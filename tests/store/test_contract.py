@@ -644,3 +644,20 @@ async def test_a_rate_denial_writes_nothing_and_a_spend_denial_counts_no_rate(
     pf = await admit(harness, p, "c", t + 2 * W, hold=2000)
     assert pf.outcome is Outcome.DENY and pf.rates == ()
     assert (await admit(harness, p, "d", t + 2 * W, hold=1)).outcome is Outcome.ALLOW
+
+
+@pytest.mark.parametrize("rates", [Rates(rpm=5), Rates(tpm=50), Rates(max_parallel=5)])
+async def test_concurrent_callers_get_exactly_the_rate(harness: Harness, rates: Rates) -> None:
+    p = keys_for(harness)
+    await rated(harness, p, {None: rates})
+    t = minute_start(harness)
+    outcomes: list[Outcome] = []
+
+    async def one(i: int) -> None:
+        outcomes.append((await admit(harness, p, f"r{i}", t, tokens=10)).outcome)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(100):
+            tg.start_soon(one, i)
+    assert outcomes.count(Outcome.ALLOW) == 5
+    assert outcomes.count(Outcome.RATE) == 95
