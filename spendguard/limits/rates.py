@@ -13,10 +13,11 @@ spend limits, in the same call, and counts an admitted request in the subject's 
     f:<id>   an admitted request in flight: "<deadline ms> <minute> <reserved tokens or ->"
     n        how many f: entries there are; e: a deadline no later than the earliest one
 
-The window slides over the two fixed minutes: usage at ``elapsed`` ms into minute m is
-``pr * (60,000 - elapsed) / 60,000 + r`` (the previous minute weighted by how much of it the
-last 60 s still cover). Every comparison is made on integers (both sides times 60,000), so the
-script and the embedded store decide the same on the same numbers.
+The window slides over the two fixed minutes, in steps of 100 ms: usage at tick ``k`` (of
+600) into minute m is ``pr * (600 - k) / 600 + r`` (the previous minute weighted by how much of
+it the last 60 s still cover). Every comparison is made on integers (both sides times 600; rates
+are at most 10^12, so every product stays exact in the script's doubles), so the script and the
+embedded store decide the same on the same numbers.
 
 This module holds the rule (shared by the embedded store) and what a caller derives from a
 scope's counters: what is left, when it resets, when a denied request would fit.
@@ -30,7 +31,9 @@ from typing import Final
 
 RATE_PREFIX: Final = "rate:"
 WINDOW_MS: Final = 60_000
-MAX_RATE: Final = 10**10  # bound on every rate, so counts times 60,000 stay exact in a double
+TICK_MS: Final = 100  # the previous minute's weight changes in steps of this
+TICKS: Final = WINDOW_MS // TICK_MS
+MAX_RATE: Final = 10**12  # bound on every rate, so counts times 600 stay exact in a double
 
 
 class RateKind(StrEnum):
@@ -80,15 +83,15 @@ def rate_field(api_key: str | None) -> str:
 
 
 def minute_of(now_ms: int) -> tuple[int, int]:
-    """The minute containing ``now_ms`` and the weight of the previous one (ms of it the last
-    60 s still cover)."""
+    """The minute containing ``now_ms`` and the weight of the previous one (the ticks of it the
+    last 60 s still cover, 1 to 600)."""
     minute = now_ms // WINDOW_MS
-    return minute, WINDOW_MS - (now_ms - minute * WINDOW_MS)
+    return minute, TICKS - (now_ms - minute * WINDOW_MS) // TICK_MS
 
 
 def exceeds(prev: int, cur: int, cost: int, limit: int, weight: int) -> bool:
     """Whether ``cost`` more would pass ``limit`` in the sliding minute (integers only)."""
-    return prev * weight + (cur + cost) * WINDOW_MS > limit * WINDOW_MS
+    return prev * weight + (cur + cost) * TICKS > limit * TICKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,22 +113,19 @@ class RateState:
         """Whether admitted requests leave an in-flight entry postflight must close."""
         return self.rates.tpm is not None or self.rates.max_parallel is not None
 
-    def _weight(self) -> int:
-        return minute_of(self.now_ms)[1]
-
     def remaining(self, kind: RateKind) -> int:
         """What is left of an RPM or TPM rate now (0 when over it)."""
         limit, prev, cur = self._parts(kind)
-        left = limit * WINDOW_MS - prev * self._weight() - cur * WINDOW_MS
-        return max(0, left // WINDOW_MS)
+        left = limit * TICKS - prev * minute_of(self.now_ms)[1] - cur * TICKS
+        return max(0, left // TICKS)
 
     def reset_ms(self, kind: RateKind) -> int:
         """Milliseconds until nothing counts against the rate any more (its initial state)."""
         _, prev, cur = self._parts(kind)
-        weight = self._weight()
+        rest = WINDOW_MS - self.now_ms % WINDOW_MS  # of this minute
         if cur:
-            return weight + WINDOW_MS  # minute m counts fully until it ends, then fades
-        return weight if prev else 0
+            return rest + WINDOW_MS  # minute m counts fully until it ends, then fades
+        return rest if prev else 0
 
     def wait_ms(self, kind: RateKind, cost: int) -> int | None:
         """Milliseconds until ``cost`` more would fit (0: now; None: never, it is larger
@@ -135,17 +135,17 @@ class RateState:
         limit, prev, cur = self._parts(kind)
         if cost > limit:
             return None
-        weight = self._weight()
-        elapsed = WINDOW_MS - weight
+        elapsed = self.now_ms % WINDOW_MS
         if cur + cost <= limit:
-            # Within this minute, as the previous one fades: prev * (W - e) <= (limit-cur-cost) W
+            # Within this minute, from the first tick k at which the previous one has faded
+            # enough: prev * (600 - k) <= (limit - cur - cost) * 600.
             if prev == 0:
                 return 0
-            at = WINDOW_MS - (limit - cur - cost) * WINDOW_MS // prev
-            return max(0, at - elapsed)
+            k = TICKS - (limit - cur - cost) * TICKS // prev
+            return max(0, k * TICK_MS - elapsed)
         # Next minute: this one becomes the previous (cur), the new one starts empty.
-        at = WINDOW_MS - (limit - cost) * WINDOW_MS // cur if cur else 0
-        return weight + max(0, at)
+        k = max(0, TICKS - (limit - cost) * TICKS // cur) if cur else 0
+        return WINDOW_MS - elapsed + k * TICK_MS
 
     def _parts(self, kind: RateKind) -> tuple[int, int, int]:
         if kind is RateKind.RPM:

@@ -51,20 +51,26 @@ for i = 1, nkeys do
 end
 for i = nkeys + 1, nkeys + nrates do
   local key, slot = KEYS[i], 'f:' .. rid
-  local f = redis.call('HGET', KEYS[i], slot)
-  if f then
+  local got = redis.call('HMGET', key, slot, 'm', 't', 'pt', 'n')
+  if got[1] then
     redis.call('HDEL', key, slot)
-    if redis.call('HINCRBY', key, 'n', -1) <= 0 then
+    if (tonumber(got[5]) or 1) <= 1 then
       redis.call('HDEL', key, 'n', 'e')
+    else
+      redis.call('HSET', key, 'n', tonumber(got[5]) - 1)
     end
-    local minute, reserved = string.match(f, '^%d+ (%d+) (%S+)$')
+    local minute, reserved = string.match(got[1], '^%d+ (%d+) (%S+)$')
     if reserved ~= '-' then
       local delta = (used == '-' and 0 or tonumber(used)) - tonumber(reserved)
-      local m = tonumber(redis.call('HGET', key, 'm'))
-      local field = (tonumber(minute) == m and 't') or (tonumber(minute) == m - 1 and 'pt') or nil
+      local m, at = tonumber(got[2]), tonumber(minute)
+      local field, v = nil, nil
+      if at == m then
+        field, v = 't', got[3]
+      elseif at == m - 1 then
+        field, v = 'pt', got[4]
+      end
       if field and delta ~= 0 then
-        local v = (tonumber(redis.call('HGET', key, field)) or 0) + delta
-        redis.call('HSET', key, field, math.max(0, v))
+        redis.call('HSET', key, field, math.max(0, (tonumber(v) or 0) + delta))
       end
     end
   end

@@ -167,12 +167,12 @@ for i = 1, n do
 end
 local rated = {}
 if allow and (scoped[3] or scoped[4]) then
-  local W, now, tokens, ttl = 60000, tonumber(ARGV[n + 9]), tonumber(ARGV[n + 10]), tonumber(ARGV[n + 11])
+  local W, T, now, tokens, ttl = 60000, 600, tonumber(ARGV[n + 9]), tonumber(ARGV[n + 10]), tonumber(ARGV[n + 11])
   if not (now and tokens and ttl) then
     return redis.error_reply('spendguard preflight: bad rate arguments')
   end
   local minute = math.floor(now / W)
-  local weight = W - (now - minute * W)
+  local weight = T - math.floor((now - minute * W) / 100) -- 100 ms ticks the last 60 s cover
   out[4 * n + 1] = false
   for s = 1, 2 do
     local spec = scoped[s + 2]
@@ -213,9 +213,9 @@ if allow and (scoped[3] or scoped[4]) then
       end
       local scope = s == 1 and 'key:' or 'team:'
       if allow == true then
-        if rpm > 0 and pr * weight + (r + 1) * W > rpm * W then
+        if rpm > 0 and pr * weight + (r + 1) * T > rpm * T then
           allow = scope .. 'rpm'
-        elseif tpm > 0 and pt * weight + (t + tokens) * W > tpm * W then
+        elseif tpm > 0 and pt * weight + (t + tokens) * T > tpm * T then
           allow = scope .. 'tpm'
         elseif par > 0 and inflight + 1 > par then
           allow = scope .. 'par'
