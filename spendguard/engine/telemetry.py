@@ -33,6 +33,7 @@ _ALLOWED_UNLIMITED = metrics.ALLOWED_BY_KIND["unlimited"]
 _ALLOWED_FAIL_OPEN = metrics.ALLOWED_BY_KIND["fail_open"]
 _DENIED_BALANCE = metrics.DENIED_BY_KIND["balance"]
 _DENIED_MODEL = metrics.DENIED_BY_KIND["model"]
+_DENIED_RATE = metrics.DENIED_BY_KIND["rate"]
 _DENIED_OTHER = metrics.DENIED_BY_KIND["other"]
 _DENIED_BY_LIMIT = metrics.DENIED_BY_LIMIT
 _ERRORS = metrics.ERROR_BY_KIND
@@ -73,6 +74,8 @@ def decided(
             _DENIED_OTHER.inc()
     elif verdict is Verdict.MODEL_NOT_ALLOWED:
         _DENIED_MODEL.inc()
+    elif verdict is Verdict.RATE_LIMITED:
+        _DENIED_RATE.inc()
     elif unavailable is not None:
         (_ERRORS.get(unavailable) or _bind_error(unavailable)).inc()
 
@@ -120,6 +123,8 @@ def labels_of(decision: Decision) -> tuple[str, str, str]:
         return metrics.DENIED, "other", metrics.NO_PERIOD
     if verdict is Verdict.MODEL_NOT_ALLOWED:
         return metrics.DENIED, "model", metrics.NO_PERIOD
+    if verdict is Verdict.RATE_LIMITED:
+        return metrics.DENIED, "rate", metrics.NO_PERIOD
     cause = decision.unavailable.value if decision.unavailable is not None else "store"
     return metrics.ERROR, cause, metrics.NO_PERIOD
 

@@ -131,6 +131,15 @@ async def test_admission_decisions_model_list_and_errors_are_counted(make_gatewa
         assert deltas() == [1, 1, 1, 1, 0]
 
 
+async def test_a_rate_denial_is_counted_as_kind_rate(make_gateway: Any) -> None:
+    async with make_gateway() as gw:
+        await gw.guard.admin.set_rates("acme", "alpha", rpm=1)
+        deltas = Deltas(decisions("denied", "rate"), decisions("error", "store"))
+        assert (await gw.post()).status_code == 200
+        assert (await gw.post()).status_code == 429
+        assert deltas() == [1, 0]
+
+
 async def test_a_release_is_timed_and_charges_nothing(make_gateway: Any) -> None:
     async with make_gateway() as gw:
         await gw.guard.admin.set_policy("acme", "alpha", window=Period.DAY, limit_usd=1, hard=True)
