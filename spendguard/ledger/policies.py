@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from ..clock import to_micros, utcnow
 from ..limits import Limit, Period, Policy, Subject, window_of
-from ..limits.rates import Rates
+from ..limits.rates import MAX_RATE, Rates
 from .balances import Account, BalanceQueries
 from .database import _text, _tuples
 from .schema import aggregates, balances, charge_bucket, charges, model_access, policies, rates
@@ -313,14 +313,7 @@ class PolicyQueries(BalanceQueries):
         )
         async with self._guard("rates read"):
             rows = _tuples(await self._db.fetch_all(query))
-        return {
-            key or None: Rates(
-                None if rpm is None else int(rpm),
-                None if tpm is None else int(tpm),
-                None if par is None else int(par),
-            )
-            for key, rpm, tpm, par in rows
-        }
+        return {key or None: _rates(rpm, tpm, par) for key, rpm, tpm, par in rows}
 
     async def list_rates(self, team: str) -> dict[str | None, tuple[str | None, Rates]]:
         """Like :meth:`load_rates`, with each key's raw id for display."""
@@ -333,17 +326,7 @@ class PolicyQueries(BalanceQueries):
         )
         async with self._guard("rates read"):
             rows = _tuples(await self._db.fetch_all(query))
-        return {
-            key or None: (
-                key_id,
-                Rates(
-                    None if rpm is None else int(rpm),
-                    None if tpm is None else int(tpm),
-                    None if par is None else int(par),
-                ),
-            )
-            for key, key_id, rpm, tpm, par in rows
-        }
+        return {key or None: (key_id, _rates(rpm, tpm, par)) for key, key_id, rpm, tpm, par in rows}
 
     async def policies_changed_since(self, since_us: int) -> dict[str, int]:
         """Teams whose policies changed at or after ``since_us`` (by anyone, e.g. the CLI),
@@ -377,3 +360,12 @@ class PolicyQueries(BalanceQueries):
         for team, at in rows:
             changed[team] = max(changed.get(team, 0), int(at))
         return changed
+
+
+def _rates(*values: object) -> Rates:
+    """A row's rates. One written some other way (by hand) is read within the bounds: 0 or
+    less is no rate, above :data:`MAX_RATE` the bound, so every request is still checked."""
+    rpm, tpm, par = (
+        None if v is None or int(str(v)) <= 0 else min(int(str(v)), MAX_RATE) for v in values
+    )
+    return Rates(rpm, tpm, par)

@@ -6,11 +6,15 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
+import sqlalchemy as sa
 
 from spendguard.ledger import Account, Aggregate, Ledger
+from spendguard.ledger.schema import rates as rates_table
 from spendguard.limits import Limit, Period, Policy, Subject
+from spendguard.limits.rates import MAX_RATE, Rates
 from tests.ledger.helpers import ACME, ALPHA, OCT1, SEP30_LATE, policy, set_policy
 from tests.support import make_record, unit_price
+from tests.support.sql import sql_execute
 
 pytestmark = pytest.mark.anyio
 
@@ -189,3 +193,25 @@ async def test_a_database_from_before_modes_gets_the_column_at_start(database_ur
         assert [p.hard for p in await led.list_policies("acme")] == [False, True]  # day, month
     finally:
         await led.disconnect()
+
+
+async def test_rates_set_list_remove_and_seen_as_a_policy_change(
+    ledger: Ledger, database_url: str
+) -> None:
+    at = datetime(2026, 9, 30, 12, tzinfo=UTC)
+    key = {"team_id": "acme", "api_key_id": "alpha", "now": at}
+    team = {"team_id": "acme", "api_key_id": None, "now": at}
+    await ledger.set_rates("acme", "alpha", value=Rates(rpm=60, max_parallel=2), **key)  # type: ignore[arg-type]
+    await ledger.set_rates("acme", None, value=Rates(tpm=9), **team)  # type: ignore[arg-type]
+    assert await ledger.load_rates("acme") == {"alpha": Rates(60, None, 2), None: Rates(tpm=9)}
+    assert await ledger.list_rates("acme") == {
+        "alpha": ("alpha", Rates(60, None, 2)),
+        None: (None, Rates(tpm=9)),
+    }
+    assert "acme" in await ledger.policies_changed_since(int(at.timestamp() * 1_000_000))
+    await ledger.set_rates("acme", None, value=Rates(), **team)  # type: ignore[arg-type]
+    assert await ledger.load_rates("acme") == {"alpha": Rates(60, None, 2)}  # removed: inactive
+    # A row written by hand is read within the bounds, never refused.
+    bad = sa.update(rates_table).values(rpm=0, tpm=10**15).where(rates_table.c.api_key == "alpha")
+    await sql_execute(database_url, bad)
+    assert await ledger.load_rates("acme") == {"alpha": Rates(None, MAX_RATE, 2)}
