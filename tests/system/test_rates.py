@@ -183,3 +183,17 @@ def test_cli_rate_set_rm_ls(tmp_path: Path) -> None:
     assert run_cli(env, "rate", "ls", "--team", "acme")["rates"] == {
         "k": {"rpm": None, "tpm": 9, "max_parallel": None}
     }
+
+
+async def test_anthropic_routes_get_their_rate_limit_error(tmp_path: Path, store: Store) -> None:
+    async with gateway(tmp_path, store) as gw:
+        await gw.guard.admin.set_rates("acme", "alpha", rpm=1)
+        body = {"model": MODEL, "max_tokens": 10, "messages": HI}
+        async with gw.client() as client:
+            assert (await client.post("/v1/messages", json=body)).status_code == 200
+            denied = await client.post("/v1/messages", json=body)
+        assert denied.status_code == 429
+        assert denied.json()["error"]["type"] == "rate_limit_error"
+        assert denied.headers["x-ratelimit-remaining-requests"] == "0"
+        # At 1 RPM the one request must fade out entirely: the rest of this minute and the next.
+        assert denied.headers["retry-after"] == "120"
