@@ -57,6 +57,7 @@ log = logging.getLogger("spendguard.admin")
 MAX_PATH_ID = 256
 MAX_BODY_BYTES = 64 * 1024
 _DOT_SEGMENTS = frozenset({".", ".."})
+_RATE_FIELDS = ("rpm", "tpm", "max_parallel")
 
 
 class AdminError(Exception):
@@ -256,6 +257,15 @@ class AdminApp:
                 Route("/teams/{team}/balance", self._wrap(self.balance), methods=["GET"]),
                 Route("/teams/{team}/balance/topup", self._wrap(self.topup), methods=["POST"]),
                 Route("/teams/{team}/balance/mode", self._wrap(self.balance_mode), methods=["PUT"]),
+                Route("/teams/{team}/rates", self._wrap(self.rates), methods=["GET"]),
+                Route(
+                    "/teams/{team}/rates/team", self._wrap(self.rates), methods=["PUT", "DELETE"]
+                ),
+                Route(
+                    "/teams/{team}/keys/{key}/rates",
+                    self._wrap(self.rates),
+                    methods=["PUT", "DELETE"],
+                ),
                 Route("/teams/{team}/models", self._wrap(self.models), methods=["GET"]),
                 Route("/teams/{team}/models/{action}", self._wrap(self.models), methods=["POST"]),
                 Route(
@@ -512,6 +522,37 @@ class AdminApp:
             identity.team_id, identity.api_key_id, models, allowed=action == "allow"
         )
         return JSONResponse(_lists_json(identity.team_id, lists))
+
+    async def rates(self, request: Request, target: _Target) -> Response:
+        """GET: the team's rates; PUT: set a key's (or the team's) rates, a rate not given
+        keeps its value and 0 removes it; DELETE: remove them all."""
+        identity = _identity(request)
+        admin = await self._admin(target)
+        if request.method == "PUT":
+            body = await _body(request, set(_RATE_FIELDS), set())
+            if not body:
+                raise AdminError(400, "invalid_request", "give rpm, tpm or max_parallel")
+            for name, value in body.items():
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise AdminError(400, "invalid_request", f"{name}: a whole number (0 removes)")
+            try:
+                await admin.set_rates(identity.team_id, identity.api_key_id, **body)
+            except ValueError as exc:
+                raise AdminError(400, "invalid_request", str(exc)) from None
+        elif request.method == "DELETE" and not await admin.remove_rates(
+            identity.team_id, identity.api_key_id
+        ):
+            raise AdminError(404, "not_found", "no rates to remove")
+        listed = await admin.list_rates(identity.team_id)
+        return JSONResponse(
+            {
+                "team": identity.team_id,
+                "rates": [
+                    {"api_key": key, **{f: getattr(r, f) for f in _RATE_FIELDS}}
+                    for key, r in sorted(listed.items(), key=lambda kv: kv[0] or "")
+                ],
+            }
+        )
 
     @staticmethod
     def _budget_admin(target: _Target) -> BudgetAdmin:

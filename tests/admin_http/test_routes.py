@@ -203,3 +203,39 @@ async def test_model_lists_allow_list_and_remove(gw: AdminGateway) -> None:
     assert removed.status_code == 200 and removed.json()["lists"] == {"": ["x", "y*"]}
     listed = (await gw.admin("GET", "/teams/acme/models")).json()
     assert listed == {"team": "acme", "lists": {"": ["x", "y*"]}}
+
+
+async def test_rates_set_list_and_remove(gw: AdminGateway) -> None:
+    assert (await gw.admin("GET", "/teams/acme/rates")).json() == {"team": "acme", "rates": []}
+    put = await gw.admin("PUT", "/teams/acme/keys/alpha/rates", json={"rpm": 1})
+    assert put.status_code == 200
+    assert put.json()["rates"] == [
+        {"api_key": "alpha", "rpm": 1, "tpm": None, "max_parallel": None}
+    ]
+    # Applied from the next request: one request a minute for alpha, none for beta.
+    assert (await gw.chat()).status_code == 200
+    denied = await gw.chat()
+    assert denied.status_code == 429
+    assert denied.json()["error"]["code"] == "rate_limit_exceeded"
+    assert denied.headers["x-ratelimit-limit-requests"] == "1"
+    assert (await gw.chat(key="beta")).status_code == 200
+    # A rate not given keeps its value; the team's own rates sit next to the key's.
+    await gw.admin("PUT", "/teams/acme/keys/alpha/rates", json={"tpm": 50000})
+    team = await gw.admin("PUT", "/teams/acme/rates/team", json={"max_parallel": 8})
+    assert team.json()["rates"] == [
+        {"api_key": None, "rpm": None, "tpm": None, "max_parallel": 8},
+        {"api_key": "alpha", "rpm": 1, "tpm": 50000, "max_parallel": None},
+    ]
+    gone = await gw.admin("DELETE", "/teams/acme/keys/alpha/rates")
+    assert gone.status_code == 200
+    assert [r["api_key"] for r in gone.json()["rates"]] == [None]
+    assert (await gw.chat()).status_code == 200  # alpha has no rate now
+    again = await gw.admin("DELETE", "/teams/acme/keys/alpha/rates")
+    assert again.status_code == 404
+
+
+async def test_rates_refuse_bad_bodies(gw: AdminGateway) -> None:
+    for body in ({}, {"rpm": "10"}, {"rpm": True}, {"rpm": -1}, {"burst": 3}, {"rpm": 10**20}):
+        got = await gw.admin("PUT", "/teams/acme/rates/team", json=body)
+        assert got.status_code == 400, body
+    assert (await gw.admin("GET", "/teams/acme/rates")).json()["rates"] == []
