@@ -43,11 +43,19 @@ local n = tonumber(ARGV[1])
 if n == nil or #KEYS < n + 3 or #ARGV < n + 11 then
   return redis.error_reply('spendguard preflight: argument count')
 end
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  return 0
-end
 local rid, hold, model, entry = ARGV[n + 2], ARGV[n + 3], ARGV[n + 4], ARGV[n + 12]
-local scoped = redis.call('HMGET', KEYS[1], ARGV[n + 5], ARGV[n + 6], ARGV[n + 7], ARGV[n + 8])
+-- One read of the policy hash: its marker (absent: a miss), the model lists and rates, then
+-- each candidate's soft and hard limit fields.
+local fields = {'_loaded', ARGV[n + 5], ARGV[n + 6], ARGV[n + 7], ARGV[n + 8]}
+for i = 1, n do
+  fields[4 + 2 * i] = ARGV[i + 1]
+  fields[5 + 2 * i] = 'h:' .. ARGV[i + 1]
+end
+local policy = redis.call('HMGET', KEYS[1], unpack(fields))
+if not policy[1] and redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0 -- (fill always writes the marker; a hash without it still counts as loaded)
+end
+local scoped = {policy[2], policy[3], policy[4], policy[5]}
 
 local function glob_matches(glob, name)
   local pattern = string.gsub(glob, '[%^%$%(%)%%%.%[%]%+%-]', '%%%0')
@@ -100,12 +108,10 @@ if not uint(hold) then
   return redis.error_reply('spendguard preflight: bad hold')
 end
 
-local fields = {}
-for i = 1, n do
-  fields[2 * i - 1] = ARGV[i + 1]
-  fields[2 * i] = 'h:' .. ARGV[i + 1]
+local limits = {}
+for j = 1, 2 * n do
+  limits[j] = policy[5 + j]
 end
-local limits = redis.call('HMGET', KEYS[1], unpack(fields))
 local out = {}
 local allow = true
 local holds = {}
