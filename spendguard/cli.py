@@ -26,13 +26,14 @@ from .engine.admin import Admin, BalanceReport, LimitUsage
 from .engine.costing import DEFAULT_ENTRY, Coster
 from .engine.pricing import Price, PriceTable
 from .engine.recovery import Recovery
+from .engine.views import model_lists_json, policy_json, usd_text
 from .engine.worker import SettlementWorker
 from .errors import ConfigurationError, SpendGuardError
 from .ledger import Ledger
-from .limits import KeyCodec, Period, Policy
+from .limits import KeyCodec, Period
 from .limits.codec import field_of
 from .limits.rates import Rates
-from .money import checked_amount, micros_to_usd, usd_to_micros
+from .money import checked_amount, usd_to_micros
 from .settings import Settings, UnknownModel, load_settings
 from .store import OwnerLog, Store, make_store
 
@@ -47,10 +48,6 @@ class Ctx:
 
 
 Handler = Callable[[argparse.Namespace, Ctx], Awaitable[int]]
-
-
-def _usd(micros: int | None) -> str | None:
-    return None if micros is None else str(micros_to_usd(micros))
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -87,8 +84,8 @@ async def cmd_policy_set(args: argparse.Namespace, ctx: Ctx) -> int:
     who = f"team {policy.team_id}" + (f" key {policy.api_key_id}" if policy.api_key_id else "")
     window = policy.limit.window.value
     mode = "hard" if policy.hard else "soft"
-    text = f"policy set: {who} {window} limit ${_usd(policy.amount)} ({mode})"
-    _emit(args, _policy_json(policy), text)
+    text = f"policy set: {who} {window} limit ${usd_text(policy.amount)} ({mode})"
+    _emit(args, policy_json(policy), text)
     return 0
 
 
@@ -100,9 +97,9 @@ async def cmd_policy_rm(args: argparse.Namespace, ctx: Ctx) -> int:
 
 async def cmd_policy_ls(args: argparse.Namespace, ctx: Ctx) -> int:
     rows = await ctx.admin.list_policies(args.team or None)
-    data = [_policy_json(p) for p in rows]
+    data = [policy_json(p) for p in rows]
     lines = [f"{'TEAM':<20} {'API KEY':<20} {'PERIOD':<6} LIMIT USD"] + [
-        f"{p.team_id:<20} {p.api_key_id or '-':<20} {p.limit.window.value:<6} {_usd(p.amount)}"
+        f"{p.team_id:<20} {p.api_key_id or '-':<20} {p.limit.window.value:<6} {usd_text(p.amount)}"
         for p in rows
     ]
     _emit(args, data, "\n".join(lines) if rows else "no policies")
@@ -130,7 +127,7 @@ async def cmd_usage(args: argparse.Namespace, ctx: Ctx) -> int:
         who = "team" if s["scope"] == "team" else f"key {s['api_key']}"
         lim = f" of ${s['limit_usd']}" if s["limit_usd"] is not None else " (no limit)"
         lines.append(f"  {who:<24} {s['period']:<6} settled ${s['settled_usd']}{lim}")
-    lines.append(f"  unsettled records: {count} (estimated ${_usd(estimates)})")
+    lines.append(f"  unsettled records: {count} (estimated ${usd_text(estimates)})")
     _emit(args, data, "\n".join(lines))
     known = (
         any(row.amount is not None for row in report.limits)
@@ -155,9 +152,9 @@ def _usage_json(row: LimitUsage) -> dict[str, Any]:
         "period": row.limit.window.value,
         "period_id": row.bucket,
         "settled_micros": row.settled,
-        "settled_usd": _usd(row.settled),
+        "settled_usd": usd_text(row.settled),
         "limit_micros": row.amount,
-        "limit_usd": _usd(row.amount),
+        "limit_usd": usd_text(row.amount),
         "aggregate_micros": row.aggregate,
         "remaining_micros": row.remaining,
         "resets_at": row.resets_at.isoformat(),
@@ -197,7 +194,7 @@ async def cmd_models(args: argparse.Namespace, ctx: Ctx) -> int:
         lists = await ctx.admin.allow_models(
             args.team, args.api_key, args.models, allowed=args.models_cmd == "allow"
         )
-    data = {"team": args.team, "lists": {key or "": pats for key, pats in lists.items()}}
+    data = model_lists_json(args.team, lists)
     lines = [f"{key or '(team)'}: {', '.join(pats)}" for key, pats in lists.items()]
     _emit(args, data, "\n".join(lines) or "no model lists: every model is allowed")
     return 0
@@ -251,9 +248,9 @@ async def cmd_balance_show(args: argparse.Namespace, ctx: Ctx) -> int:
         args,
         data,
         f"team {args.team}: balance ${data['balance_usd']} (topped up "
-        f"${_usd(account.topped_up)}, charged ${_usd(account.charged)}; "
+        f"${usd_text(account.topped_up)}, charged ${usd_text(account.charged)}; "
         f"{report.unsettled_records} records unsettled, "
-        f"estimated ${_usd(report.unsettled_estimate)})",
+        f"estimated ${usd_text(report.unsettled_estimate)})",
     )
     return 0
 
@@ -264,7 +261,7 @@ def _balance_json(team_id: str, topped_up: int, charged: int) -> dict[str, Any]:
         "topped_up_micros": topped_up,
         "charged_micros": charged,
         "balance_micros": topped_up - charged,
-        "balance_usd": str(micros_to_usd(topped_up - charged)),
+        "balance_usd": usd_text(topped_up - charged),
     }
 
 
@@ -291,7 +288,7 @@ def _worker(ctx: Ctx) -> SettlementWorker:
 async def cmd_settle(args: argparse.Namespace, ctx: Ctx) -> int:
     result = await _worker(ctx).run_once()
     data = {"settled": result.settled, "total_micros": result.total_micros}
-    _emit(args, data, f"settled {result.settled} records (${_usd(result.total_micros)})")
+    _emit(args, data, f"settled {result.settled} records (${usd_text(result.total_micros)})")
     return 0
 
 
@@ -314,17 +311,6 @@ async def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
                 for name, value in f.data.items():
                     print(f"      {name} = {value}")
     return 0 if all(f.ok for f in findings) else 1
-
-
-def _policy_json(policy: Policy) -> dict[str, Any]:
-    return {
-        "team": policy.team_id,
-        "api_key": policy.api_key_id,
-        "period": policy.limit.window.value,
-        "limit_micros": policy.amount,
-        "limit_usd": _usd(policy.amount),
-        "mode": "hard" if policy.hard else "soft",
-    }
 
 
 def cmd_prices_show(args: argparse.Namespace, settings: Settings) -> int:

@@ -44,9 +44,10 @@ from ..describe import redact_url
 from ..doctor import effective_settings
 from ..engine.admin import Admin, LimitUsage
 from ..engine.guard import SpendGuard
+from ..engine.views import model_lists_json, policy_json, usd_text
 from ..errors import LedgerUnavailable, SpendGuardError, StoreUnavailable
 from ..identity import Identity
-from ..limits import Period, Policy
+from ..limits import Period
 from ..money import checked_amount, micros_to_usd, usd_to_micros
 from ..settings import Settings
 
@@ -95,10 +96,6 @@ def _find_middleware(source: object) -> Any:
         # Starlette/FastAPI build their stack at their first request.
         obj = getattr(obj, "middleware_stack", None) or getattr(obj, "app", None)
     return None
-
-
-def _usd(micros: int | None) -> str | None:
-    return None if micros is None else str(micros_to_usd(micros))
 
 
 def _path_id(request: Request, name: str) -> str:
@@ -177,17 +174,6 @@ def _mode(body: dict[str, Any], default: str | None = None) -> bool:
     return mode == "hard"
 
 
-def policy_json(policy: Policy) -> dict[str, Any]:
-    return {
-        "team": policy.team_id,
-        "api_key": policy.api_key_id,
-        "period": policy.limit.window.value,
-        "limit_micros": policy.amount,
-        "limit_usd": _usd(policy.amount),
-        "mode": "hard" if policy.hard else "soft",
-    }
-
-
 def usage_json(row: LimitUsage) -> dict[str, Any]:
     return {
         "scope": row.limit.subject.kind.value,
@@ -195,13 +181,13 @@ def usage_json(row: LimitUsage) -> dict[str, Any]:
         "period": row.limit.window.value,
         "period_id": row.bucket,
         "settled_micros": row.settled,
-        "settled_usd": _usd(row.settled),
+        "settled_usd": usd_text(row.settled),
         "used_micros": row.used,
-        "used_usd": _usd(row.used),
+        "used_usd": usd_text(row.used),
         "limit_micros": row.amount,
-        "limit_usd": _usd(row.amount),
+        "limit_usd": usd_text(row.amount),
         "remaining_micros": row.remaining,
-        "remaining_usd": _usd(row.remaining),
+        "remaining_usd": usd_text(row.remaining),
         "resets_at": row.resets_at.isoformat().replace("+00:00", "Z"),
         "cache": None
         if row.parts is None
@@ -211,11 +197,6 @@ def usage_json(row: LimitUsage) -> dict[str, Any]:
             "held_micros": row.parts.held,
         },
     }
-
-
-def _lists_json(team_id: str, lists: dict[str | None, list[str]]) -> dict[str, Any]:
-    # Keys are encoded API key ids (the ledger's own form); "" is the team's list.
-    return {"team": team_id, "lists": {key or "": pats for key, pats in lists.items()}}
 
 
 Handler = Callable[[Request, "_Target"], Awaitable[Response]]
@@ -452,7 +433,7 @@ class AdminApp:
                 "at": report.at.isoformat().replace("+00:00", "Z"),
                 "limits": [usage_json(row) for row in report.limits],
                 "charges_total_micros": report.charges_total,
-                "charges_total_usd": _usd(report.charges_total),
+                "charges_total_usd": usd_text(report.charges_total),
                 "unsettled_records": report.unsettled_records,
                 "unsettled_estimate_micros": report.unsettled_estimate,
                 "cache_error": report.cache_error,
@@ -470,7 +451,7 @@ class AdminApp:
             _balance_json(identity.team_id, account.topped_up, account.charged, account.hard)
             | {
                 "remaining_micros": report.remaining,
-                "remaining_usd": _usd(report.remaining),
+                "remaining_usd": usd_text(report.remaining),
                 "unsettled_records": report.unsettled_records,
                 "unsettled_estimate_micros": report.unsettled_estimate,
             }
@@ -504,7 +485,7 @@ class AdminApp:
         if request.method == "GET":
             admin = await self._admin(target)
             return JSONResponse(
-                _lists_json(identity.team_id, await admin.list_models(identity.team_id))
+                model_lists_json(identity.team_id, await admin.list_models(identity.team_id))
             )
         action = request.path_params["action"]
         if action not in ("allow", "remove"):
@@ -521,7 +502,7 @@ class AdminApp:
         lists = await admin.allow_models(
             identity.team_id, identity.api_key_id, models, allowed=action == "allow"
         )
-        return JSONResponse(_lists_json(identity.team_id, lists))
+        return JSONResponse(model_lists_json(identity.team_id, lists))
 
     async def rates(self, request: Request, target: _Target) -> Response:
         """GET: the team's rates; PUT: set a key's (or the team's) rates, a rate not given
@@ -601,11 +582,11 @@ def _balance_json(team_id: str, topped_up: int, charged: int, hard: bool) -> dic
         "team": team_id,
         "mode": "hard" if hard else "soft",
         "topped_up_micros": topped_up,
-        "topped_up_usd": _usd(topped_up),
+        "topped_up_usd": usd_text(topped_up),
         "charged_micros": charged,
-        "charged_usd": _usd(charged),
+        "charged_usd": usd_text(charged),
         "balance_micros": topped_up - charged,
-        "balance_usd": _usd(topped_up - charged),
+        "balance_usd": usd_text(topped_up - charged),
     }
 
 

@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from ..store.pipeline import ScriptPipeline, store_error
+from ..store.pipeline import ScriptPipeline, bounded_call, store_error
 from ..store.redis import client_for as store_client_for
 from .config import BudgetWindow, Unit
 from .store import Bucket, BucketCheck, BucketUsage, Hold, Reserved, WindowUsage
@@ -96,11 +96,7 @@ class RedisBudgetStore:
         ]
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
-        try:
-            with anyio.fail_after(self._timeout):
-                return await fn()
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise store_error(exc) from exc
+        return await bounded_call(fn, self._timeout)
 
     async def _gather(self, calls: Sequence[Awaitable[Any]]) -> list[Any]:
         """Every call's reply; the calls were all submitted first, so they share a pipeline

@@ -23,6 +23,7 @@ from datetime import datetime
 from ..clock import from_micros, to_micros, utcnow
 from ..errors import ConfigurationError
 from ..settings import Settings, load_settings
+from ..store.redis import REDIS_SCHEMES
 from .base import PoolStore
 from .memory import MemoryPoolStore
 from .model import MAX_AMOUNT, WINDOW_MS, KeyState, Lease, NoCapacity, ProviderKey, Refusal
@@ -41,11 +42,7 @@ def _redis(url: str, prefix: str, timeout: float) -> PoolStore:
 
 POOL_STORES: dict[str, PoolStoreFactory] = {
     "memory": _memory,
-    "redis": _redis,
-    "rediss": _redis,
-    "unix": _redis,
-    "redis+cluster": _redis,
-    "rediss+cluster": _redis,
+    **dict.fromkeys(REDIS_SCHEMES, _redis),
 }
 """URL scheme -> pool store (``memory://``: in this process only)."""
 

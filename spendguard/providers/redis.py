@@ -13,13 +13,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
 from typing import Any, TypeVar
 
-import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
 
 from ..identity import encode_id
-from ..store.pipeline import store_error
+from ..store.pipeline import bounded_call
 from ..store.redis import client_for as store_client_for
 from .base import Attempt, StoredKey
 from .model import WINDOW_MS, ProviderKey, Refusal
@@ -64,11 +62,7 @@ class RedisPoolStore:
         return f"{self._prefix}:pool:{{{encode_id(key_id)}}}"
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
-        try:
-            with anyio.fail_after(self._timeout):
-                return await fn()
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise store_error(exc) from exc
+        return await bounded_call(fn, self._timeout)
 
     async def _script(self, name: str, key_id: str, args: Sequence[str]) -> Any:
         script, keys = self._scripts[name], [self.key_name(key_id)]

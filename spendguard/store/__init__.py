@@ -24,7 +24,7 @@ from .base import (
     UsageFill,
 )
 from .memory import MemoryStore
-from .redis import RedisStore
+from .redis import REDIS_SCHEMES, RedisStore
 
 StoreFactory = Callable[[str, Settings, Callable[[], datetime]], Store]
 
@@ -37,14 +37,7 @@ def _redis(url: str, settings: Settings, clock: Callable[[], datetime]) -> Store
     return RedisStore.from_url(url, timeout=settings.redis_timeout)
 
 
-STORES: dict[str, StoreFactory] = {
-    "memory": _memory,
-    "redis": _redis,
-    "rediss": _redis,
-    "unix": _redis,
-    "redis+cluster": _redis,
-    "rediss+cluster": _redis,
-}
+STORES: dict[str, StoreFactory] = {"memory": _memory, **dict.fromkeys(REDIS_SCHEMES, _redis)}
 
 
 def store_url(settings: Settings) -> str:

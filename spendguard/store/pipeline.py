@@ -19,21 +19,24 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
+import anyio
 import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ..errors import StoreUnavailable
 from . import wire
 
-__all__ = ["BatchStats", "ScriptPipeline", "store_error"]
+__all__ = ["BatchStats", "ScriptPipeline", "bounded_call", "store_error"]
+
+T = TypeVar("T")
 
 
 class Script(Protocol):
@@ -59,6 +62,16 @@ def store_error(exc: BaseException) -> Exception:
         error = StoreUnavailable(f"redis unavailable: {type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
+
+
+async def bounded_call(fn: Callable[[], Awaitable[T]], seconds: float) -> T:
+    """One Redis call on its own (off the hot path), bounded by ``seconds`` from its start;
+    what Redis or the connection raised comes out as :func:`store_error`'s exception."""
+    try:
+        with anyio.fail_after(seconds):
+            return await fn()
+    except (RedisError, OSError, TimeoutError) as exc:
+        raise store_error(exc) from exc
 
 
 @dataclass(slots=True)
@@ -236,10 +249,7 @@ class ScriptPipeline:
         self.stats.calls += len(calls)
         self.stats.largest = max(self.stats.largest, len(calls))
         commands = [("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args) for c in calls]
-        if isinstance(self._transport, wire.WireConnections):
-            # Its callers get their replies the moment they are read (see wire.py).
-            return await self._transport.execute(commands, [c.future for c in calls])
-        return await self._transport.execute(commands)
+        return await self._transport.execute(commands, [c.future for c in calls])
 
     async def _reload_and_retry(
         self, batch: list[_Call], replies: list[Any], lost: list[int]
@@ -276,7 +286,12 @@ Command = tuple[Any, ...]
 
 
 class _Transport(Protocol):
-    async def execute(self, commands: Sequence[Command]) -> list[Any]: ...
+    async def execute(
+        self, commands: Sequence[Command], callers: Sequence[asyncio.Future[Any]]
+    ) -> list[Any]:
+        """The replies of ``commands`` in order. A transport may also hand reply i to
+        ``callers[i]`` as soon as it is read (wire.py does); the pipeline answers the rest."""
+        ...
 
     def forget(self) -> None:
         """Drop connections that belong to an event loop no longer running."""
@@ -310,7 +325,9 @@ class _Connections:
         self._made.append(conn)
         return conn
 
-    async def execute(self, commands: Sequence[Command]) -> list[Any]:
+    async def execute(
+        self, commands: Sequence[Command], callers: Sequence[asyncio.Future[Any]]
+    ) -> list[Any]:
         conn = self._connection()
         try:
             return await self._exchange(conn, commands)
@@ -367,7 +384,9 @@ class _ClusterPipelines:
     def __init__(self, client: RedisCluster) -> None:
         self._client = client
 
-    async def execute(self, commands: Sequence[Command]) -> list[Any]:
+    async def execute(
+        self, commands: Sequence[Command], callers: Sequence[asyncio.Future[Any]]
+    ) -> list[Any]:
         pipe = self._client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)

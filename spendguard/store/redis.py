@@ -20,13 +20,11 @@ from functools import partial
 from importlib import resources
 from typing import Any, TypeVar
 
-import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 
 from ..clock import to_millis, utcnow
 from ..errors import ConfigurationError, StoreUnavailable
@@ -41,7 +39,7 @@ from .base import (
     decide,
     with_rates,
 )
-from .pipeline import ScriptPipeline, store_error
+from .pipeline import ScriptPipeline, bounded_call
 
 log = logging.getLogger("spendguard.store")
 
@@ -96,11 +94,7 @@ class RedisStore:
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """One call on its own (off the hot path), bounded by the timeout from its start."""
-        try:
-            with anyio.fail_after(self._timeout):
-                return await fn()
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise store_error(exc) from exc
+        return await bounded_call(fn, self._timeout)
 
     async def _script(self, name: str, keys: Sequence[str], args: Sequence[str]) -> Any:
         script = self._scripts[name]
@@ -320,6 +314,12 @@ class RedisStore:
         await self._client.aclose()
 
 
+# The URL schemes client_for understands: one server, or a cluster through any seed node.
+SERVER_SCHEMES = ("redis", "rediss", "unix")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+REDIS_SCHEMES = SERVER_SCHEMES + CLUSTER_SCHEMES
+
+
 def client_for(
     url: str, timeout: float, *, max_connections: int = 512
 ) -> aioredis.Redis | RedisCluster:
@@ -335,10 +335,10 @@ def client_for(
     scheme, sep, rest = url.partition("://")
     if not sep:
         raise ConfigurationError(f"not a Redis URL: {url!r}")
-    if scheme in {"redis+cluster", "rediss+cluster"}:
+    if scheme in CLUSTER_SCHEMES:
         base = scheme.split("+", 1)[0]
         client: aioredis.Redis | RedisCluster = RedisCluster.from_url(f"{base}://{rest}", **opts)
-    elif scheme in {"redis", "rediss", "unix"}:
+    elif scheme in SERVER_SCHEMES:
         # The hot path's batches use connections of their own (pipeline.py); this pool
         # serves the other calls. A blocking pool: when every connection is busy a call
         # waits (bounded by the timeout) instead of failing at once. redis-py's default

@@ -186,7 +186,7 @@ class WireConnections:
             self._made.discard(conn)
 
     async def execute(
-        self, commands: Sequence[Command], callers: Sequence[asyncio.Future[Any]] | None = None
+        self, commands: Sequence[Command], callers: Sequence[asyncio.Future[Any]]
     ) -> list[Any]:
         """The replies of ``commands``, in order; ``callers[i]`` gets reply i early (above)."""
         replies: list[Any] = []
@@ -205,9 +205,7 @@ class WireConnections:
                 done = len(replies)
                 rest = commands[done:]
                 packed = b"".join(map(hiredis.pack_command, rest))
-                got = await conn.exchange(
-                    packed, len(rest), callers[done:] if callers is not None else None
-                )
+                got = await conn.exchange(packed, len(rest), callers[done:])
             except _Broken as exc:
                 replies.extend(exc.replies)
                 self._drop(conn)

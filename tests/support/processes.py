@@ -11,11 +11,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from .ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root: where ``examples``, ``benchmarks`` and ``tests`` import from."""
@@ -107,6 +109,19 @@ def stop(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 30.0) -> Non
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def serve_demo(env: dict[str, str], log: Path) -> Iterator[str]:
+    """The demo gateway under uvicorn on a free port: yields its base URL once it answers,
+    then stops it gracefully (for a pytest fixture: ``yield from serve_demo(env, log)``)."""
+    port = free_port()
+    proc = uvicorn("examples.gateway:app", port, env, log)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc, log)
+        yield base
+    finally:
+        stop([proc], timeout=15)
 
 
 def run_cli(env: dict[str, str], *args: str, timeout: float = 60.0) -> Any:

@@ -15,22 +15,11 @@ import httpx
 import openai
 import pytest
 
-from tests.support import ROOT, clean_env, free_port, stop, uvicorn, wait_healthy
+from tests.support import ROOT, clean_env, serve_demo
 
 TOKEN = "demo-admin-" + "t" * 24
 ADMIN = {"authorization": f"Bearer {TOKEN}"}
 MESSAGES = [{"role": "user", "content": "Say something about budgets."}]
-
-
-def serve(env: dict[str, str], log: Path) -> Iterator[str]:
-    port = free_port()
-    proc = uvicorn("examples.gateway:app", port, env, log)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, log)
-        yield base
-    finally:
-        stop([proc], timeout=15)
 
 
 @pytest.fixture
@@ -44,7 +33,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def gateway(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
-    yield from serve(env, tmp_path / "gateway.log")
+    yield from serve_demo(env, tmp_path / "gateway.log")
 
 
 def doctor(env: dict[str, str], *args: str) -> tuple[int, dict[str, Any]]:
@@ -117,7 +106,7 @@ def test_admin_routes_metrics_and_doctor_on_the_demo_gateway(
 @pytest.mark.timeout(120)
 def test_the_admin_routes_are_off_without_a_token(tmp_path: Path) -> None:
     env = clean_env(SPENDGUARD_DATABASE_URL=f"sqlite:///{tmp_path / 'demo.db'}")
-    for base in serve(env, tmp_path / "gateway.log"):
+    for base in serve_demo(env, tmp_path / "gateway.log"):
         admin = f"{base}/admin/spendguard"
         assert httpx.get(f"{admin}/status", headers=ADMIN).status_code == 404
         assert httpx.get(f"{base}/metrics").status_code == 200

@@ -17,7 +17,7 @@ import pytest
 
 from spendguard.engine.pricing import PriceTable
 from spendguard.testing import expected_usage
-from tests.support import clean_env, free_port, run_cli, stop, uvicorn, wait_healthy
+from tests.support import clean_env, run_cli, serve_demo
 
 R52_KEY_DAY = {
     "error": {
@@ -41,14 +41,8 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def gateway(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
-    port, log = free_port(), tmp_path / "gateway.log"
-    proc = uvicorn("examples.gateway:app", port, env, log)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, log)
-        yield base
-    finally:
-        stop([proc], timeout=15)
+    log = tmp_path / "gateway.log"
+    yield from serve_demo(env, log)
     # Graceful shutdown ran the middleware's lifespan to the end (records flushed).
     assert "Application shutdown complete" in log.read_text()
 
