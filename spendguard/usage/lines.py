@@ -45,6 +45,12 @@ class LineDecoder:
         """Bytes held for the unterminated line."""
         return self._partial.size
 
+    @property
+    def idle(self) -> bool:
+        """Between lines: nothing buffered and no CRLF half-seen, so the next byte starts a
+        line (the stream's first line may still carry a BOM)."""
+        return not self._skip_lf and self._partial.empty
+
     def take_whole(self, data: bytes) -> bool:
         """True (and the decoder's state moved past it) when ``data`` may bypass
         :meth:`decode`: nothing is pending and ``data`` ends in LF, without any CR, so its

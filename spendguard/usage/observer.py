@@ -13,6 +13,12 @@ Design constraints, because this runs on every proxied request:
   only a bounded tail is kept past that; SSE keeps one partial line and one event at a time.
 * Total work is O(body size): each byte is split into lines and parsed once; nothing re-scans
   the whole buffer per chunk.
+* A stream costs almost nothing while it passes: its chunks are only held (up to
+  ``_HOLD_BYTES``, beyond which they are parsed as they come). Asked for usage, the observer
+  reads the last held events first: a stream reports its usage and model last, and the last
+  report wins, so when those events have them nothing before them can change the answer. Only
+  otherwise (no usage in the last events, or their framing is unusual) is everything held
+  parsed, exactly as it would have been chunk by chunk.
 """
 
 from __future__ import annotations
@@ -31,6 +37,12 @@ from .types import Dialect, Usage, valid_model
 
 # ``max_buffer`` is raised to at least this, so the tail can always hold a usage object.
 _MIN_BUFFER: Final = 4096
+# Stream chunks held unparsed, at most (bytes); beyond it they are parsed as they come.
+_HOLD_BYTES: Final = 64 * 1024
+# Data events read back from the end of the held bytes for usage and model before giving up
+# and parsing everything held (a stream ends with its usage event and ``[DONE]``).
+_TAIL_EVENTS: Final = 4
+_BOM: Final = b"\xef\xbb\xbf"
 
 
 class _Stream(Protocol):
@@ -56,12 +68,18 @@ class _Format:
     normalise: Callable[[dict[str, Any]], Usage | None]
     output_chars: Callable[[dict[str, Any]], int]
     stream: Callable[[], _Stream]
+    # The raw usage and model one stream event carries, when the stream's usage and model are
+    # simply the last ones reported (so they can be read from its end); else None.
+    reported: Callable[[dict[str, Any], str], tuple[object, object]] | None
 
 
 _FORMATS: Final[dict[str, _Format]] = {
-    Dialect.OPENAI: _Format(openai.normalise, openai.output_chars, openai.OpenAIStream),
+    Dialect.OPENAI: _Format(
+        openai.normalise, openai.output_chars, openai.OpenAIStream, openai.reported
+    ),
+    # Anthropic's usage is merged from message_start and message_delta: parsed in order.
     Dialect.ANTHROPIC: _Format(
-        anthropic.normalise, anthropic.output_chars, anthropic.AnthropicStream
+        anthropic.normalise, anthropic.output_chars, anthropic.AnthropicStream, None
     ),
 }
 
@@ -72,7 +90,19 @@ class UsageObserver:
     ``feed`` every body chunk in order, then call :meth:`result`. Neither ever raises.
     """
 
-    __slots__ = ("_body", "_failed", "_format", "_json_cache", "_shape", "_sse", "_stream")
+    __slots__ = (
+        "_body",
+        "_failed",
+        "_format",
+        "_from_end_cache",
+        "_held",
+        "_held_size",
+        "_hold",
+        "_json_cache",
+        "_shape",
+        "_sse",
+        "_stream",
+    )
 
     def __init__(
         self,
@@ -85,6 +115,12 @@ class UsageObserver:
         self._format = _FORMATS.get(dialect, _FORMATS[Dialect.OPENAI])
         max_buffer = max(max_buffer, _MIN_BUFFER)
         self._failed = False
+        self._held: list[bytes] = []  # stream chunks not parsed yet, in order
+        self._held_size = 0
+        # What _from_end found for the held chunks as they were (their count): usage and model
+        # are asked for one after the other.
+        self._from_end_cache: tuple[int, tuple[Usage, str | None] | None] = (0, None)
+        self._hold = min(_HOLD_BYTES, max_buffer)
         self._sse: SSEDecoder | None = None
         if (content_type or "").strip().lower().startswith("text/event-stream"):
             self._sse = SSEDecoder(max_buffer)
@@ -106,8 +142,10 @@ class UsageObserver:
             if not data:
                 return
             if self._sse is not None:
-                for event in self._sse.decode(data):
-                    self._apply(event)
+                self._held.append(data)
+                self._held_size += len(data)
+                if self._held_size > self._hold:
+                    self._drain()
             else:
                 self._json_cache = None
                 self._body.append(data)
@@ -120,6 +158,10 @@ class UsageObserver:
         """Usage the provider reported, or None if the body had none or was unparseable."""
         try:
             if self._sse is not None:
+                last = self._from_end()
+                if last is not None:
+                    return last[0]
+                self._drain()
                 return self._snapshot(self._sse).result()
             return self._json_result()[0]
         except Exception:
@@ -130,6 +172,7 @@ class UsageObserver:
         """Characters of generated text seen so far, for estimation when usage is missing."""
         try:
             if self._sse is not None:
+                self._drain()
                 return self._snapshot(self._sse).output_chars
             obj = self._json_result()[1]
             return self._format.output_chars(obj) if obj is not None else 0
@@ -141,6 +184,10 @@ class UsageObserver:
         """Model name the response reported, if any."""
         try:
             if self._sse is not None:
+                last = self._from_end()
+                if last is not None:
+                    return last[1]
+                self._drain()
                 return self._snapshot(self._sse).model
             return self._json_result()[2]
         except Exception:
@@ -149,7 +196,7 @@ class UsageObserver:
     def _buffered_size(self) -> int:
         """Bytes currently held (for tests asserting that memory stays bounded)."""
         if self._sse is not None:
-            return self._sse.buffered
+            return self._sse.buffered + self._held_size
         return self._body.size
 
     # -- JSON ----------------------------------------------------------------------------------
@@ -180,6 +227,85 @@ class UsageObserver:
         return usage, obj, valid_model(obj.get("model"))
 
     # -- SSE -----------------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Parse the held chunks, in order, into the stream's state."""
+        held = self._held
+        if not held:
+            return
+        self._held, self._held_size = [], 0
+        self._from_end_cache = (0, None)
+        if self._failed:
+            return
+        sse = self._sse
+        assert sse is not None
+        try:
+            for chunk in held:
+                for event in sse.decode(chunk):
+                    self._apply(event)
+        except Exception:
+            self._failed = True  # as in feed: stop observing, keep what was seen
+
+    def _from_end(self) -> tuple[Usage, str | None] | None:
+        """Usage and model read from the last held events alone; None when that can't be done
+        exactly, and the caller parses everything held instead.
+
+        Exact because a stream's usage and model are the last ones it reports: events before
+        one that reports both can't change them. It reads only events that are one ``data:``
+        line each, with LF line ends, and nothing pending before the held bytes: any other
+        framing takes the long way.
+        """
+        held = self._held
+        cached_for, cached = self._from_end_cache
+        if cached_for == len(held) and held:
+            return cached
+        found = self._read_end(held)
+        self._from_end_cache = (len(held), found)
+        return found
+
+    def _read_end(self, held: list[bytes]) -> tuple[Usage, str | None] | None:
+        reported, sse = self._format.reported, self._sse
+        if reported is None or sse is None or not held or self._failed or not sse.idle:
+            return None
+        data = held[0] if len(held) == 1 else b"".join(held)
+        if (
+            b'"usage"' not in data  # nothing held reports usage
+            or data[-2:] != b"\n\n"  # an event is still open
+            or b"\r" in data
+            or data.startswith(_BOM)
+        ):
+            return None
+        normalise, max_event = self._format.normalise, sse.max_event
+        usage: Usage | None = None
+        model: str | None = None
+        end, read = len(data), 0
+        while end > 0:
+            start = data.rfind(b"\n\n", 0, end)
+            block = data[start + 2 if start >= 0 else 0 : end].strip(b"\n")
+            end = start
+            if b"\n" in block or len(block) > max_event:
+                return None  # a multi-line or over-long event: parsed in order instead
+            # A blank line, a comment or a field other than data alone dispatches no event.
+            if block[:5] != b"data:":
+                continue
+            read += 1
+            if read > _TAIL_EVENTS:
+                return None
+            value = block[5:]
+            parsed = _parse(value[1:] if value[:1] == b" " else value, "")
+            if parsed is None:
+                continue
+            raw_usage, raw_model = reported(*parsed)
+            if model is None:
+                model = valid_model(raw_model)
+            if usage is None and isinstance(raw_usage, dict):
+                usage = normalise(raw_usage)
+            if usage is not None and model is not None:
+                return usage, model
+        if usage is None:
+            return None
+        # Every held event was read and none named a valid model: the one parsed before, if any.
+        return usage, self._stream.model
 
     def _apply(self, event: Event) -> None:
         """Update the stream from one event: counted from its bytes when it has the shape of

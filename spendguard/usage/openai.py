@@ -60,6 +60,17 @@ def _counts(usage: dict[str, Any]) -> Usage:
     return Usage(input_tokens=prompt - cached, output_tokens=output, cached_input_tokens=cached)
 
 
+def reported(obj: dict[str, Any], kind: str) -> tuple[object, object]:
+    """The usage and model a stream event carries, unchecked, where :class:`OpenAIStream`
+    reads them: a Responses event's ``response``, else the chunk itself."""
+    if kind.startswith("response."):
+        response = obj.get("response")
+        if not isinstance(response, dict):
+            return None, None
+        return response.get("usage"), response.get("model")
+    return obj.get("usage"), obj.get("model")
+
+
 def output_chars(body: dict[str, Any]) -> int:
     """Generated characters in a whole JSON response (chat/completions ``choices`` or
     Responses ``output``)."""

@@ -45,6 +45,15 @@ class SSEDecoder:
         """Bytes held for the current event and line (bounded by about ``2 * max_event``)."""
         return self._lines.buffered + self._data_size
 
+    @property
+    def max_event(self) -> int:
+        return self._max_event
+
+    @property
+    def idle(self) -> bool:
+        """Between events: no line, data or event name pending."""
+        return not self._data_lines and not self._event and self._lines.idle
+
     def decode(self, chunk: bytes) -> Sequence[Event]:
         """The events ``chunk`` completes (their blank line arrived), in order."""
         whole = self._whole_event(chunk)
