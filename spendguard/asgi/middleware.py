@@ -57,6 +57,10 @@ def _content_headers(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, st
     return content_type, content_encoding
 
 
+def _too_large(limit: int) -> BadRequest:
+    return BadRequest(f"Request body exceeds {limit} bytes.", status=413)
+
+
 class _Disconnected(Exception):
     """The client went away while we read the request body: nothing to answer or charge."""
 
@@ -249,16 +253,25 @@ class SpendGuardMiddleware:
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_body_bytes
-        too_large = BadRequest(f"Request body exceeds {limit} bytes.", status=413)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
-                    if int(value) > limit:
-                        raise too_large
+                    declared = int(value)
                 except ValueError:
                     raise BadRequest("Invalid Content-Length header.") from None
-        chunks: list[bytes] = []
-        size = 0
+                if declared > limit:
+                    raise _too_large(limit)
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected
+        body: bytes = message.get("body", b"")
+        if len(body) > limit:
+            raise _too_large(limit)
+        if not message.get("more_body", False):
+            # The whole body in one message, as servers send small ones.
+            return body if type(body) is bytes else bytes(body)
+        chunks = [body]
+        size = len(body)
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -266,7 +279,7 @@ class SpendGuardMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise too_large
+                raise _too_large(limit)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)

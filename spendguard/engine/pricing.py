@@ -110,6 +110,7 @@ _DATE_SUFFIX: Final = re.compile(r"(?:-\d{4}-\d{2}-\d{2}|-\d{8}|@\d{8})$")
 # Bedrock-style ids put the vendor (and an optional region group) in front with dots:
 # ``anthropic.claude-...`` / ``us.anthropic.claude-...``. Anchored and specific, so the dots in
 # ``gpt-3.5-turbo`` or ``gpt-4.1`` are never mistaken for one.
+_RESOLVED_MAX: Final = 1024  # names kept resolved; beyond, the memo starts over
 _VENDOR_DOT_PREFIX: Final = re.compile(r"^(?:[a-z]{2,6}\.)?(?:anthropic|openai)\.")
 
 
@@ -187,7 +188,15 @@ class PriceMatch:
 class PriceTable:
     """Immutable model → :class:`Price` table with forgiving name lookup."""
 
-    __slots__ = ("_from_file", "_longest", "_prices", "_providers", "as_of", "user_as_of")
+    __slots__ = (
+        "_from_file",
+        "_longest",
+        "_prices",
+        "_providers",
+        "_resolved",
+        "as_of",
+        "user_as_of",
+    )
 
     as_of: str
     """Date (``YYYY-MM-DD``) the shipped prices were taken from the providers' pages."""
@@ -216,6 +225,10 @@ class PriceTable:
             {name.strip().lower(): who for name, who in (providers or {}).items()}
         )
         self._from_file = frozenset(name.strip().lower() for name in from_file)
+        # Names already resolved: every request prices its model two or three times, and a
+        # served name (``gpt-4o-mini-2024-07-18``) takes the regex steps below. Bounded, since
+        # the names come from clients.
+        self._resolved: dict[str, str | None] = {}
         self.as_of = as_of
         self.user_as_of = user_as_of
 
@@ -246,6 +259,18 @@ class PriceTable:
         """The table entry that prices ``model``, or None: for logs and 'priced as' answers."""
         if not isinstance(model, str):
             return None
+        resolved = self._resolved
+        try:
+            return resolved[model]
+        except KeyError:
+            pass
+        key = self._resolve(model)
+        if len(resolved) >= _RESOLVED_MAX:
+            resolved.clear()
+        resolved[model] = key
+        return key
+
+    def _resolve(self, model: str) -> str | None:
         name = model.strip().lower()
         if not name:
             return None

@@ -99,6 +99,7 @@ class UsageObserver:
         "_held_size",
         "_hold",
         "_json_cache",
+        "_limit",
         "_shape",
         "_sse",
         "_stream",
@@ -120,13 +121,16 @@ class UsageObserver:
         # What _from_end found for the held chunks as they were (their count): usage and model
         # are asked for one after the other.
         self._from_end_cache: tuple[int, tuple[Usage, str | None] | None] = (0, None)
-        self._hold = min(_HOLD_BYTES, max_buffer)
+        self._limit = max_buffer
         self._sse: SSEDecoder | None = None
         if (content_type or "").strip().lower().startswith("text/event-stream"):
             self._sse = SSEDecoder(max_buffer)
+        # A stream's chunks are held up to _HOLD_BYTES; a JSON body's up to max_buffer, past
+        # which only its head and tail are kept (in _body).
+        self._hold = min(_HOLD_BYTES, max_buffer) if self._sse is not None else max_buffer
         self._stream = self._format.stream()
         self._shape: DeltaShape | None = None  # of this stream's text deltas, once one was seen
-        self._body = TailBuffer(max_buffer, HEAD_BYTES)  # JSON mode
+        self._body: TailBuffer | None = None  # a JSON body that outgrew max_buffer
         # The parsed body's usage, the body itself (its text is counted only if asked for:
         # usually the provider reported usage) and its model.
         self._json_cache: tuple[Usage | None, dict[str, Any] | None, str | None] | None = None
@@ -141,14 +145,18 @@ class UsageObserver:
             data = chunk if isinstance(chunk, bytes) else bytes(chunk)
             if not data:
                 return
-            if self._sse is not None:
-                self._held.append(data)
-                self._held_size += len(data)
-                if self._held_size > self._hold:
-                    self._drain()
-            else:
+            if self._sse is None:
                 self._json_cache = None
-                self._body.append(data)
+                if self._body is not None:
+                    self._body.append(data)
+                    return
+            self._held.append(data)
+            self._held_size += len(data)
+            if self._held_size > self._hold:
+                if self._sse is not None:
+                    self._drain()
+                else:
+                    self._overflow()
         except Exception:
             # A bug here must never break the proxied response; stop observing instead. The
             # caller then sees no (or partial SSE) usage and falls back to estimation.
@@ -197,7 +205,7 @@ class UsageObserver:
         """Bytes currently held (for tests asserting that memory stays bounded)."""
         if self._sse is not None:
             return self._sse.buffered + self._held_size
-        return self._body.size
+        return self._held_size + (self._body.size if self._body is not None else 0)
 
     # -- JSON ----------------------------------------------------------------------------------
 
@@ -206,18 +214,26 @@ class UsageObserver:
             self._json_cache = self._parse_json()
         return self._json_cache
 
+    def _overflow(self) -> None:
+        """The JSON body outgrew max_buffer: from now on only its head and tail are kept."""
+        body = TailBuffer(self._limit, HEAD_BYTES)
+        for chunk in self._held:
+            body.append(chunk)
+        self._held, self._held_size, self._body = [], 0, body
+
     def _parse_json(self) -> tuple[Usage | None, dict[str, Any] | None, str | None]:
         if self._failed:
             return None, None, None
         body = self._body
         normalise = self._format.normalise
-        if body.overflowed:
+        if body is not None:
             # Too big to parse whole (e.g. a large embeddings batch): only the tail is left.
             recovered = recover_usage(body.data)
             usage = normalise(recovered) if recovered is not None else None
             return usage, None, recover_model(body.head, body.data)
+        held = self._held
         try:
-            obj = json.loads(body.data)
+            obj = json.loads(held[0] if len(held) == 1 else b"".join(held))
         except (ValueError, RecursionError):
             return None, None, None
         if not isinstance(obj, dict):
