@@ -72,8 +72,10 @@ def parse_request(body: bytes) -> InferenceRequest:
         model=_model(obj),
         stream=_stream(obj),
         max_tokens=_max_tokens(obj),
-        # Walked only if the provider reports no usage: one pass over the body otherwise.
-        estimate=partial(_estimate_input_tokens, obj),
+        # Walked only if the provider reports no usage: one pass over the body otherwise. It
+        # keeps the body's bytes, not its parsed objects: those would stay alive for the whole
+        # upstream call, and the garbage collector walks every live container in each pass.
+        estimate=partial(_estimate_from_body, body),
         size=len(body),
         choices=_choices(obj),
     )
@@ -165,6 +167,11 @@ def _max_tokens(obj: dict[str, Any]) -> int | None:
     # When several are sent (e.g. max_tokens and max_completion_tokens), the provider honours
     # one of them; the largest is a safe upper bound for the reservation.
     return max(caps) if caps else None
+
+
+def _estimate_from_body(body: bytes) -> int:
+    """The estimate of a body :func:`parse_request` accepted (so it parses again)."""
+    return _estimate_input_tokens(_load(body))
 
 
 def _estimate_input_tokens(obj: dict[str, Any]) -> int:
