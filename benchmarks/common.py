@@ -62,7 +62,7 @@ class Sizes:
             inproc_health=3000,
             inproc_block=50,
             inproc_warmup=300,
-            http_seconds=1.0,
+            http_seconds=2.0,
             http_health_seconds=1.0,
             http_pause=0.2,
             http_warmup=0.4,
