@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import time
-import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from queue import Empty
@@ -35,6 +34,7 @@ from typing import Any
 
 from spendguard import Identity
 from spendguard.engine.costing import Coster
+from spendguard.engine.guard import new_record_id
 from spendguard.engine.pricing import PriceTable
 from spendguard.engine.worker import SettlementWorker
 from spendguard.ledger import Ledger
@@ -62,7 +62,7 @@ def _identities(teams: int) -> list[Identity]:
 def _records(n: int, identities: list[Identity], now: datetime) -> list[InferenceRecord]:
     out = []
     for i in range(n):
-        rid = uuid.uuid4().hex
+        rid = new_record_id()  # as the gateway draws them
         out.append(
             InferenceRecord(
                 id=rid,

@@ -7,6 +7,7 @@ PostgreSQL). Faults are injected by wrapping them (``Override``), never by reach
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from spendguard import Settings, SpendGuard
 from spendguard.engine.decision import Admission, InferenceRequest, Unavailable, Verdict
+from spendguard.engine.guard import new_record_id
 from spendguard.errors import LedgerUnavailable, StoreUnavailable
 from spendguard.identity import Identity
 from spendguard.ledger import Ledger
@@ -342,3 +344,16 @@ async def test_finish_charges_the_model_that_was_served(build: Build) -> None:
     observer.feed(chat_response(10, 5, model=SERVED))
     record = await guard.finish(admission, 200, observer)
     assert record is not None and record.model == SERVED and record.estimate_micros == 30
+
+
+def test_record_ids_are_unique_and_grow_with_time() -> None:
+    """Ids are 32 hex digits that sort by the millisecond they were drawn in (the ledger's
+    primary key then appends instead of landing on a random page), and never repeat."""
+    same_ms = [new_record_id() for _ in range(10_000)]
+    assert len(set(same_ms)) == len(same_ms)
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in same_ms)
+    first = new_record_id()
+    time.sleep(0.003)
+    later = new_record_id()
+    assert later[:12] > first[:12] and later > first
+    assert abs(int(later[:12], 16) - time.time_ns() // 1_000_000) < 1_000
