@@ -709,3 +709,30 @@ def test_a_miss_costs_the_same_in_a_table_of_thousands(tmp_path: Path) -> None:
     for i in range(200):
         assert table.resolve(f"no-such-model-{i}-at-all") is None
     assert time.perf_counter() - started < 0.5
+
+
+# --------------------------------------------------------------------------- resolved names
+
+
+def test_resolved_names_are_remembered_boundedly_and_answer_as_before() -> None:
+    """Each name is resolved once per table (every request prices its model two or three
+    times): the remembered answer is the rule's answer, for priced and unpriced names alike,
+    and a flood of distinct names (they come from clients) keeps the memo bounded."""
+    table = PriceTable.load()
+    names = [
+        "gpt-4o-mini",
+        "gpt-4o-mini-2024-07-18",
+        "openai/gpt-4o-mini",
+        "GPT-4O-MINI ",
+        "claude-sonnet-4-5-20250929",
+        "no-such-model",
+        "",
+    ]
+    first = [table.resolve(name) for name in names]
+    assert first[0] == first[1] == first[2] == first[3] == "gpt-4o-mini"
+    assert first[5] is None and first[6] is None
+    assert [table.resolve(name) for name in names] == first  # remembered: the same answers
+    for i in range(5_000):
+        assert table.resolve(f"flood-{i}") is None
+    assert len(table._resolved) <= 1024
+    assert [table.resolve(name) for name in names] == first
