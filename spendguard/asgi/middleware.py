@@ -261,17 +261,8 @@ class SpendGuardMiddleware:
                     raise BadRequest("Invalid Content-Length header.") from None
                 if declared > limit:
                     raise _too_large(limit)
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _Disconnected
-        body: bytes = message.get("body", b"")
-        if len(body) > limit:
-            raise _too_large(limit)
-        if not message.get("more_body", False):
-            # The whole body in one message, as servers send small ones.
-            return body if type(body) is bytes else bytes(body)
-        chunks = [body]
-        size = len(body)
+        chunks: list[bytes] = []
+        size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -280,9 +271,12 @@ class SpendGuardMiddleware:
             size += len(chunk)
             if size > limit:
                 raise _too_large(limit)
-            chunks.append(chunk)
             if not message.get("more_body", False):
+                if not chunks:  # the whole body in one message, as servers send small ones
+                    return chunk if type(chunk) is bytes else bytes(chunk)
+                chunks.append(chunk)
                 return b"".join(chunks)
+            chunks.append(chunk)
 
     @staticmethod
     def _retry_of(state: dict[str, Any]) -> tuple[datetime | None, str | None]:

@@ -106,11 +106,11 @@ _PER_MILLION: Final = Decimal(1_000_000)
 # per-1M one, a stray exponent) and would make every request unaffordable, so it is refused.
 _MAX_PRICE: Final = Decimal(1_000_000)
 
+_RESOLVED_MAX: Final = 1024  # names kept resolved; beyond, the memo starts over
 _DATE_SUFFIX: Final = re.compile(r"(?:-\d{4}-\d{2}-\d{2}|-\d{8}|@\d{8})$")
 # Bedrock-style ids put the vendor (and an optional region group) in front with dots:
 # ``anthropic.claude-...`` / ``us.anthropic.claude-...``. Anchored and specific, so the dots in
 # ``gpt-3.5-turbo`` or ``gpt-4.1`` are never mistaken for one.
-_RESOLVED_MAX: Final = 1024  # names kept resolved; beyond, the memo starts over
 _VENDOR_DOT_PREFIX: Final = re.compile(r"^(?:[a-z]{2,6}\.)?(?:anthropic|openai)\.")
 
 

@@ -99,7 +99,6 @@ class UsageObserver:
         "_held_size",
         "_hold",
         "_json_cache",
-        "_limit",
         "_shape",
         "_sse",
         "_stream",
@@ -121,7 +120,6 @@ class UsageObserver:
         # What _from_end found for the held chunks as they were (their count): usage and model
         # are asked for one after the other.
         self._from_end_cache: tuple[int, tuple[Usage, str | None] | None] = (0, None)
-        self._limit = max_buffer
         self._sse: SSEDecoder | None = None
         if (content_type or "").strip().lower().startswith("text/event-stream"):
             self._sse = SSEDecoder(max_buffer)
@@ -215,8 +213,9 @@ class UsageObserver:
         return self._json_cache
 
     def _overflow(self) -> None:
-        """The JSON body outgrew max_buffer: from now on only its head and tail are kept."""
-        body = TailBuffer(self._limit, HEAD_BYTES)
+        """The JSON body outgrew max_buffer (its hold): from now on only its head and tail are
+        kept."""
+        body = TailBuffer(self._hold, HEAD_BYTES)
         for chunk in self._held:
             body.append(chunk)
         self._held, self._held_size, self._body = [], 0, body

@@ -88,27 +88,24 @@ class OpenAIStream:
     model: str | None = None
 
     def apply(self, obj: dict[str, Any], kind: str) -> None:
-        """Update from one event's parsed data; ``kind`` is its ``type`` (or ``event:`` name)."""
+        """Update from one event's parsed data; ``kind`` is its ``type`` (or ``event:`` name).
+
+        Usage and model are read where :func:`reported` says (the observer reads a stream's
+        end the same way): the last valid model and the last usage object win. Usage is null
+        on every chat chunk but the last (and present at all only with
+        stream_options.include_usage); Responses events carry it from response.completed,
+        .incomplete or .failed.
+        """
+        usage, model = reported(obj, kind)
+        if model != self.model:  # every chunk repeats it; validate it once
+            self.model = valid_model(model) or self.model
+        if isinstance(usage, dict):
+            self.apply_usage(usage)
         if kind.startswith("response."):  # Responses API
-            response = obj.get("response")
-            if isinstance(response, dict):
-                self.model = valid_model(response.get("model")) or self.model
-                # response.completed / .incomplete / .failed carry the usage; earlier events
-                # (created, in_progress) carry ``usage: null``.
-                usage = response.get("usage")
-                if isinstance(usage, dict):
-                    self.apply_usage(usage)
             if kind in _RESPONSES_TEXT_DELTAS:
                 self.output_chars += str_len(obj.get("delta"))
             return
-        # Chat Completions / legacy Completions chunk. Usage is null on every chunk but the last
-        # (and only present at all with stream_options.include_usage).
-        model = obj.get("model")
-        if model != self.model:  # every chunk repeats it; validate it once
-            self.model = valid_model(model) or self.model
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.apply_usage(usage)
+        # Chat Completions / legacy Completions chunk.
         self.output_chars += choices_chars(obj.get("choices"), "delta")
 
     def delta_text(self, obj: dict[str, Any], kind: str) -> str | None:
