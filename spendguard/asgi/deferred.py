@@ -14,7 +14,6 @@ from datetime import datetime
 from functools import partial
 from typing import Any
 
-import anyio
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,6 +24,7 @@ from ..engine.guard import SpendGuard
 from ..usage import BodyObserver, Dialect
 from .dependency import STATE_ADMIT, Refused
 from .errors import send_error, send_refusal
+from .finishing import finish, replay
 from .identity import IdentityResolver, resolve
 from .ratelimit import rate_limit_headers
 from .request import BadRequest, parse_request
@@ -107,15 +107,6 @@ async def deferred_inference(
         state[STATE_RECORD_ID] = decision.record_id
         admitted = admission
 
-    body_sent = False
-
-    async def replay_receive() -> Message:
-        nonlocal body_sent
-        if not body_sent:
-            body_sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
     started = False
     status_code = 0
     observer: BodyObserver | None = None
@@ -142,7 +133,7 @@ async def deferred_inference(
 
     state[STATE_ADMIT] = admit
     try:
-        await app(scope, replay_receive, observed_send)
+        await app(scope, replay(body, receive), observed_send)
     except Refused as refused:
         if started:
             raise
@@ -150,13 +141,7 @@ async def deferred_inference(
     finally:
         state.pop(STATE_ADMIT, None)
         if admitted is not None:
-            with anyio.CancelScope(shield=True):
-                record = await guard.finish(admitted, status_code, observer)
-                if budget is not None and budgets is not None:
-                    if record is None:  # nothing charged: the hold is returned
-                        await budgets.finish(budget, None, budget.model)
-                    else:
-                        await budgets.finish(budget, record.usage, record.model)
+            await finish(guard, budgets, admitted, status_code, observer, budget)
 
 
 async def _send_error(dialect: Dialect, status: int, code: str, message: str, send: Send) -> None:

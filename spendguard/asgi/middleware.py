@@ -14,7 +14,6 @@ import logging
 from datetime import datetime
 from typing import Any
 
-import anyio
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,6 +27,7 @@ from ..store import Store
 from ..usage import BodyObserver, Dialect
 from .deferred import deferred_inference
 from .errors import send_error, send_refusal
+from .finishing import finish, replay
 from .identity import IdentityResolver, resolve
 from .lifespan import run_lifespan
 from .ratelimit import rate_limit_headers
@@ -195,17 +195,6 @@ class SpendGuardMiddleware:
         budget: BudgetAdmission | None = None,
     ) -> None:
         assert admission.decision is not None
-        body_sent = False
-
-        async def replay_receive() -> Message:
-            # The app reads the body we already consumed; after it, the real receive (so the
-            # app still sees http.disconnect).
-            nonlocal body_sent
-            if not body_sent:
-                body_sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
         status_code = 0
         observer: BodyObserver | None = None
         added = [
@@ -231,19 +220,9 @@ class SpendGuardMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, replay_receive, observed_send)
+            await self.app(scope, replay(body, receive), observed_send)
         finally:
-            # Exactly once, however the app ended: return, exception, disconnect or
-            # cancellation; shielded so a cancelled request still settles its charge.
-            # finish() is bounded by the store's own timeouts; no deadline of ours is needed.
-            with anyio.CancelScope(shield=True):
-                record = await guard.finish(admission, status_code, observer)
-                if budget is not None and self.budgets is not None:
-                    # The hold becomes what was charged; nothing charged: it is returned.
-                    if record is None:
-                        await self.budgets.finish(budget, None, budget.model)
-                    else:
-                        await self.budgets.finish(budget, record.usage, record.model)
+            await finish(guard, self.budgets, admission, status_code, observer, budget)
 
     def _remaining_headers(self, admission: Admission) -> list[tuple[bytes, bytes]]:
         decision = admission.decision
