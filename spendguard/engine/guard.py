@@ -501,10 +501,10 @@ class SpendGuard:
                 rates=pf.rates if pf is not None else (),
                 rate_denied=rate_denied,
                 rate_keys=tuple(
-                    plan.rate_keys[r.scope is Scope.TEAM]
-                    for r in (pf.rates if pf is not None and verdict is Verdict.ALLOW else ())
-                    if r.tracked
-                ),
+                    plan.rate_keys[r.scope is Scope.TEAM] for r in pf.rates if r.tracked
+                )
+                if pf is not None and pf.rates and verdict is Verdict.ALLOW
+                else (),
             )
 
         try:

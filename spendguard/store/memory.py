@@ -132,7 +132,8 @@ class MemoryStore:
     ) -> Preflight:
         _check_amount(hold)
         _check_amount(tokens)
-        policy = self._live_policy(plan.policy_key, self._clock())
+        now = self._clock()  # once per call: every check below is at the same instant
+        policy = self._live_policy(plan.policy_key, now)
         if (
             model
             and policy is not None
@@ -141,14 +142,13 @@ class MemoryStore:
             )
         ):
             return Preflight(Outcome.MODEL)
-        pf = self._preflight(plan, hold)
+        pf = self._preflight(plan, hold, now)
         rid = entry.record_id if entry is not None else record_id
         if policy is not None and policy.rates and pf.outcome is Outcome.ALLOW:
-            now_ms = to_millis(self._clock()) if now_ms is None else now_ms
+            now_ms = to_millis(now) if now_ms is None else now_ms
             pf = self._rate(plan, policy, pf, rid, tokens, now_ms, slot_ttl_ms)
         if pf.outcome is Outcome.ALLOW:
             if hold:
-                now = self._clock()
                 for state in pf.limits:
                     usage = self._live_usage(state.check.usage_key, now)
                     if state.hard and usage is not None and rid not in usage.holds:
@@ -227,8 +227,7 @@ class MemoryStore:
             pf, denial, [states.get(Scope.API_KEY), states.get(Scope.TEAM)], now_ms, tokens
         )
 
-    def _preflight(self, plan: KeyPlan, hold: int) -> Preflight:
-        now = self._clock()
+    def _preflight(self, plan: KeyPlan, hold: int, now: datetime) -> Preflight:
         policy = self._live_policy(plan.policy_key, now)
         if policy is None:
             return Preflight(Outcome.MISS, missing_policy=True)
