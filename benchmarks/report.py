@@ -251,6 +251,22 @@ def markdown(results: dict[str, Any]) -> str:
         ["variant", "preflight p50", "preflight p99", "postflight p50", "postflight p99"], rows
     )
 
+    alone = results.get("alone")
+    if alone is not None:
+        lines += [
+            "## 1b. spendguard alone (CPU per inference, µs)",
+            "",
+            "The middleware over an app that replays a recorded provider response at once "
+            f"({alone['requests']} inferences per cell): nothing runs but spendguard, its "
+            "record writes included.",
+            "",
+        ]
+        rows = [
+            [LABELS[v], *(_cell(cases[c], 1) for c in ("inference/1", "inference/64", "stream/64"))]
+            for v, cases in alone["cpu_us"].items()
+        ]
+        lines += _table(["variant", "inference, c=1", "inference, c=64", "stream, c=64"], rows)
+
     http = results["http"]
     lines += [
         f"## 2. HTTP, uvicorn one worker (load: {http['tool']})",

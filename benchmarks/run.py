@@ -28,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import features, http_load, inprocess, overshoot, redis_path, report, settlement
+from . import alone, features, http_load, inprocess, overshoot, redis_path, report, settlement
 from .apps import VARIANTS
 from .common import Services, Sizes, bench_identity, set_policies
 from .loadgen import close_worker, have_wrk, run_load
@@ -152,6 +152,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["inprocess"] = asyncio.run(
             inprocess.measure(services, sizes, args.repeat, progress)
         )
+
+        progress("1b. spendguard alone")
+        results["alone"] = asyncio.run(alone.measure(services, sizes, args.repeat))
 
         progress("2. HTTP: starting the gateways")
         http_sqlite = f"sqlite:///{workdir / 'http-embedded.db'}"
