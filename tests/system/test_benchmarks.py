@@ -25,6 +25,7 @@ from tests.support.services import created_database, require_modules, unavailabl
 SECTIONS = (
     "machine",
     "inprocess",
+    "alone",
     "http",
     "overshoot",
     "settlement",
@@ -111,6 +112,11 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
     assert set(results["inprocess"]["last_byte"]) == variants
     assert set(results["inprocess"]["records_aside"]) == {"embedded", "redis"}
     assert set(results["inprocess"]["engine"]) == {"embedded", "redis"}
+    alone = results["alone"]["cpu_us"]
+    assert set(alone) == {"embedded", "redis"}
+    for cases in alone.values():
+        assert set(cases) == {"inference/1", "inference/64", "stream/64"}
+        assert all(f["median"] > 0 for f in cases.values())
     for route in ("health", "inference", "stream"):
         assert set(results["http"]["routes"][route]) == {"1", "16", "64"}
     over = results["overshoot"]["variants"]
@@ -134,6 +140,7 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
 
     table = (out / "results.md").read_text()
     assert "| target |" in table and "## 4. Settlement" in table
+    assert "## 1b. spendguard alone" in table
     png = (out / "chart.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
