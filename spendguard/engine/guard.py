@@ -39,7 +39,7 @@ from ..limits import KeyCodec, Limit
 from ..limits.rates import Scope
 from ..record import InferenceRecord, PostflightStatus
 from ..settings import FailMode, MissingIdentity, Settings, load_settings
-from ..store import EntryWrite, Outcome, OwnerLog, Preflight, Store, make_store
+from ..store import EntryWrite, MemoryStore, Outcome, OwnerLog, Preflight, Store, make_store
 from ..usage import BodyObserver, Dialect, Usage, estimate_usage, observer_for
 from .admin import Admin
 from .costing import Coster
@@ -166,6 +166,13 @@ class SpendGuard:
     def running(self) -> bool:
         """Background tasks are up (the ASGI lifespan ran, or ``start()`` was called)."""
         return self._cancel is not None
+
+    @property
+    def finishes_in_place(self) -> bool:
+        """Whether :meth:`finish` runs to its end without suspending: the embedded store
+        answers in place and a record goes to the writer's queue, so nothing in it awaits I/O
+        (before the lifespan runs it does: the record is then written through)."""
+        return self.running and isinstance(self.store, MemoryStore)
 
     async def _ensure_connected(self) -> None:
         if self.ledger.connected:
