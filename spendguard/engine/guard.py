@@ -171,8 +171,9 @@ class SpendGuard:
     def finishes_in_place(self) -> bool:
         """Whether :meth:`finish` runs to its end without suspending: the embedded store
         answers in place and a record goes to the writer's queue, so nothing in it awaits I/O
-        (before the lifespan runs it does: the record is then written through)."""
-        return self.running and isinstance(self.store, MemoryStore)
+        (before the lifespan runs it does: the record is then written through). The store's
+        exact class: a subclass may await."""
+        return self.running and type(self.store) is MemoryStore
 
     async def _ensure_connected(self) -> None:
         if self.ledger.connected:

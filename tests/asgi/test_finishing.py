@@ -129,6 +129,18 @@ def _guard(tmp_path: Path, store_class: type[MemoryStore] = MemoryStore) -> Spen
     return SpendGuard(settings, store=store_class(clock=clock), clock=clock)
 
 
+def _suspend_postflight(store: MemoryStore) -> None:
+    """Make this embedded store's postflight suspend, the store still of its own class: the
+    guard still expects it to finish in place, and shielded() must cover it."""
+    real = store.postflight
+
+    async def slow(*args: Any, **kwargs: Any) -> int:
+        await anyio.sleep(0.01)
+        return await real(*args, **kwargs)
+
+    store.postflight = slow  # type: ignore[method-assign]
+
+
 @pytest.fixture
 async def guard(tmp_path: Path) -> AsyncIterator[SpendGuard]:
     guard = _guard(tmp_path)
@@ -175,6 +187,7 @@ async def test_only_a_running_embedded_store_counts_as_finishing_in_place(
         assert guard.finishes_in_place
     finally:
         await guard.stop()
+    assert not _guard(tmp_path, _SlowMemoryStore).finishes_in_place  # a subclass may await
 
 
 async def _cancelled_stream(app: ASGIApp) -> list[Message]:
@@ -202,11 +215,14 @@ async def _cancelled_stream(app: ASGIApp) -> list[Message]:
     return sent
 
 
-@pytest.mark.parametrize("store_class", [MemoryStore, _SlowMemoryStore])
+@pytest.mark.parametrize("store", ["embedded", "suspending in place", "suspending subclass"])
 async def test_a_cancelled_request_on_the_embedded_store_is_charged_once(
-    tmp_path: Path, store_class: type[MemoryStore]
+    tmp_path: Path, store: str
 ) -> None:
-    guard = _guard(tmp_path, store_class)
+    guard = _guard(tmp_path, _SlowMemoryStore if store == "suspending subclass" else MemoryStore)
+    if store == "suspending in place":
+        assert isinstance(guard.store, MemoryStore)
+        _suspend_postflight(guard.store)
     app = StateAuth(SpendGuardMiddleware(upstream(), guard=guard))
     await guard.start(worker=False)
     try:
