@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any, Final
@@ -26,7 +27,7 @@ from spendguard import SpendGuardMiddleware
 from .apps import INFERENCE_PATH, KEY_ID, TEAM_ID, chat_body
 from .asgi import Call, http_scope, lifespan
 from .common import Services, Sizes, bench_identity, set_policies
-from .inprocess import _settings
+from .inprocess import variant_settings
 from .stats import summary
 
 WIRE: Final = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "wire"
@@ -68,7 +69,9 @@ def _call(app: Any, route: str) -> Call:
     return Call(app, http_scope("POST", INFERENCE_PATH, headers, body), body)
 
 
-async def _cpu_per_request(call: Call, concurrency: int, n: int, flush: Any) -> float:
+async def _cpu_per_request(
+    call: Call, concurrency: int, n: int, flush: Callable[[], Awaitable[None]]
+) -> float:
     left = n
 
     async def client() -> None:
@@ -95,7 +98,7 @@ async def measure(services: Services, sizes: Sizes, repeats: int) -> dict[str, A
         apps = {
             v: SpendGuardMiddleware(
                 _Replay(),
-                _settings(v, services),
+                variant_settings(v, services),
                 resolve_identity=lambda _conn: (TEAM_ID, KEY_ID),
             )
             for v in VARIANTS

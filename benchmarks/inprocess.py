@@ -64,7 +64,7 @@ async def records_aside(guard: SpendGuard) -> AsyncIterator[list[InferenceRecord
             await guard.ledger.insert_records(kept)
 
 
-def _settings(variant: str, services: Services) -> Settings | None:
+def variant_settings(variant: str, services: Services) -> Settings | None:
     # The settlement worker is left to section 4 (and to its own process in production at
     # scale): here its passes would land in whichever variant is being timed.
     if variant == "embedded":
@@ -112,7 +112,9 @@ async def measure(
     per_repeat_last_byte: list[dict[str, list[int]]] = []
     async with AsyncExitStack() as stack:
         apps = {
-            v: build_gateway(v, settings=_settings(v, services), redis_url=services.redis_url)
+            v: build_gateway(
+                v, settings=variant_settings(v, services), redis_url=services.redis_url
+            )
             for v in VARIANTS
         }
         for app in apps.values():

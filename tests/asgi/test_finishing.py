@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
-from starlette.types import ASGIApp, Message
+from starlette.types import Message
 
 from spendguard import Settings, SpendGuardMiddleware
 from spendguard.asgi.finishing import shielded
@@ -22,7 +22,7 @@ from spendguard.identity import Identity
 from spendguard.limits import Period, key_limit
 from spendguard.store.memory import MemoryStore
 from spendguard.usage import Dialect
-from tests.support import Clock, StateAuth, chat_body, http_scope, upstream, write_unit_prices
+from tests.support import Clock, StateAuth, chat_body, raw_call, upstream, write_unit_prices
 
 pytestmark = pytest.mark.anyio
 
@@ -190,31 +190,6 @@ async def test_only_a_running_embedded_store_counts_as_finishing_in_place(
     assert not _guard(tmp_path, _SlowMemoryStore).finishes_in_place  # a subclass may await
 
 
-async def _cancelled_stream(app: ASGIApp) -> list[Message]:
-    """A streamed request whose upstream hangs after one chunk, cancelled from outside."""
-    body = json.dumps(chat_body(stream=True, x_stall_at=1)).encode()
-    sent: list[Message] = []
-    got = False
-
-    async def receive() -> Message:
-        nonlocal got
-        if not got:
-            got = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await anyio.sleep_forever()
-        raise AssertionError
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-
-    scope = http_scope(
-        "POST", "/v1/chat/completions", [(b"content-type", b"application/json")], body
-    )
-    with anyio.move_on_after(0.3):
-        await app(scope, receive, send)
-    return sent
-
-
 @pytest.mark.parametrize("store", ["embedded", "suspending in place", "suspending subclass"])
 async def test_a_cancelled_request_on_the_embedded_store_is_charged_once(
     tmp_path: Path, store: str
@@ -227,7 +202,11 @@ async def test_a_cancelled_request_on_the_embedded_store_is_charged_once(
     await guard.start(worker=False)
     try:
         await guard.admin.set_policy("acme", "alpha", window=Period.DAY, limit_usd=1)
-        sent = await _cancelled_stream(app)
+        # A streamed request whose upstream hangs after one chunk, cancelled from outside.
+        body = json.dumps(chat_body(stream=True, x_stall_at=1)).encode()
+        sent: list[Message] = []
+        with anyio.move_on_after(0.3):
+            await raw_call(app, body, sent=sent)
         assert sent[0]["status"] == 200  # the response started, then the request was cancelled
         await guard.recorder.flush()
         count, estimate = await guard.ledger.unsettled()

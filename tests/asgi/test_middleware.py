@@ -3,7 +3,6 @@ driven through httpx and by hand (raw ASGI messages)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
@@ -15,7 +14,7 @@ import anyio
 import pytest
 import sqlalchemy as sa
 from starlette.applications import Starlette
-from starlette.types import ASGIApp, Message
+from starlette.types import ASGIApp
 
 from spendguard import Settings, SpendGuardMiddleware
 from spendguard.clock import to_micros
@@ -31,8 +30,8 @@ from tests.support import (
     StateAuth,
     chat_body,
     client,
-    http_scope,
     lifespan,
+    raw_call,
     sql_rows,
     upstream,
     write_unit_prices,
@@ -202,41 +201,6 @@ async def test_upstream_error_is_not_charged(gw: Gateway) -> None:
     assert await gw.store.read_usage([day_key]) == {
         day_key: 0
     }  # filled by preflight, never charged
-
-
-async def raw_call(
-    app: ASGIApp,
-    body: bytes,
-    *,
-    fail_send_after: int | None = None,
-    disconnect_after: float | None = None,
-) -> list[Message]:
-    """Drive one request by hand: ``send`` can fail like a vanished client."""
-    sent: list[Message] = []
-    got_body = False
-
-    async def receive() -> Message:
-        nonlocal got_body
-        if not got_body:
-            got_body = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        if disconnect_after is not None:
-            await anyio.sleep(disconnect_after)
-            return {"type": "http.disconnect"}
-        await anyio.sleep_forever()
-        raise AssertionError
-
-    async def send(message: Message) -> None:
-        if fail_send_after is not None and len(sent) >= fail_send_after:
-            raise OSError("client went away")
-        sent.append(message)
-
-    scope = http_scope(
-        "POST", "/v1/chat/completions", [(b"content-type", b"application/json")], body
-    )
-    with contextlib.suppress(OSError):
-        await app(scope, receive, send)
-    return sent
 
 
 async def test_client_disconnect_mid_stream_postflights_exactly_once(gw: Gateway) -> None:

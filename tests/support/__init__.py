@@ -22,7 +22,7 @@ The names below are re-exported here; ``services`` is not (the benchmarks run wi
 in their path), import it as ``tests.support.services``.
 """
 
-from .asgi import StateAuth, http_scope, lifespan
+from .asgi import StateAuth, http_scope, lifespan, raw_call
 from .clock import Clock
 from .doubles import Counting, Exploding, Override
 from .gateway import MODEL, Gateway, chat_body, client, upstream
@@ -72,6 +72,7 @@ __all__ = [
     "http_scope",
     "lifespan",
     "make_record",
+    "raw_call",
     "redis_version",
     "run_cli",
     "serve_demo",

@@ -3,6 +3,7 @@ a host app would put in front of spendguard."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -61,6 +62,44 @@ def http_scope(
         "query_string": b"",
         "headers": raw,
     }
+
+
+async def raw_call(
+    app: ASGIApp,
+    body: bytes,
+    *,
+    fail_send_after: int | None = None,
+    disconnect_after: float | None = None,
+    sent: list[Message] | None = None,
+) -> list[Message]:
+    """Drive one chat request by hand: ``send`` can fail like a vanished client, and
+    ``receive`` disconnects after ``disconnect_after`` seconds or never. What the app sent is
+    returned, and also appended to ``sent`` if given (kept when the call is cancelled)."""
+    sent = sent if sent is not None else []
+    got_body = False
+
+    async def receive() -> Message:
+        nonlocal got_body
+        if not got_body:
+            got_body = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if disconnect_after is not None:
+            await anyio.sleep(disconnect_after)
+            return {"type": "http.disconnect"}
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    async def send(message: Message) -> None:
+        if fail_send_after is not None and len(sent) >= fail_send_after:
+            raise OSError("client went away")
+        sent.append(message)
+
+    scope = http_scope(
+        "POST", "/v1/chat/completions", [(b"content-type", b"application/json")], body
+    )
+    with contextlib.suppress(OSError):
+        await app(scope, receive, send)
+    return sent
 
 
 class StateAuth:
