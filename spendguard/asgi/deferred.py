@@ -4,7 +4,7 @@ The middleware reads the body and calls the app at once, with an ``admit`` hook 
 state; ``spendguard_guard`` calls it once the app's auth dependency has run. Until then nothing
 is decided: a response the app sends before (its own 401 for a bad key) passes untouched and is
 not charged. After an admission the response is observed and finished exactly as on the
-middleware's own path (``SpendGuardMiddleware._call_app``): once, in ``finally``, shielded.
+middleware's own path (``SpendGuardMiddleware._inference``): once, in ``finally``, shielded.
 """
 
 from __future__ import annotations

@@ -24,11 +24,32 @@ STATE_API_KEY = "api_key_id"
 STATE_IDENTITY = "spendguard_identity"
 
 
+# Identities made from (team, key) pairs, by pair: a gateway sees the same few thousand again
+# and again, and an Identity (frozen) is made once for each. Emptied when full.
+_MADE: dict[tuple[str, str | None], Identity] = {}
+_MAX_MADE = 16_384
+
+
 def _coerce(value: object) -> Identity | None:
     if value is None:
         return None
+    if type(value) is tuple and len(value) == 2:
+        team, key = value
+        if type(team) is str and team and (key is None or (type(key) is str and key)):
+            made = _MADE.get(value)
+            if made is None:
+                if len(_MADE) >= _MAX_MADE:
+                    _MADE.clear()
+                made = _MADE[value] = Identity(team, key)
+            return made
+        return _coerce_slow(value)
     if isinstance(value, Identity):
         return value
+    return _coerce_slow(value)
+
+
+def _coerce_slow(value: object) -> Identity | None:
+    """Tuple and str subclasses: never cached (their hash and equality are their own)."""
     if isinstance(value, tuple) and len(value) == 2:
         team, key = value
         if isinstance(team, str) and team and (key is None or (isinstance(key, str) and key)):
@@ -82,7 +103,7 @@ async def resolve(resolver: IdentityResolver | None, conn: HTTPConnection) -> Id
         return from_auth_state(conn)
     try:
         value = resolver(conn)
-        if inspect.isawaitable(value):
+        if type(value) is not tuple and inspect.isawaitable(value):  # a tuple: the usual answer
             value = await value
         return _coerce(value)
     except Exception:

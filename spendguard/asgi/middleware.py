@@ -5,7 +5,7 @@ observing ``send`` → ``guard.finish``, exactly once, in ``finally``. Every dec
 pass, which statuses are charged, which usage and model count) is the engine's.
 
 Pure ASGI: every response message is forwarded as soon as the app sends it; usage is read from
-copies as they pass. Per-request state lives in the closures of ``_inference``.
+copies as they pass. An admitted request's state lives in one ``_Exchange``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..store import Store
 from ..usage import BodyObserver, Dialect
 from .deferred import deferred_inference
 from .errors import send_error, send_refusal
-from .finishing import finish, replay
+from .finishing import finish
 from .identity import IdentityResolver, resolve
 from .lifespan import run_lifespan
 from .ratelimit import rate_limit_headers
@@ -63,6 +63,67 @@ def _too_large(limit: int) -> BadRequest:
 
 class _Disconnected(Exception):
     """The client went away while we read the request body: nothing to answer or charge."""
+
+
+class _Exchange:
+    """An admitted inference's exchange with the app: the body already read, handed over
+    first, then the real ``receive`` (so the app still sees ``http.disconnect``); every
+    response message forwarded as it comes, its status and usage observed on the way.
+
+    One slotted object rather than two closures: each object a request keeps alive through the
+    app call is walked by every garbage collection that runs meanwhile, and under load most of
+    them are promoted to the oldest generation before they die. The closures and their cells
+    were twelve such objects per request; this is one, and its two bound methods.
+    """
+
+    __slots__ = (
+        "_added",
+        "_admission",
+        "_body",
+        "_guard",
+        "_receive",
+        "_send",
+        "observer",
+        "status",
+    )
+
+    def __init__(
+        self,
+        guard: SpendGuard,
+        admission: Admission,
+        body: bytes,
+        receive: Receive,
+        send: Send,
+        added: list[tuple[bytes, bytes]],
+    ) -> None:
+        self._guard, self._admission, self._added = guard, admission, added
+        self._body: bytes | None = body
+        self._receive, self._send = receive, send
+        self.status = 0  # no response started (yet)
+        self.observer: BodyObserver | None = None
+
+    async def receive(self) -> Message:
+        body = self._body
+        if body is not None:
+            self._body = None
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await self._receive()
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.body":
+            observer = self.observer
+            if observer is not None:
+                observer.feed(message.get("body", b""))
+        elif kind == "http.response.start":
+            status = self.status = message["status"]
+            headers = message["headers"] = list(message.get("headers", ()))
+            content_type, content_encoding = _content_headers(headers)
+            self.observer = self._guard.observe(
+                self._admission, status, content_type, content_encoding
+            )
+            headers.extend(self._added)
+        await self._send(message)
 
 
 class SpendGuardMiddleware:
@@ -182,47 +243,18 @@ class SpendGuardMiddleware:
         state[STATE_INFERENCE_ID] = decision.inference_id
         state[STATE_T0] = decision.t0
         state[STATE_RECORD_ID] = decision.record_id
-        await self._call_app(guard, admission, body, scope, receive, send, budget)
-
-    async def _call_app(
-        self,
-        guard: SpendGuard,
-        admission: Admission,
-        body: bytes,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        budget: BudgetAdmission | None = None,
-    ) -> None:
-        assert admission.decision is not None
-        status_code = 0
-        observer: BodyObserver | None = None
         added = [
-            (_INFERENCE_ID_HEADER, admission.decision.inference_id.encode()),
+            (_INFERENCE_ID_HEADER, decision.inference_id.encode()),
             *self._remaining_headers(admission),
-            *rate_limit_headers(admission.decision),
+            *rate_limit_headers(decision),
         ]
-
-        async def observed_send(message: Message) -> None:
-            nonlocal status_code, observer
-            kind = message["type"]
-            if kind == "http.response.body":
-                if observer is not None:
-                    observer.feed(message.get("body", b""))
-            elif kind == "http.response.start":
-                status_code = message["status"]
-                headers = message["headers"] = list(message.get("headers", ()))
-                content_type, content_encoding = _content_headers(headers)
-                observer = guard.observe(admission, status_code, content_type, content_encoding)
-                headers.extend(added)
-                if budget is not None:
-                    headers.extend(budget.headers)
-            await send(message)
-
+        if budget is not None:
+            added.extend(budget.headers)
+        exchange = _Exchange(guard, admission, body, receive, send, added)
         try:
-            await self.app(scope, replay(body, receive), observed_send)
+            await self.app(scope, exchange.receive, exchange.send)
         finally:
-            await finish(guard, self.budgets, admission, status_code, observer, budget)
+            await finish(guard, self.budgets, admission, exchange.status, exchange.observer, budget)
 
     def _remaining_headers(self, admission: Admission) -> list[tuple[bytes, bytes]]:
         decision = admission.decision

@@ -32,7 +32,7 @@ from typing import Any, Final, Literal, Protocol
 from . import anthropic, openai
 from .shapes import DeltaShape, learn
 from .sse import Event, SSEDecoder
-from .tail import HEAD_BYTES, TailBuffer, recover_model, recover_usage
+from .tail import HEAD_BYTES, TailBuffer, read_ends, recover_model, recover_usage
 from .types import Dialect, Usage, valid_model
 
 # ``max_buffer`` is raised to at least this, so the tail can always hold a usage object.
@@ -181,6 +181,8 @@ class UsageObserver:
                 self._drain()
                 return self._snapshot(self._sse).output_chars
             obj = self._json_result()[1]
+            if obj is None and self._body is None:  # usage was read from the body's ends
+                obj = self._parse_json(self._json_data())[1]
             return self._format.output_chars(obj) if obj is not None else 0
         except Exception:
             return 0
@@ -208,9 +210,30 @@ class UsageObserver:
     # -- JSON ----------------------------------------------------------------------------------
 
     def _json_result(self) -> tuple[Usage | None, dict[str, Any] | None, str | None]:
+        """Usage, the parsed body (None when it was not parsed whole) and model."""
         if self._json_cache is None:
-            self._json_cache = self._parse_json()
+            data = self._json_data()
+            self._json_cache = self._read_json_ends(data) or self._parse_json(data)
         return self._json_cache
+
+    def _json_data(self) -> bytes:
+        held = self._held
+        return held[0] if len(held) == 1 else b"".join(held)
+
+    def _read_json_ends(self, data: bytes) -> tuple[Usage, None, str | None] | None:
+        """Usage and model from the body's ends (tail.read_ends): parsing the text between
+        them costs more the longer it is, and the provider's usage makes it unneeded. None
+        when they can't be read so, or report no counts (the caller then estimates from the
+        text, so the body is parsed whole)."""
+        if self._failed or self._body is not None:
+            return None
+        found = read_ends(data)
+        if found is None:
+            return None
+        usage = self._format.normalise(found[0])
+        if usage is None:
+            return None
+        return usage, None, valid_model(found[1])
 
     def _overflow(self) -> None:
         """The JSON body outgrew max_buffer (its hold): from now on only its head and tail are
@@ -220,7 +243,7 @@ class UsageObserver:
             body.append(chunk)
         self._held, self._held_size, self._body = [], 0, body
 
-    def _parse_json(self) -> tuple[Usage | None, dict[str, Any] | None, str | None]:
+    def _parse_json(self, data: bytes) -> tuple[Usage | None, dict[str, Any] | None, str | None]:
         if self._failed:
             return None, None, None
         body = self._body
@@ -230,9 +253,8 @@ class UsageObserver:
             recovered = recover_usage(body.data)
             usage = normalise(recovered) if recovered is not None else None
             return usage, None, recover_model(body.head, body.data)
-        held = self._held
         try:
-            obj = json.loads(held[0] if len(held) == 1 else b"".join(held))
+            obj = json.loads(data)
         except (ValueError, RecursionError):
             return None, None, None
         if not isinstance(obj, dict):

@@ -29,6 +29,47 @@ _STRUCTURAL = re.compile(rb'[{}"]')
 # catastrophic backtracking).
 _STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 
+# read_ends: a whole JSON object read from its two ends. JSON's whitespace, as json skips it.
+# Possessive quantifiers: a JSON token matches one way only, so nothing is worth backtracking.
+_WS: Final = rb"[ \t\n\r]*+"
+_STRING: Final = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+# A value that holds no object or array: a string, a number, a literal (json's own NaN and
+# Infinity included, as json.loads accepts them).
+_SCALAR: Final = (
+    rb"(?:" + _STRING + rb"|-?(?:0|[1-9]\d*+)(?:\.\d++)?(?:[eE][+-]?\d++)?"
+    rb"|true|false|null|NaN|-?Infinity)"
+)
+# The body's opening brace, any keys with scalar values, then the model key and its string.
+# Matching at the start proves the key is the top-level object's: nothing before it opened a
+# nested value.
+_HEAD_MODEL = re.compile(
+    _WS
+    + rb"\{(?:"
+    + _WS
+    + _STRING
+    + _WS
+    + rb":"
+    + _WS
+    + _SCALAR
+    + _WS
+    + rb",)*?"
+    + _WS
+    + rb'"model"'
+    + _WS
+    + rb":"
+    + _WS
+    + rb"("
+    + _STRING
+    + rb")"
+)
+_OPENS = re.compile(_WS + rb"\{")
+_COLON = re.compile(_WS + rb":" + _WS)
+_CLOSES = re.compile(r"[ \t\n\r]*\}[ \t\n\r]*\Z")
+_COMMA = re.compile(r"[ \t\n\r]*,")
+_KEY_STARTS = frozenset(b"{,")
+_WS_BYTES = frozenset(b" \t\n\r")
+_DECODER = json.JSONDecoder()
+
 
 class TailBuffer:
     """Bytes accumulated up to ``limit``; past that, the first ``head`` bytes and a tail only.
@@ -85,6 +126,65 @@ class TailBuffer:
         self._buf = bytearray()
         self._head = bytearray()
         self.overflowed = False
+
+
+def read_ends(body: bytes) -> tuple[dict[str, Any], object] | None:
+    """The top-level ``usage`` object and ``model`` value of a JSON object body, read from its
+    ends without parsing what lies between (the generated text: most of the body, and the
+    cost of parsing it grows with it); None when the body's ends don't show them
+    unambiguously, and the caller parses it whole.
+
+    ``usage`` is the last ``"usage"`` key, and is the top-level one only if what follows its
+    value is ``}`` at the end of the body, or more key/value pairs (parsed) and then that
+    ``}``: the object closing at the very end is the top-level one. ``model`` comes from those
+    trailing pairs, or else from the head: the body's first keys, up to ``"model"``, must all
+    have scalar values, so none opened a nested object. A body with no model key among those
+    is parsed whole, like one whose usage isn't last. What is not read is not validated: a
+    body broken in its middle but with well-formed ends yields its usage here where a whole
+    parse would fail; and of duplicate top-level ``model`` keys (no provider sends them) the
+    first in the head is taken where a whole parse takes the last.
+    """
+    pos = body.rfind(b'"usage"')
+    if pos < 0 or _OPENS.match(body) is None:
+        return None
+    # A key starts after '{' or ',': this quote is not a string's closing one, nor escaped.
+    before = pos - 1
+    while before >= 0 and body[before] in _WS_BYTES:
+        before -= 1
+    if before < 0 or body[before] not in _KEY_STARTS:
+        return None
+    colon = _COLON.match(body, pos + 7)
+    if colon is None:
+        return None
+    try:
+        text = body[colon.end() :].decode("utf-8")
+        usage, end = _DECODER.raw_decode(text)
+        if not isinstance(usage, dict):
+            return None
+        trailing: dict[str, Any] = {}
+        if _CLOSES.match(text, end) is None:
+            comma = _COMMA.match(text, end)
+            if comma is None:
+                return None
+            rest = "{" + text[comma.end() :]
+            trailing, end = _DECODER.raw_decode(rest)
+            if not isinstance(trailing, dict) or rest[end:].strip(" \t\n\r"):
+                return None
+    except (ValueError, RecursionError):  # includes UnicodeDecodeError
+        return None
+    if "usage" in trailing:  # a later usage key, spelt with escapes: it would win
+        return None
+    if "model" in trailing:
+        return usage, trailing["model"]
+    head = _HEAD_MODEL.match(body, 0, pos)
+    if head is None:
+        return None
+    literal = head.group(1)
+    try:
+        model = json.loads(literal) if b"\\" in literal else literal[1:-1].decode("utf-8")
+    except (ValueError, RecursionError):
+        return None
+    return usage, model
 
 
 def recover_usage(buf: bytes | bytearray) -> dict[str, Any] | None:

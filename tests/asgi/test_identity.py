@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from starlette.requests import HTTPConnection
 
+from spendguard.asgi import identity as identity_module
 from spendguard.asgi.identity import from_auth_state, resolve
 from spendguard.identity import Identity
 from tests.support import http_scope
@@ -131,3 +132,29 @@ async def test_a_resolver_that_raises_is_no_identity_and_is_logged(
     assert await resolve(broken_async, conn()) is None
     failures = [r for r in caplog.records if "identity resolver failed" in r.getMessage()]
     assert len(failures) == 2 and all(r.exc_info for r in failures)
+
+
+async def test_a_pair_seen_again_gives_the_identity_made_the_first_time() -> None:
+    # An Identity is made (ids validated and encoded) once per (team, key) pair: a gateway
+    # sees the same pairs on every request.
+    first = await resolve(lambda c: ("acme", "alpha"), conn())
+    again = await resolve(None, conn({"team_id": "acme", "api_key_id": "alpha"}))
+    assert first == ALPHA and again is first
+    assert await resolve(lambda c: ("acme", None), conn()) is not first
+
+
+async def test_identities_made_are_bounded_and_str_subclasses_are_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(identity_module, "_MADE", {})
+    monkeypatch.setattr(identity_module, "_MAX_MADE", 3)
+    for i in range(10):
+        assert await resolve(lambda c, i=i: (f"team-{i}", None), conn()) == Identity(f"team-{i}")
+        assert len(identity_module._MADE) <= 3
+
+    class Tenant(str):
+        pass
+
+    found = await resolve(lambda c: (Tenant("acme"), "alpha"), conn())
+    assert found == ALPHA
+    assert all(type(team) is str for team, _ in identity_module._MADE)
