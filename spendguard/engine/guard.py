@@ -35,7 +35,7 @@ from ..clock import as_utc, to_micros, to_millis, utcnow
 from ..errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnavailable
 from ..identity import Identity
 from ..ledger import Ledger
-from ..limits import KeyCodec, Limit
+from ..limits import KeyCodec, KeyPlan, Limit
 from ..limits.rates import Scope
 from ..record import InferenceRecord, PostflightStatus
 from ..settings import FailMode, MissingIdentity, Settings, load_settings
@@ -70,6 +70,7 @@ _UNCLOSED_RETRY_SECONDS = 60.0
 _PREFLIGHT_SECONDS = metrics.PREFLIGHT_SECONDS
 _POSTFLIGHT_SECONDS = metrics.POSTFLIGHT_SECONDS
 _RELEASE_SECONDS = metrics.RELEASE_SECONDS
+_random_bits = random.getrandbits
 
 
 def new_record_id() -> str:
@@ -82,7 +83,7 @@ def new_record_id() -> str:
     not unguessable: ``random`` is seeded from the OS at start and re-seeded in a forked child,
     so replicas and workers draw different bits, 80 of them per millisecond.
     """
-    return f"{time_ns() // 1_000_000:012x}{random.getrandbits(80):020x}"
+    return "%032x" % (time_ns() // 1_000_000 << 80 | _random_bits(80))
 
 
 def charged(status_code: int) -> bool:
@@ -460,60 +461,29 @@ class SpendGuard:
         With ``request`` (and a shared store whose heartbeat runs), an allowed inference
         leaves its admission entry in the same store call (see :mod:`.entries`)."""
         record_id = new_record_id()
+        inference_id = inference_id or record_id
         plan = self.codec.plan(identity, t0)
         fail_open = self._fail_open
         entry: EntryWrite | None = None
-        # What a hard limit holds for this request until it ends (soft limits ignore it).
-        hold = worst_case(request, self.coster) if request is not None else 0
-        model = request.model if request is not None else ""
-        tokens = sum(admission_tokens(request)) if request is not None else 0  # a TPM's reserve
-        if request is not None and self._entries_on:
-            entry_key = self.codec.entries_key(identity.team)
-            value = open_entry(
-                self.owner, identity, to_micros(t0), inference_id or record_id, request, route
-            )
-            entry = EntryWrite(entry_key, record_id, value)
-
-        def conclude(
-            verdict: Verdict,
-            pf: Preflight | None = None,
-            *,
-            fail_open: bool = False,
-            unavailable: Unavailable | None = None,
-        ) -> Decision:
-            if entry is not None and verdict is Verdict.UNAVAILABLE:
-                # The store may have run the script before the failure: remove the entry with
-                # the next records written, so it never stands for an inference not served.
-                self._note_unclosed({record_id: entry.key})
-            denied = pf.denied if pf is not None else None
-            target = denied.check.target if denied is not None else None
-            rate_denied = pf.rate_denied if pf is not None else None
-            if rate_denied is not None:
-                retry_after: int | None = rate_denied.retry_after()
-            elif isinstance(target, Limit):
-                retry_after = target.window.seconds_to_reset(self.clock())
-            else:  # a balance never resets by itself; an outage is retried shortly
-                retry_after = 1 if verdict is Verdict.UNAVAILABLE else None
-            decided(verdict, pf is not None and bool(pf.limits), target, fail_open, unavailable)
-            return Decision(
-                verdict=verdict,
-                identity=identity,
-                t0=t0,
-                record_id=record_id,
-                inference_id=inference_id or record_id,
-                limits=pf.limits if pf is not None else (),
-                retry_after=retry_after,
-                fail_open=fail_open,
-                unavailable=unavailable,
-                entry_key=entry.key if entry is not None and verdict is Verdict.ALLOW else None,
-                rates=pf.rates if pf is not None else (),
-                rate_denied=rate_denied,
-                rate_keys=tuple(
-                    plan.rate_keys[r.scope is Scope.TEAM] for r in pf.rates if r.tracked
+        hold = tokens = 0
+        model = ""
+        if request is not None:
+            model = request.model
+            tokens_in, tokens_out = admission_tokens(request)
+            # What a hard limit holds for this request until it ends (soft limits ignore it),
+            # and a TPM's reserve.
+            hold = worst_case(request, self.coster, tokens_in, tokens_out)
+            tokens = tokens_in + tokens_out
+            if self._entries_on:
+                entry_key = self.codec.entries_key(identity.team)
+                value = open_entry(
+                    self.owner, identity, to_micros(t0), inference_id, request, route
                 )
-                if pf is not None and pf.rates and verdict is Verdict.ALLOW
-                else (),
-            )
+                entry = EntryWrite(entry_key, record_id, value)
+        # What every decision below is made of (a tuple, not a closure: nothing is allocated
+        # per call beyond it).
+        made = (identity, t0, record_id, inference_id, plan, entry)
+        conclude = self._conclude
 
         try:
             if entry is not None and identity.team not in self._entry_teams:
@@ -537,52 +507,112 @@ class SpendGuard:
                     _PREFLIGHT_SECONDS.observe(perf_counter() - started)
                 if len(self.outage):
                     self.outage.clear()  # the store answers again
-                if pf.outcome is Outcome.ALLOW:
+                outcome = pf.outcome
+                if outcome is Outcome.ALLOW:
                     if fail_open:
                         self.outage.remember(pf.limits)  # enforceable in a later outage
-                    return conclude(Verdict.ALLOW, pf)
-                if pf.outcome is Outcome.DENY:
-                    return conclude(Verdict.DENY, pf)
-                if pf.outcome is Outcome.MODEL:
-                    return conclude(Verdict.MODEL_NOT_ALLOWED, pf)
-                if pf.outcome is Outcome.RATE:
-                    return conclude(Verdict.RATE_LIMITED, pf)
+                    return conclude(made, Verdict.ALLOW, pf)
+                if outcome is Outcome.DENY:
+                    return conclude(made, Verdict.DENY, pf)
+                if outcome is Outcome.MODEL:
+                    return conclude(made, Verdict.MODEL_NOT_ALLOWED, pf)
+                if outcome is Outcome.RATE:
+                    return conclude(made, Verdict.RATE_LIMITED, pf)
                 await self.filler.fill(plan, pf)
         except StoreFull as exc:
             log.error("spendguard store full, refusing: %s", exc)
             metrics.STORE_UNAVAILABLE.labels("deny").inc()
-            return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.STORE_FULL)
+            return conclude(made, Verdict.UNAVAILABLE, unavailable=Unavailable.STORE_FULL)
         except StoreUnavailable as exc:
             # Fail closed (503), or fail open into the bounded local tracker, which still
             # refuses what it knows to be over a limit.
             if fail_open and (spent := self.outage.exhausted(plan)) is not None:
                 log.warning("spendguard store unavailable, limit reached as last known: %s", exc)
-                return conclude(Verdict.DENY, Preflight(Outcome.DENY, (spent,)))
+                return conclude(made, Verdict.DENY, Preflight(Outcome.DENY, (spent,)))
             if fail_open and self.outage.admit(identity):
                 log.warning("spendguard store unavailable, allowing (fail open): %s", exc)
                 metrics.STORE_UNAVAILABLE.labels("allow").inc()
-                entry = None  # the store did not answer: no entry was written
-                return conclude(Verdict.ALLOW, fail_open=True)
+                # The store did not answer: no entry was written.
+                made = (identity, t0, record_id, inference_id, plan, None)
+                return conclude(made, Verdict.ALLOW, fail_open=True)
             log.warning("spendguard store unavailable, refusing: %s", exc)
             metrics.STORE_UNAVAILABLE.labels("deny").inc()
-            return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.STORE)
+            return conclude(made, Verdict.UNAVAILABLE, unavailable=Unavailable.STORE)
         except (LedgerUnavailable, TimeoutError) as exc:
             log.warning("spendguard ledger read failed on a cache miss: %r", exc)
-            return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.LEDGER)
+            return conclude(made, Verdict.UNAVAILABLE, unavailable=Unavailable.LEDGER)
         except ValueError as exc:
             # The store refused values read from the ledger (a script's own check): a bug or a
             # hand-edited row. One team's 503 with a loud log, never a 500.
             log.error(
                 "spendguard store refused the cached values of team %s: %s", identity.team, exc
             )
-            return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.STORE)
+            return conclude(made, Verdict.UNAVAILABLE, unavailable=Unavailable.STORE)
         log.warning(
             "spendguard cache still missing %s after %d fills for team %s",
             "the policy" if pf.missing_policy else [c.field for c in pf.missing_usage],
             _MAX_FILL_ROUNDS,
             identity.team,
         )
-        return conclude(Verdict.UNAVAILABLE, unavailable=Unavailable.VANISHED)
+        return conclude(made, Verdict.UNAVAILABLE, unavailable=Unavailable.VANISHED)
+
+    def _conclude(
+        self,
+        made: tuple[Identity, datetime, str, str, KeyPlan, EntryWrite | None],
+        verdict: Verdict,
+        pf: Preflight | None = None,
+        *,
+        fail_open: bool = False,
+        unavailable: Unavailable | None = None,
+    ) -> Decision:
+        """The decision of one preflight (``made``: what ``preflight`` made it of)."""
+        identity, t0, record_id, inference_id, plan, entry = made
+        if entry is not None and verdict is Verdict.UNAVAILABLE:
+            # The store may have run the script before the failure: remove the entry with
+            # the next records written, so it never stands for an inference not served.
+            self._note_unclosed({record_id: entry.key})
+        if pf is None:
+            decided(verdict, False, None, fail_open, unavailable)
+            return Decision(
+                verdict,
+                identity,
+                t0,
+                record_id,
+                inference_id,
+                retry_after=1 if verdict is Verdict.UNAVAILABLE else None,
+                fail_open=fail_open,
+                unavailable=unavailable,
+                entry_key=entry.key if entry is not None and verdict is Verdict.ALLOW else None,
+            )
+        denied = pf.denied
+        target = denied.check.target if denied is not None else None
+        rate_denied = pf.rate_denied
+        if rate_denied is not None:
+            retry_after: int | None = rate_denied.retry_after()
+        elif isinstance(target, Limit):
+            retry_after = target.window.seconds_to_reset(self.clock())
+        else:  # a balance never resets by itself; an outage is retried shortly
+            retry_after = 1 if verdict is Verdict.UNAVAILABLE else None
+        decided(verdict, bool(pf.limits), target, fail_open, unavailable)
+        allowed = verdict is Verdict.ALLOW
+        rates = pf.rates
+        return Decision(
+            verdict,
+            identity,
+            t0,
+            record_id,
+            inference_id,
+            pf.limits,
+            retry_after,
+            fail_open,
+            unavailable,
+            entry.key if entry is not None and allowed else None,
+            rates,
+            rate_denied,
+            tuple(plan.rate_keys[r.scope is Scope.TEAM] for r in rates if r.tracked)
+            if rates and allowed
+            else (),
+        )
 
     async def _release(self, decision: Decision) -> None:
         """An admitted inference that is not charged (an upstream error, no response): its
@@ -611,29 +641,6 @@ class SpendGuard:
             _RELEASE_SECONDS.observe(perf_counter() - started)
 
     # -- postflight -----------------------------------------------------------------------
-    @staticmethod
-    def _record(
-        decision: Decision,
-        model: str,
-        route: str,
-        status_code: int,
-        usage: Usage,
-        estimate: int,
-        status: PostflightStatus,
-    ) -> InferenceRecord:
-        return InferenceRecord(
-            id=decision.record_id,
-            inference_id=decision.inference_id,
-            identity=decision.identity,
-            model=model,
-            route=route,
-            t0=decision.t0,
-            status_code=status_code,
-            usage=usage,
-            estimate_micros=estimate,
-            postflight=status,
-        )
-
     async def postflight(
         self,
         decision: Decision,
@@ -657,15 +664,26 @@ class SpendGuard:
             self.outage.charge(decision.identity, estimate, [c.usage_key for c in plan.checks])
         status = PostflightStatus.SKIPPED
         keys = [limit.check.usage_key for limit in decision.limits]
-        entry_key, closed = decision.entry_key, ""
+        entry_key, closed, rate_keys = decision.entry_key, "", decision.rate_keys
         # The record as it will be if postflight applies (the common case); the entry takes it
         # whole (as applied when it has keys: a key that vanished meanwhile only makes
         # settlement look for a marker that is not there).
         expected = PostflightStatus.APPLIED if keys else PostflightStatus.SKIPPED
-        record = self._record(decision, model, route, status_code, usage, estimate, expected)
+        record = InferenceRecord(
+            decision.record_id,
+            decision.inference_id,
+            decision.identity,
+            model,
+            route,
+            decision.t0,
+            status_code,
+            usage,
+            estimate,
+            expected,
+        )
         if entry_key is not None:
             closed = closed_entry(self.owner, record, to_micros(decision.t0))
-        if keys or entry_key is not None or decision.rate_keys:
+        if keys or entry_key is not None or rate_keys:
             started = perf_counter()
             try:
                 # No deadline here: every store bounds its own calls (the Redis store by its
@@ -676,11 +694,14 @@ class SpendGuard:
                     keys,
                     entry_key=entry_key,
                     closed=closed,
-                    rate_keys=decision.rate_keys,
+                    rate_keys=rate_keys,
+                    # What a TPM's reserve is trued up to (only an in-flight rate has one).
                     tokens=usage.input_tokens
                     + usage.output_tokens
                     + usage.cached_input_tokens
-                    + usage.cache_write_tokens,
+                    + usage.cache_write_tokens
+                    if rate_keys
+                    else None,
                 )
                 status = PostflightStatus.APPLIED if applied else PostflightStatus.SKIPPED
                 if applied and self._fail_open:
