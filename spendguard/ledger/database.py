@@ -338,5 +338,7 @@ def _text(value: str | None) -> str | None:
     lone surrogates in text, and one such record must not block the record writer."""
     if value is None:
         return None
+    if value.isascii():  # the usual case, with no surrogate to replace
+        return value if "\x00" not in value else value.replace("\x00", "\ufffd")
     cleaned = value.replace("\x00", "\ufffd")
     return cleaned.encode("utf-8", "replace").decode("utf-8")
