@@ -43,6 +43,9 @@ _HOLD_BYTES: Final = 64 * 1024
 # and parsing everything held (a stream ends with its usage event and ``[DONE]``).
 _TAIL_EVENTS: Final = 4
 _BOM: Final = b"\xef\xbb\xbf"
+# JSON bodies shorter than this are parsed whole: below about a kilobyte that costs no more
+# than reading their ends (about 4.5 µs either way on the benchmarks' machine).
+_ENDS_FROM: Final = 1024
 
 
 class _Stream(Protocol):
@@ -225,7 +228,7 @@ class UsageObserver:
         them costs more the longer it is, and the provider's usage makes it unneeded. None
         when they can't be read so, or report no counts (the caller then estimates from the
         text, so the body is parsed whole)."""
-        if self._failed or self._body is not None:
+        if self._failed or self._body is not None or len(data) < _ENDS_FROM:
             return None
         found = read_ends(data)
         if found is None:

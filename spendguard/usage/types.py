@@ -23,7 +23,10 @@ class Dialect(StrEnum):
     ANTHROPIC = "anthropic"
 
 
-@dataclass(frozen=True, slots=True)
+# Made on every request: not frozen, since a frozen dataclass's __init__ sets each field
+# through object.__setattr__ (about 7x the cost). Hashed and compared by value like one;
+# never assigned to after it is made.
+@dataclass(slots=True, unsafe_hash=True)
 class Usage:
     """Token usage of one request, normalised across providers."""
 
