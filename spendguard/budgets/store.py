@@ -36,13 +36,15 @@ class Bucket:
         )
 
 
-@dataclass(frozen=True, slots=True)
+# Made per request: not frozen (see LimitState, spendguard/store/base.py).
+@dataclass(slots=True, unsafe_hash=True)
 class WindowCheck:
     window: BudgetWindow
     limit: BudgetLimit
 
 
-@dataclass(frozen=True, slots=True)
+# Made per request: not frozen (see LimitState, spendguard/store/base.py).
+@dataclass(slots=True, unsafe_hash=True)
 class BucketCheck:
     """One bucket and the limits that apply to it, window by window (in config order)."""
 
@@ -54,7 +56,8 @@ class BucketCheck:
         return tuple(c.window for c in self.checks)
 
 
-@dataclass(frozen=True, slots=True)
+# Made per request: not frozen (see LimitState, spendguard/store/base.py).
+@dataclass(slots=True, unsafe_hash=True)
 class Hold:
     """What one admission reserves: ``tokens`` and ``cost`` (micro-USD) until ``expires_ms``.
     ``count_cost`` is False for a model without a price: cost limits don't apply to it."""
@@ -68,7 +71,8 @@ class Hold:
     ttl_ms: int  # how long the bucket's keys live: the longest window plus the hold time
 
 
-@dataclass(frozen=True, slots=True)
+# Made per request: not frozen (see LimitState, spendguard/store/base.py).
+@dataclass(slots=True, unsafe_hash=True)
 class Reserved:
     """A bucket's answer. Admitted: ``used_tokens`` per window, this hold included. Denied: the
     first window (index) and unit that can't afford it, and when enough will have drained."""
@@ -81,14 +85,16 @@ class Reserved:
     unseeded: bool = False  # Redis lost the bucket: rebuild it from the ledger, then retry
 
 
-@dataclass(frozen=True, slots=True)
+# Made per request: not frozen (see LimitState, spendguard/store/base.py).
+@dataclass(slots=True, unsafe_hash=True)
 class WindowUsage:
     window: BudgetWindow
     tokens: int  # committed in the window
     cost: int
 
 
-@dataclass(frozen=True, slots=True)
+# Made per request: not frozen (see LimitState, spendguard/store/base.py).
+@dataclass(slots=True, unsafe_hash=True)
 class BucketUsage:
     bucket: Bucket
     held_tokens: int  # live holds (in every window)

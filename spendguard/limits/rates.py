@@ -94,7 +94,8 @@ def exceeds(prev: int, cur: int, cost: int, limit: int, weight: int) -> bool:
     return prev * weight + (cur + cost) * TICKS > limit * TICKS
 
 
-@dataclass(frozen=True, slots=True)
+# Made per request: not frozen (see LimitState, spendguard/store/base.py).
+@dataclass(slots=True, unsafe_hash=True)
 class RateState:
     """One scope's rates and counters as a preflight saw them (after counting the request
     when it was admitted); ``now_ms`` is the preflight's time."""
@@ -175,7 +176,8 @@ def parse_state(scope: Scope, raw: str, now_ms: int) -> RateState:
     return RateState(scope, Rates(rpm or None, tpm or None, par or None), pr, r, pt, t, n, now_ms)
 
 
-@dataclass(frozen=True, slots=True)
+# Made per request: not frozen (see LimitState, spendguard/store/base.py).
+@dataclass(slots=True, unsafe_hash=True)
 class RateDenial:
     """Which rate of which scope refused a request, and what it would have cost."""
 

@@ -33,7 +33,8 @@ from typing import Protocol, runtime_checkable
 from .model import ProviderKey, Refusal
 
 
-@dataclass(frozen=True, slots=True)
+# Made per request: not frozen (see LimitState, spendguard/store/base.py).
+@dataclass(slots=True, unsafe_hash=True)
 class Attempt:
     """One candidate's answer to ``acquire``."""
 

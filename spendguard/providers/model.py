@@ -48,7 +48,8 @@ class ProviderKey:
         _check_count("rpm", self.rpm, allow_none=True)
 
 
-@dataclass(frozen=True, slots=True)
+# Made per request: not frozen (see LimitState, spendguard/store/base.py).
+@dataclass(slots=True, unsafe_hash=True)
 class Lease:
     """One request's reservation on a key: one request and ``tokens`` in ``window``.
 
@@ -74,7 +75,8 @@ class Refusal(StrEnum):
     UNKNOWN = "unknown"  # not registered
 
 
-@dataclass(frozen=True, slots=True)
+# Made per request: not frozen (see LimitState, spendguard/store/base.py).
+@dataclass(slots=True, unsafe_hash=True)
 class KeyState:
     """A key as the store holds it now (counters of the current window)."""
 
