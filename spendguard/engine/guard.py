@@ -36,10 +36,19 @@ from ..errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnav
 from ..identity import Identity
 from ..ledger import Ledger
 from ..limits import KeyCodec, KeyPlan, Limit
-from ..limits.rates import Scope
+from ..limits.rates import RateDenial, RateState, Scope
 from ..record import InferenceRecord, PostflightStatus
 from ..settings import FailMode, MissingIdentity, Settings, load_settings
-from ..store import EntryWrite, MemoryStore, Outcome, OwnerLog, Preflight, Store, make_store
+from ..store import (
+    EntryWrite,
+    LimitState,
+    MemoryStore,
+    Outcome,
+    OwnerLog,
+    Preflight,
+    Store,
+    make_store,
+)
 from ..usage import BodyObserver, Dialect, Usage, estimate_usage, observer_for
 from .admin import Admin
 from .costing import Coster
@@ -571,38 +580,30 @@ class SpendGuard:
             # The store may have run the script before the failure: remove the entry with
             # the next records written, so it never stands for an inference not served.
             self._note_unclosed({record_id: entry.key})
-        if pf is None:
-            decided(verdict, False, None, fail_open, unavailable)
-            return Decision(
-                verdict,
-                identity,
-                t0,
-                record_id,
-                inference_id,
-                retry_after=1 if verdict is Verdict.UNAVAILABLE else None,
-                fail_open=fail_open,
-                unavailable=unavailable,
-                entry_key=entry.key if entry is not None and verdict is Verdict.ALLOW else None,
-            )
-        denied = pf.denied
-        target = denied.check.target if denied is not None else None
-        rate_denied = pf.rate_denied
+        if pf is None:  # no store answer: an outage, or failing open
+            limits: tuple[LimitState, ...] = ()
+            rates: tuple[RateState, ...] = ()
+            rate_denied: RateDenial | None = None
+            target = None
+        else:
+            limits, rates, rate_denied = pf.limits, pf.rates, pf.rate_denied
+            denied = pf.denied
+            target = denied.check.target if denied is not None else None
         if rate_denied is not None:
             retry_after: int | None = rate_denied.retry_after()
         elif isinstance(target, Limit):
             retry_after = target.window.seconds_to_reset(self.clock())
         else:  # a balance never resets by itself; an outage is retried shortly
             retry_after = 1 if verdict is Verdict.UNAVAILABLE else None
-        decided(verdict, bool(pf.limits), target, fail_open, unavailable)
+        decided(verdict, bool(limits), target, fail_open, unavailable)
         allowed = verdict is Verdict.ALLOW
-        rates = pf.rates
         return Decision(
             verdict,
             identity,
             t0,
             record_id,
             inference_id,
-            pf.limits,
+            limits,
             retry_after,
             fail_open,
             unavailable,
