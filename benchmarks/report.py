@@ -268,10 +268,13 @@ def markdown(results: dict[str, Any]) -> str:
         lines += _table(["variant", "inference, c=1", "inference, c=64", "stream, c=64"], rows)
 
     http = results["http"]
+    http_extra = http.get("extra_repeats", 0)
     lines += [
         f"## 2. HTTP, uvicorn one worker (load: {http['tool']})",
         "",
-        "requests/s count 2xx answers only; CPU is the server process's CPU time per request.",
+        "requests/s count 2xx answers only; CPU is the server process's CPU time per request. "
+        f"The cells at the highest concurrency (the targets') take {http_extra} more runs than "
+        "the others.",
         "",
     ]
     rows = []

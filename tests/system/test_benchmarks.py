@@ -117,8 +117,14 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
     for cases in alone.values():
         assert set(cases) == {"inference/1", "inference/64", "stream/64"}
         assert all(f["median"] > 0 for f in cases.values())
+    repeats = results["run"]["repeats"]
     for route in ("health", "inference", "stream"):
-        assert set(results["http"]["routes"][route]) == {"1", "16", "64"}
+        cells = results["http"]["routes"][route]
+        assert set(cells) == {"1", "16", "64"}
+        # The targets' cells (the highest concurrency) take more runs than the others.
+        for conc, runs in (("1", repeats), ("64", repeats + results["http"]["extra_repeats"])):
+            assert all(len(cells[conc][v]["runs"]) == runs for v in variants), (route, conc)
+    assert results["http"]["extra_repeats"] > 0
     over = results["overshoot"]["variants"]
     assert set(over) == {"embedded", "redis", "embedded/hard", "redis/hard"}
     for variant in ("embedded/hard", "redis/hard"):  # a hard limit's spend never passes it
