@@ -22,16 +22,25 @@ T = TypeVar("T")
 def replay(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` for the app: first the body spendguard already consumed, then the real
     one (so the app still sees ``http.disconnect``)."""
-    sent = False
+    return _Replay(body, receive)
 
-    async def replay_receive() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
+
+class _Replay:
+    """``replay``'s receive: one slotted object rather than a closure and its cells, as it
+    stays alive through the app call (see the middleware's ``_Exchange``)."""
+
+    __slots__ = ("_body", "_receive")
+
+    def __init__(self, body: bytes, receive: Receive) -> None:
+        self._body: bytes | None = body
+        self._receive = receive
+
+    async def __call__(self) -> Message:
+        body = self._body
+        if body is not None:
+            self._body = None
             return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay_receive
+        return await self._receive()
 
 
 async def finish(

@@ -28,32 +28,25 @@ STATE_IDENTITY = "spendguard_identity"
 # and again, and an Identity (frozen) is made once for each. Emptied when full.
 _MADE: dict[tuple[str, str | None], Identity] = {}
 _MAX_MADE = 16_384
+_PLAIN_KEY = (str, type(None))
 
 
 def _coerce(value: object) -> Identity | None:
     if value is None:
         return None
-    if type(value) is tuple and len(value) == 2:
+    if isinstance(value, Identity):
+        return value
+    if isinstance(value, tuple) and len(value) == 2:
         team, key = value
-        if type(team) is str and team and (key is None or (type(key) is str and key)):
+        if isinstance(team, str) and team and (key is None or (isinstance(key, str) and key)):
+            if type(value) is not tuple or type(team) is not str or type(key) not in _PLAIN_KEY:
+                return Identity(team, key)  # subclasses: their hash and equality are their own
             made = _MADE.get(value)
             if made is None:
                 if len(_MADE) >= _MAX_MADE:
                     _MADE.clear()
                 made = _MADE[value] = Identity(team, key)
             return made
-        return _coerce_slow(value)
-    if isinstance(value, Identity):
-        return value
-    return _coerce_slow(value)
-
-
-def _coerce_slow(value: object) -> Identity | None:
-    """Tuple and str subclasses: never cached (their hash and equality are their own)."""
-    if isinstance(value, tuple) and len(value) == 2:
-        team, key = value
-        if isinstance(team, str) and team and (key is None or (isinstance(key, str) and key)):
-            return Identity(team, key)
     return None
 
 

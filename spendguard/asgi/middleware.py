@@ -5,7 +5,8 @@ observing ``send`` → ``guard.finish``, exactly once, in ``finally``. Every dec
 pass, which statuses are charged, which usage and model count) is the engine's.
 
 Pure ASGI: every response message is forwarded as soon as the app sends it; usage is read from
-copies as they pass. An admitted request's state lives in one ``_Exchange``.
+copies as they pass. An admitted request's state lives in one ``_Exchange`` and its body
+replay.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..store import Store
 from ..usage import BodyObserver, Dialect
 from .deferred import deferred_inference
 from .errors import send_error, send_refusal
-from .finishing import finish
+from .finishing import finish, replay
 from .identity import IdentityResolver, resolve
 from .lifespan import run_lifespan
 from .ratelimit import rate_limit_headers
@@ -66,48 +67,29 @@ class _Disconnected(Exception):
 
 
 class _Exchange:
-    """An admitted inference's exchange with the app: the body already read, handed over
-    first, then the real ``receive`` (so the app still sees ``http.disconnect``); every
-    response message forwarded as it comes, its status and usage observed on the way.
+    """An admitted inference's response as the app sends it: every message forwarded as it
+    comes, its status and usage observed on the way.
 
-    One slotted object rather than two closures: each object a request keeps alive through the
+    One slotted object rather than a closure: each object a request keeps alive through the
     app call is walked by every garbage collection that runs meanwhile, and under load most of
-    them are promoted to the oldest generation before they die. The closures and their cells
-    were twelve such objects per request; this is one, and its two bound methods.
+    them are promoted to the oldest generation before they die. The two closures (this and the
+    body replay) and their cells were twelve such objects per request; now they are three:
+    this, its bound ``send`` and the replay (``finishing.replay``).
     """
 
-    __slots__ = (
-        "_added",
-        "_admission",
-        "_body",
-        "_guard",
-        "_receive",
-        "_send",
-        "observer",
-        "status",
-    )
+    __slots__ = ("_added", "_admission", "_guard", "_send", "observer", "status")
 
     def __init__(
         self,
         guard: SpendGuard,
         admission: Admission,
-        body: bytes,
-        receive: Receive,
         send: Send,
         added: list[tuple[bytes, bytes]],
     ) -> None:
         self._guard, self._admission, self._added = guard, admission, added
-        self._body: bytes | None = body
-        self._receive, self._send = receive, send
+        self._send = send
         self.status = 0  # no response started (yet)
         self.observer: BodyObserver | None = None
-
-    async def receive(self) -> Message:
-        body = self._body
-        if body is not None:
-            self._body = None
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await self._receive()
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
@@ -250,9 +232,9 @@ class SpendGuardMiddleware:
         ]
         if budget is not None:
             added.extend(budget.headers)
-        exchange = _Exchange(guard, admission, body, receive, send, added)
+        exchange = _Exchange(guard, admission, send, added)
         try:
-            await self.app(scope, exchange.receive, exchange.send)
+            await self.app(scope, replay(body, receive), exchange.send)
         finally:
             await finish(guard, self.budgets, admission, exchange.status, exchange.observer, budget)
 

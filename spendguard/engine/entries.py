@@ -50,19 +50,16 @@ def admission_tokens(request: InferenceRequest) -> tuple[int, int]:
 
 
 def worst_case(
-    request: InferenceRequest, coster: Coster, tokens_in: int | None = None, tokens_out: int = 0
+    request: InferenceRequest, coster: Coster, tokens: tuple[int, int] | None = None
 ) -> int:
     """What a hard limit holds for a request: its admission usage at the model's price, times
-    the completions it asks for (the output of each is billed). ``tokens_in``/``tokens_out``:
-    its :func:`admission_tokens`, when the caller has them already."""
-    if tokens_in is None:
-        return coster.cost(request.model, admission_usage(request), stage=Stage.HOLD)
-    usage = Usage(input_tokens=tokens_in, output_tokens=tokens_out, estimated=True)
-    return coster.cost(request.model, usage, stage=Stage.HOLD)
+    the completions it asks for (the output of each is billed). ``tokens``: its
+    :func:`admission_tokens`, when the caller has them already."""
+    return coster.cost(request.model, admission_usage(request, tokens), stage=Stage.HOLD)
 
 
-def admission_usage(request: InferenceRequest) -> Usage:
-    tokens_in, tokens_out = admission_tokens(request)
+def admission_usage(request: InferenceRequest, tokens: tuple[int, int] | None = None) -> Usage:
+    tokens_in, tokens_out = admission_tokens(request) if tokens is None else tokens
     return Usage(input_tokens=tokens_in, output_tokens=tokens_out, estimated=True)
 
 

@@ -481,7 +481,7 @@ class SpendGuard:
             tokens_in, tokens_out = admission_tokens(request)
             # What a hard limit holds for this request until it ends (soft limits ignore it),
             # and a TPM's reserve.
-            hold = worst_case(request, self.coster, tokens_in, tokens_out)
+            hold = worst_case(request, self.coster, (tokens_in, tokens_out))
             tokens = tokens_in + tokens_out
             if self._entries_on:
                 entry_key = self.codec.entries_key(identity.team)
