@@ -242,8 +242,9 @@ class Store(Protocol):
         ...
 
     async def pending_records(self, usage_keys: Sequence[str]) -> dict[str, list[str]]:
-        """Record ids with a pending estimate (a marker) in each existing key; one round trip
-        (the keys of one team share a slot). Settlement drops those the ledger has settled."""
+        """Record ids with a pending estimate (a marker) in each existing key. Off the hot path
+        (a reconcile): a shared store reads them in short pages, so that no single call holds
+        it however many markers wait. Settlement drops those the ledger has settled."""
         ...
 
     async def evict_policy(self, policy_key: str) -> None:

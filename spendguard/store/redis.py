@@ -44,7 +44,9 @@ from .pipeline import ScriptPipeline, bounded_call
 log = logging.getLogger("spendguard.store")
 
 T = TypeVar("T")
-_SCRIPTS = ("preflight", "fill", "postflight", "refresh", "markers")
+_SCRIPTS = ("preflight", "fill", "postflight", "refresh")
+# Hash fields per HSCAN step when reading markers: a call of about a millisecond in Redis.
+MARKER_PAGE = 1000
 # Eviction policies that never drop a key carrying a TTL behind our back.
 _SAFE_EVICTION = {"noeviction"}
 
@@ -230,16 +232,25 @@ class RedisStore:
         await self._script("refresh", [e.usage_key for e in entries], args)
 
     async def pending_records(self, usage_keys: Sequence[str]) -> dict[str, list[str]]:
-        if not usage_keys:
-            return {}
-        flat = await self._script("markers", usage_keys, [])
+        # Paged with HSCAN, one short call per page: after a long ledger outage a key can hold
+        # hundreds of thousands of markers, and reading them in one call (a script, HKEYS)
+        # would hold Redis for every gateway's hot path for as long, and outlast the timeout
+        # on every retry. A marker added or removed while the pages are read may be missed
+        # or seen: either is what a read a moment earlier or later would have returned.
         out: dict[str, list[str]] = {}
-        pos = 0
         for key in usage_keys:
-            n = int(flat[pos])
-            if n:
-                out[key] = [str(x) for x in flat[pos + 1 : pos + 1 + n]]
-            pos += 1 + n
+            ids: dict[str, None] = {}  # HSCAN may return a field twice (a rehash)
+            cursor = 0
+            while True:
+                cursor, fields = await self._call(
+                    partial(self._client.hscan, key, cursor, match="r:*", count=MARKER_PAGE)
+                )
+                for name in fields:
+                    ids[str(name)[2:]] = None  # str already: the client decodes replies
+                if not int(cursor):
+                    break
+            if ids:
+                out[key] = list(ids)
         return out
 
     async def evict_policy(self, policy_key: str) -> None:

@@ -334,6 +334,26 @@ async def test_pending_records_lists_the_markers_of_existing_keys(harness: Harne
     assert (await harness.store.pending_records([day]))[day] == ["r2"]
 
 
+async def test_pending_records_lists_every_marker_of_a_large_key_once(harness: Harness) -> None:
+    # More markers than a shared store reads in one page, some settled meanwhile: each pending
+    # one is listed exactly once, and a settled one not at all.
+    p = keys_for(harness)
+    await warm(harness, p, {KEY_DAY: 10**12, TEAM_MONTH: 10**12})
+    day, month = usage_key(p, KEY_DAY), usage_key(p, TEAM_MONTH)
+    ids = [f"rec{i:05d}" for i in range(4_500)]
+    for start in range(0, len(ids), 500):
+        async with anyio.create_task_group() as tg:
+            for rid in ids[start : start + 500]:
+                tg.start_soon(harness.store.postflight, rid, 1, [day, month])
+    settled = ids[::7]
+    await harness.store.refresh([RefreshEntry(day, len(settled), tuple(settled))])
+    got = await harness.store.pending_records([day, month])
+    assert sorted(got[day]) == sorted(set(ids) - set(settled)) and len(got[day]) == len(ids) - len(
+        settled
+    )
+    assert sorted(got[month]) == ids
+
+
 ENTRIES = "quota:{acme}:spend:open"
 
 

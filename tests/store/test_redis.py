@@ -16,11 +16,13 @@ from typing import Any
 
 import anyio
 import pytest
+import redis
 
 from spendguard import Identity, Settings
 from spendguard.clock import utcnow
 from spendguard.limits import KeyCodec, Period, key_limit
-from spendguard.store.redis import RedisStore
+from spendguard.store import UsageFill
+from spendguard.store.redis import MARKER_PAGE, RedisStore
 from tests.support import Gateway, RedisCluster, RedisServer, chat_body
 
 pytestmark = pytest.mark.anyio
@@ -263,6 +265,40 @@ async def test_cluster_gateway_end_to_end(tmp_path: Path, redis_cluster: RedisCl
         alpha_day = key_limit(Identity("acme", "alpha"), Period.DAY)
         assert await gw.aggregates() == {(alpha_day, Period.DAY.bucket(utcnow())): 30}
     await store.aclose()
+
+
+async def test_a_reconcile_reads_a_large_backlog_of_markers_in_short_calls(
+    redis_url: str,
+) -> None:
+    # After a long ledger outage a key holds a marker per unsettled record. Reading them must
+    # not be one call that holds Redis (and every gateway's hot path) for all of them.
+    store = RedisStore.from_url(redis_url, timeout=2.0)
+    p = KeyCodec("quota", timedelta(days=2)).plan(Identity("acme", "alpha"), utcnow())
+    day = p.checks[0].usage_key
+    await store.fill(p, {}, [UsageFill(day, 0, p.checks[0].expires_at)], policy_ttl=60)
+    ids = [f"r{i:06d}" for i in range(12_000)]
+    for start in range(0, len(ids), 1000):
+        async with anyio.create_task_group() as tg:
+            for rid in ids[start : start + 1000]:
+                tg.start_soon(store.postflight, rid, 1, [day])
+    admin = redis.Redis.from_url(redis_url)
+    admin.config_set("slowlog-max-len", 100_000)
+    admin.config_set("slowlog-log-slower-than", 0)  # log every command
+    admin.slowlog_reset()
+    try:
+        got = await store.pending_records([day])
+        log = admin.slowlog_get(100_000)
+    finally:
+        admin.config_set("slowlog-log-slower-than", 10_000)
+        admin.close()
+        await store.aclose()
+    assert sorted(got[day]) == ids
+    # What the server was asked (but this check's own SLOWLOG calls): short paged reads, no
+    # command that walks the whole hash (a script, HKEYS, HGETALL).
+    asked = [e["command"].split()[0].upper() for e in log]
+    asked = [c for c in asked if c != b"SLOWLOG"]
+    assert set(asked) == {b"HSCAN"}, set(asked)
+    assert len(asked) >= len(ids) // MARKER_PAGE
 
 
 async def test_readded_policy_does_not_trust_a_stale_usage_key(
