@@ -47,6 +47,8 @@ T = TypeVar("T")
 _SCRIPTS = ("preflight", "fill", "postflight", "refresh")
 # Hash fields per HSCAN step when reading markers: a call of about a millisecond in Redis.
 MARKER_PAGE = 1000
+# Record ids (over all its keys) per refresh call: a few milliseconds of Redis each.
+REFRESH_IDS = 1000
 # Eviction policies that never drop a key carrying a TTL behind our back.
 _SAFE_EVICTION = {"noeviction"}
 
@@ -222,14 +224,31 @@ class RedisStore:
             await self._call(lambda key=key: self._client.delete(key))  # type: ignore[misc]
 
     async def refresh(self, entries: Sequence[RefreshEntry]) -> None:
-        if not entries:
-            return
-        args: list[str] = []
-        for e in entries:
-            limit = "-" if e.limit is None else _uint(e.limit)
-            args += [_uint(e.settled), limit, str(len(e.applied)), str(len(e.unknown))]
-            args += [*e.applied, *e.unknown]
-        await self._script("refresh", [e.usage_key for e in entries], args)
+        # In calls of at most REFRESH_IDS record ids: after a settlement backlog one team's
+        # refresh can name tens of thousands, and one script removing them all would hold
+        # Redis (every gateway's hot path) for hundreds of milliseconds. Each call is a whole
+        # refresh of its records and raises every named key's settled part, which the first
+        # call does for all keys: between calls the cache counts the records of the later
+        # calls twice (settled and still pending), never not at all. A rerun is harmless.
+        first = True
+        left = [(e, list(e.applied), list(e.unknown)) for e in entries]
+        while left:
+            budget = REFRESH_IDS
+            keys: list[str] = []
+            args: list[str] = []
+            for e, applied, unknown in left:
+                a = applied[:budget]
+                u = unknown[: budget - len(a)]
+                if not (first or a or u):
+                    continue
+                del applied[: len(a)], unknown[: len(u)]
+                budget -= len(a) + len(u)
+                keys.append(e.usage_key)
+                limit = "-" if e.limit is None else _uint(e.limit)
+                args += [_uint(e.settled), limit, str(len(a)), str(len(u)), *a, *u]
+            await self._script("refresh", keys, args)
+            first = False
+            left = [item for item in left if item[1] or item[2]]
 
     async def pending_records(self, usage_keys: Sequence[str]) -> dict[str, list[str]]:
         # Paged with HSCAN, one short call per page: after a long ledger outage a key can hold

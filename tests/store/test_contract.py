@@ -202,6 +202,34 @@ async def test_unknown_postflight_outcome_never_leaves_an_estimate_behind(harnes
     assert await harness.store.read_usage([day]) == {day: 34}
 
 
+async def test_a_refresh_of_thousands_of_records_drops_each_estimate_once(harness: Harness) -> None:
+    # More records than a shared store removes in one call, over two keys, of both kinds:
+    # applied (their markers go) and unknown (their markers go, or a tombstone waits).
+    p = keys_for(harness)
+    await warm(harness, p, {KEY_DAY: 10**12, TEAM_MONTH: 10**12}, settled=5)
+    day, month = usage_key(p, KEY_DAY), usage_key(p, TEAM_MONTH)
+    applied = [f"a{i:05d}" for i in range(2_300)]
+    unknown_applied = [f"u{i:05d}" for i in range(700)]  # their postflight did land
+    unknown_late = [f"l{i:05d}" for i in range(300)]  # it will land after the refresh
+    kept = [f"k{i:05d}" for i in range(50)]  # not settled: their estimates stay
+    for chunk in (applied, unknown_applied, kept):
+        async with anyio.create_task_group() as tg:
+            for rid in chunk:
+                tg.start_soon(harness.store.postflight, rid, 3, [day, month])
+    settled = 5 + 4 * (len(applied) + len(unknown_applied) + len(unknown_late))
+    unknown = (*unknown_applied, *unknown_late)
+    entries = [RefreshEntry(k, settled, tuple(applied), unknown) for k in (day, month)]
+    await harness.store.refresh(entries)
+    want = settled + 3 * len(kept)
+    assert await harness.store.read_usage([day, month]) == {day: want, month: want}
+    pending = await harness.store.pending_records([day, month])
+    assert sorted(pending[day]) == kept and sorted(pending[month]) == kept
+    await harness.store.refresh(entries)  # a rerun subtracts nothing twice
+    for rid in unknown_late[:5]:  # a late postflight finds its tombstone
+        assert await harness.store.postflight(rid, 3, [day, month]) == 0
+    assert await harness.store.read_usage([day, month]) == {day: want, month: want}
+
+
 async def test_refresh_never_lowers_settled(harness: Harness) -> None:
     p = keys_for(harness)
     await warm(harness, p, {KEY_DAY: 10_000}, settled=100)

@@ -21,8 +21,8 @@ import redis
 from spendguard import Identity, Settings
 from spendguard.clock import utcnow
 from spendguard.limits import KeyCodec, Period, key_limit
-from spendguard.store import UsageFill
-from spendguard.store.redis import MARKER_PAGE, RedisStore
+from spendguard.store import RefreshEntry, UsageFill
+from spendguard.store.redis import MARKER_PAGE, REFRESH_IDS, RedisStore
 from tests.support import Gateway, RedisCluster, RedisServer, chat_body
 
 pytestmark = pytest.mark.anyio
@@ -295,10 +295,49 @@ async def test_a_reconcile_reads_a_large_backlog_of_markers_in_short_calls(
     assert sorted(got[day]) == ids
     # What the server was asked (but this check's own SLOWLOG calls): short paged reads, no
     # command that walks the whole hash (a script, HKEYS, HGETALL).
+    housekeeping = {b"SLOWLOG", b"HELLO", b"PING", b"CLIENT", b"SELECT", b"AUTH"}  # connecting
     asked = [e["command"].split()[0].upper() for e in log]
-    asked = [c for c in asked if c != b"SLOWLOG"]
+    asked = [c for c in asked if c not in housekeeping]
     assert set(asked) == {b"HSCAN"}, set(asked)
     assert len(asked) >= len(ids) // MARKER_PAGE
+
+
+async def test_a_refresh_after_a_settlement_backlog_is_short_calls(redis_url: str) -> None:
+    # A worker catching up settles tens of thousands of one team's records in a pass; their
+    # estimates must not leave the cache in one script that holds Redis for all of them.
+    store = RedisStore.from_url(redis_url, timeout=2.0)
+    p = KeyCodec("quota", timedelta(days=2)).plan(Identity("acme", "alpha"), utcnow())
+    keys = [c.usage_key for c in p.checks[:2]]
+    fills = [UsageFill(c.usage_key, 0, c.expires_at) for c in p.checks[:2]]
+    await store.fill(p, {}, fills, policy_ttl=60)
+    ids = [f"r{i:06d}" for i in range(6_000)]
+    for start in range(0, len(ids), 1000):
+        async with anyio.create_task_group() as tg:
+            for rid in ids[start : start + 1000]:
+                tg.start_soon(store.postflight, rid, 1, keys)
+    admin = redis.Redis.from_url(redis_url)
+    admin.config_set("slowlog-max-len", 100_000)
+    admin.config_set("slowlog-log-slower-than", 0)
+    admin.slowlog_reset()
+    try:
+        await store.refresh([RefreshEntry(k, len(ids), tuple(ids)) for k in keys])
+        log = admin.slowlog_get(100_000)
+    finally:
+        admin.config_set("slowlog-log-slower-than", 10_000)
+        admin.close()
+    assert await store.read_usage(keys) == {k: len(ids) for k in keys}
+    assert await store.pending_records(keys) == {}
+    await store.aclose()
+    # The server logs a script call's first arguments and how many more it had.
+    sizes = []
+    for e in log:
+        if e["command"].split()[0].upper() == b"EVALSHA":
+            more = re.search(rb"\.\.\. \((\d+) more arguments\)", e["command"])
+            words = len(e["command"].split())
+            sizes.append(words - 4 + int(more.group(1)) if more else words)
+    assert len(sizes) >= 2 * len(ids) // REFRESH_IDS
+    # Each call: the script's sha and key count, its keys and their headers, and its ids.
+    assert max(sizes) <= 3 + 5 * len(keys) + REFRESH_IDS, max(sizes)
 
 
 async def test_readded_policy_does_not_trust_a_stale_usage_key(
