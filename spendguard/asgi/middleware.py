@@ -246,6 +246,17 @@ class SpendGuardMiddleware:
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_body_bytes
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected
+        chunk = message.get("body", b"")
+        if not message.get("more_body", False):
+            # The whole body in one message, as servers pass small ones: already read, so
+            # its declared length has nothing left to save us from.
+            if len(chunk) > limit:
+                raise _too_large(limit)
+            return chunk if type(chunk) is bytes else bytes(chunk)
+        # More to come: refuse a body declared too large before reading the rest of it.
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -254,21 +265,18 @@ class SpendGuardMiddleware:
                     raise BadRequest("Invalid Content-Length header.") from None
                 if declared > limit:
                     raise _too_large(limit)
-        chunks: list[bytes] = []
-        size = 0
+        chunks: list[bytes] = [chunk]
+        size = len(chunk)
         while True:
+            if size > limit:
+                raise _too_large(limit)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
             message = await receive()
             if message["type"] == "http.disconnect":
                 raise _Disconnected
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > limit:
-                raise _too_large(limit)
-            if not message.get("more_body", False):
-                if not chunks:  # the whole body in one message, as servers send small ones
-                    return chunk if type(chunk) is bytes else bytes(chunk)
-                chunks.append(chunk)
-                return b"".join(chunks)
             chunks.append(chunk)
 
     @staticmethod

@@ -166,7 +166,7 @@ class Price:
         """Exact charge for ``usage`` in whole micro-USD, any fraction rounded up."""
         i, o = usage.input_tokens, usage.output_tokens
         c, w = usage.cached_input_tokens, usage.cache_write_tokens
-        if i < 0 or o < 0 or c < 0 or w < 0:
+        if (i | o | c | w) < 0:  # integers: the OR is negative iff one of them is
             # A negative count can only come from a parsing bug; charging it would credit the
             # budget, so refuse loudly instead.
             raise ValueError(f"negative token count in {usage!r}")
@@ -191,6 +191,7 @@ class PriceTable:
     __slots__ = (
         "_from_file",
         "_longest",
+        "_priced",
         "_prices",
         "_providers",
         "_resolved",
@@ -229,6 +230,7 @@ class PriceTable:
         # served name (``gpt-4o-mini-2024-07-18``) takes the regex steps below. Bounded, since
         # the names come from clients.
         self._resolved: dict[str, str | None] = {}
+        self._priced: dict[str, Price | None] = {}  # lookup's answers, by the name asked
         self.as_of = as_of
         self.user_as_of = user_as_of
 
@@ -295,8 +297,18 @@ class PriceTable:
 
     def lookup(self, model: str) -> Price | None:
         """The price for ``model`` (see the module docstring for the matching rules)."""
+        # Asked about three times per inference, for the same few names: one dict read.
+        try:
+            return self._priced[model]
+        except (KeyError, TypeError):
+            pass
         key = self.resolve(model)
-        return None if key is None else self._prices[key]
+        price = None if key is None else self._prices[key]
+        if isinstance(model, str):
+            if len(self._priced) >= _RESOLVED_MAX:
+                self._priced.clear()
+            self._priced[model] = price
+        return price
 
     def cost(self, model: str, usage: Usage) -> MicroUSD | None:
         """Charge for ``usage`` on ``model`` in micro-USD; None when the model is not priced."""

@@ -46,6 +46,19 @@ class _Policy:
     expires_at: datetime
     models: dict[str, str] = field(default_factory=dict)  # allow field -> encoded list
     rates: dict[str, Rates] = field(default_factory=dict)  # rate field -> the subject's rates
+    # A check's field -> (its limit, hard): the hard limit where the policy has one (read once
+    # here, not per request and check).
+    held_to: dict[str, tuple[int, bool]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        limits = self.limits
+        held: dict[str, tuple[int, bool]] = {}
+        for name, amount in limits.items():
+            if name.startswith(HARD_PREFIX):
+                held[name[len(HARD_PREFIX) :]] = (amount, True)
+            elif HARD_PREFIX + name not in limits:
+                held[name] = (amount, False)
+        self.held_to = held
 
 
 @dataclass(slots=True)
@@ -134,17 +147,18 @@ class MemoryStore:
         _check_amount(tokens)
         now = self._clock()  # once per call: every check below is at the same instant
         policy = self._live_policy(plan.policy_key, now)
+        if policy is None:
+            return Preflight(Outcome.MISS, missing_policy=True)
+        models = policy.models
         if (
             model
-            and policy is not None
-            and any(
-                not allows(policy.models[f], model) for f in plan.allow_fields if f in policy.models
-            )
+            and models
+            and any(not allows(models[f], model) for f in plan.allow_fields if f in models)
         ):
             return Preflight(Outcome.MODEL)
-        pf = self._preflight(plan, hold, now)
+        pf = self._preflight(plan, policy, hold, now)
         rid = entry.record_id if entry is not None else record_id
-        if policy is not None and policy.rates and pf.outcome is Outcome.ALLOW:
+        if policy.rates and pf.outcome is Outcome.ALLOW:
             now_ms = to_millis(now) if now_ms is None else now_ms
             pf = self._rate(plan, policy, pf, rid, tokens, now_ms, slot_ttl_ms)
         if pf.outcome is Outcome.ALLOW:
@@ -227,22 +241,24 @@ class MemoryStore:
             pf, denial, [states.get(Scope.API_KEY), states.get(Scope.TEAM)], now_ms, tokens
         )
 
-    def _preflight(self, plan: KeyPlan, hold: int, now: datetime) -> Preflight:
-        policy = self._live_policy(plan.policy_key, now)
-        if policy is None:
-            return Preflight(Outcome.MISS, missing_policy=True)
+    def _preflight(self, plan: KeyPlan, policy: _Policy, hold: int, now: datetime) -> Preflight:
         checks: list[tuple[Check, int | None, int | None, bool]] = []
-        limits = policy.limits
+        held_to = policy.held_to
+        usages = self._usage
         for check in plan.checks:
-            hard_limit = limits.get(HARD_PREFIX + check.field)
-            limit = limits.get(check.field) if hard_limit is None else hard_limit
+            found = held_to.get(check.field)
+            if found is None:  # no policy: its usage key is not even looked at
+                continue
+            limit, hard = found
+            usage = usages.get(check.usage_key)
+            if usage is not None and usage.expires_at <= now:
+                usage = self._live_usage(check.usage_key, now)  # expired: dropped
             used = None
-            if limit is not None:  # no policy: its usage key is not even looked at
-                usage = self._live_usage(check.usage_key, now)
-                used = None if usage is None else usage.settled + usage.pending
-                if isinstance(check.target, Balance) and usage is not None:
+            if usage is not None:
+                used = usage.settled + usage.pending
+                if isinstance(check.target, Balance):
                     limit = usage.limit or 0
-            checks.append((check, limit, used, hard_limit is not None))
+            checks.append((check, limit, used, hard))
         return decide(checks, hold)
 
     async def fill(
@@ -413,5 +429,7 @@ class MemoryStore:
 
 def _check_amount(value: int) -> None:
     # Same validation the Lua scripts do before their first write: integers only, never floats.
+    if type(value) is int and value >= 0:
+        return
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"amount must be a non-negative integer of micro-USD, got {value!r}")

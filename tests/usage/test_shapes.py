@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spendguard.usage import observer as observer_module
 from spendguard.usage.anthropic import AnthropicStream
 from spendguard.usage.openai import OpenAIStream
 from spendguard.usage.shapes import DeltaShape, learn
@@ -183,7 +184,15 @@ def test_a_long_stream_is_parsed_only_where_its_shape_changes(
         parses += 1
         return loads(*args, **kwargs)
 
+    class CountingDecoder(json.JSONDecoder):
+        def decode(self, s: str, *args: Any, **kwargs: Any) -> Any:
+            nonlocal parses
+            parses += 1
+            return super().decode(s, *args, **kwargs)
+
+    # Every way the observer parses JSON: json.loads, and its own decoder.
     monkeypatch.setattr(json, "loads", counting)
+    monkeypatch.setattr(observer_module, "_JSON", CountingDecoder())
     observer = observe("openai", SSE, [body[i : i + 4096] for i in range(0, len(body), 4096)])
     assert observer.output_chars == sum(len(f" tok{i}") for i in range(500))
     assert parses == 1  # the first delta; the other 499 have its shape
