@@ -15,7 +15,9 @@ def as_utc(t: datetime) -> datetime:
 
 def to_micros(t: datetime) -> int:
     """Epoch microseconds: exact and portable across SQLite and PostgreSQL."""
-    delta = as_utc(t) - _EPOCH
+    if t.tzinfo is None:
+        raise ValueError("naive datetime: spendguard needs an aware (UTC) time")
+    delta = t - _EPOCH  # aware minus aware: exact whatever t's zone, no conversion needed
     return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
@@ -29,4 +31,7 @@ def utcnow() -> datetime:
 
 def to_millis(t: datetime) -> int:
     """Epoch milliseconds (the rate windows' time, passed to the store scripts)."""
-    return to_micros(t) // 1000
+    if t.tzinfo is None:
+        raise ValueError("naive datetime: spendguard needs an aware (UTC) time")
+    delta = t - _EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1_000 + delta.microseconds // 1_000

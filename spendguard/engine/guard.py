@@ -383,18 +383,18 @@ class SpendGuard:
             message = f"Model {request.model!r} has no price."
             admitted(Verdict.UNPRICED)
             return Admission(Verdict.UNPRICED, route, dialect, request, message=message)
-        t0, inference_id = self._continued(t0, inference_id)
+        now = self.clock()
+        t0, inference_id = self._continued(now, t0, inference_id)
         decision = await self.preflight(
-            identity, t0, inference_id=inference_id, request=request, route=route
+            identity, t0, inference_id=inference_id, request=request, route=route, now=now
         )
         return Admission(decision.verdict, route, dialect, request, decision)
 
     def _continued(
-        self, t0: datetime | None, inference_id: str | None
+        self, now: datetime, t0: datetime | None, inference_id: str | None
     ) -> tuple[datetime, str | None]:
         """The start time and id an inference counts under: a retry or fallback keeps its
         original's, unless the mark can't be trusted."""
-        now = self.clock()
         if t0 is None or inference_id is None or t0.tzinfo is None:
             return now, None
         t0 = as_utc(t0)
@@ -464,8 +464,10 @@ class SpendGuard:
         inference_id: str | None = None,
         request: InferenceRequest | None = None,
         route: str = "",
+        now: datetime | None = None,
     ) -> Decision:
         """One store call when the cache is warm; on a miss, load from the ledger and retry.
+        ``now``: the clock's time, when the caller just read it (rates count from it).
 
         With ``request`` (and a shared store whose heartbeat runs), an allowed inference
         leaves its admission entry in the same store call (see :mod:`.entries`)."""
@@ -509,7 +511,7 @@ class SpendGuard:
                         hold=hold,
                         model=model,
                         tokens=tokens,
-                        now_ms=to_millis(self.clock()),
+                        now_ms=to_millis(self.clock() if now is None else now),
                         slot_ttl_ms=int(self.settings.rate_slot_ttl * 1000),
                     )
                 finally:
@@ -715,7 +717,7 @@ class SpendGuard:
         if status is not expected:
             record = dataclasses.replace(record, postflight=status)
         self.recorder.submit(record)
-        if not self.running:
+        if self._cancel is None:  # not running
             # No lifespan ran (e.g. an ASGI test client without it): write through, slowly
             # but durably, instead of leaving the record in a queue nobody drains.
             try:

@@ -171,10 +171,11 @@ def trace_guard(guard: SpendGuard, enabled: bool) -> bool:
         inference_id: str | None = None,
         request: Any = None,
         route: str = "",
+        now: datetime | None = None,
     ) -> Decision:
         with tracer.start_as_current_span("spendguard.preflight") as span:
             decision = await preflight(
-                identity, t0, inference_id=inference_id, request=request, route=route
+                identity, t0, inference_id=inference_id, request=request, route=route, now=now
             )
             outcome, kind, period = labels_of(decision)
             span.set_attributes(

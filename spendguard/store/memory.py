@@ -332,8 +332,11 @@ class MemoryStore:
                 rate.prev_tokens = max(0, rate.prev_tokens + delta)
         now = self._clock()
         applied = 0
+        usages = self._usage
         for key in usage_keys:
-            usage = self._live_usage(key, now)
+            usage = usages.get(key)
+            if usage is not None and usage.expires_at <= now:
+                usage = self._live_usage(key, now)  # expired: dropped
             if usage is not None and record_id in usage.holds:
                 usage.pending -= usage.holds.pop(record_id)
             if (
