@@ -32,6 +32,14 @@ _PLAIN_KEY = (str, type(None))
 
 
 def _coerce(value: object) -> Identity | None:
+    if type(value) is tuple:
+        # Only pairs already validated are in _MADE: a hit needs no other check.
+        try:
+            made = _MADE.get(value)
+        except TypeError:  # an unhashable member: not a valid pair either
+            return None
+        if made is not None:
+            return made
     if value is None:
         return None
     if isinstance(value, Identity):

@@ -49,6 +49,8 @@ _SCRIPTS = ("preflight", "fill", "postflight", "refresh")
 MARKER_PAGE = 1000
 # Record ids (over all its keys) per refresh call: a few milliseconds of Redis each.
 REFRESH_IDS = 1000
+# Plans whose preflight keys and arguments are kept (one per identity and window in use).
+_MAX_PLANS = 16_384
 # Eviction policies that never drop a key carrying a TTL behind our back.
 _SAFE_EVICTION = {"noeviction"}
 
@@ -75,6 +77,8 @@ class RedisStore:
         self._client = client
         self._timeout = timeout
         self._scripts = {name: client.register_script(_lua(name)) for name in _SCRIPTS}
+        # Plans' keys and arguments, by the plan's id (see _plan_wire).
+        self._wire: dict[int, tuple[KeyPlan, list[str], list[str], list[str]]] = {}
         # The hot path: concurrent calls share pipelines; ``timeout`` bounds each batch.
         self.pipeline = ScriptPipeline(
             client, timeout=timeout, max_batch=max_batch, max_in_flight=max_in_flight
@@ -123,12 +127,14 @@ class RedisStore:
         slot_ttl_ms: int = 600_000,
     ) -> Preflight:
         checks = plan.checks
-        keys = [plan.policy_key, *(c.usage_key for c in checks), *plan.rate_keys]
-        args = [str(len(checks)), *(c.field for c in checks)]
+        wire = self._wire.get(id(plan))
+        if wire is None or wire[0] is not plan:
+            wire = self._plan_wire(plan)
+        keys = [*wire[1]]
         rid = entry.record_id if entry is not None else record_id
         if now_ms is None:
             now_ms = to_millis(utcnow())
-        args += (rid, _uint(hold), model, *plan.allow_fields, *plan.rate_fields)
+        args = [*wire[2], rid, _uint(hold), model, *wire[3]]
         args += (str(now_ms), _uint(tokens), str(slot_ttl_ms))
         if entry is not None:
             keys.append(entry.key)
@@ -148,6 +154,22 @@ class RedisStore:
         if len(raw) == n:
             return pf  # no rates apply (or a limit decided first)
         return with_rates(pf, raw[n], raw[n + 1 : n + 3], now_ms, tokens)
+
+    def _plan_wire(self, plan: KeyPlan) -> tuple[KeyPlan, list[str], list[str], list[str]]:
+        """A plan's part of its preflight call, built once per plan (a plan is made once per
+        identity and window, then reused): its keys, and its arguments before and after the
+        request's own."""
+        checks = plan.checks
+        wire = (
+            plan,  # held: the id it is found by cannot be reused while it is here
+            [plan.policy_key, *(c.usage_key for c in checks), *plan.rate_keys],
+            [str(len(checks)), *(c.field for c in checks)],
+            [*plan.allow_fields, *plan.rate_fields],
+        )
+        if len(self._wire) >= _MAX_PLANS:
+            self._wire.clear()
+        self._wire[id(plan)] = wire
+        return wire
 
     async def fill(
         self,
@@ -397,6 +419,8 @@ def client_for(
 
 def _uint(value: int) -> str:
     # Integer micro-USD only, sent as decimal strings: never a float near the wire.
+    if type(value) is int and value >= 0:
+        return str(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"amount must be a non-negative integer of micro-USD, got {value!r}")
     return str(value)
