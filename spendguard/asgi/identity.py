@@ -33,12 +33,13 @@ _PLAIN_KEY = (str, type(None))
 
 def _coerce(value: object) -> Identity | None:
     if type(value) is tuple:
-        # Only pairs already validated are in _MADE: a hit needs no other check.
+        # Only pairs already validated are in _MADE: a hit of plain strings needs no other
+        # check (members of a str subclass may equal a cached pair and still be their own).
         try:
             made = _MADE.get(value)
         except TypeError:  # an unhashable member: not a valid pair either
             return None
-        if made is not None:
+        if made is not None and type(value[0]) is str and type(value[1]) in _PLAIN_KEY:
             return made
     if value is None:
         return None

@@ -158,3 +158,8 @@ async def test_identities_made_are_bounded_and_str_subclasses_are_not_kept(
     found = await resolve(lambda c: (Tenant("acme"), "alpha"), conn())
     assert found == ALPHA
     assert all(type(team) is str for team, _ in identity_module._MADE)
+    # A pair of plain strings is cached; an equal pair of a subclass still gets its own.
+    plain = await resolve(lambda c: ("acme", "alpha"), conn())
+    assert await resolve(lambda c: ("acme", "alpha"), conn()) is plain
+    other = await resolve(lambda c: (Tenant("acme"), "alpha"), conn())
+    assert other is not plain and type(other.team_id) is Tenant
