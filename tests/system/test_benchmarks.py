@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +179,46 @@ def test_wrk_output_is_parsed() -> None:
     assert result.p50_us == pytest.approx(13_130) and result.p99_us == pytest.approx(850)
     assert result.statuses == {"2xx": 4600, "non-2xx": 27} and result.ok == 4600
     assert result.errors == 3
+
+
+def test_instruction_counts_workload_runs_and_reports(tmp_path: Path) -> None:
+    # benchmarks/instructions.py runs this workload twice per variant under valgrind (minutes:
+    # not for every CI run). Here it runs as is, so it cannot rot: the embedded gateway serves
+    # its inferences and writes every record; and the report turns counts into the table.
+    _require_services()
+    from benchmarks import instructions
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.instructions",
+            "--child",
+            json.dumps(
+                [
+                    "embedded",
+                    "inference",
+                    30,
+                    "redis://unused",
+                    "postgresql://unused",
+                    str(tmp_path / "child"),
+                ]
+            ),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    db = sqlite3.connect(tmp_path / "child" / "embedded.db")
+    try:
+        assert db.execute("SELECT count(*) FROM spendguard_records").fetchone() == (
+            instructions.WARM + 30,
+        )
+    finally:
+        db.close()
+    table = instructions.report({"inference": {"bare": 2_000_000.0, "embedded": 2_500_000.0}})
+    assert "| inference | embedded | 2,500,000 | 500,000 | 0.800 |" in table

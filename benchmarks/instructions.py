@@ -1,0 +1,184 @@
+"""Instructions per inference: what spendguard adds to a gateway, counted, not timed.
+
+The HTTP ratios and the CPU per request move with the host by more than a change to the
+request path is worth: on a shared VM the same gateway's CPU per inference moves by tens of
+percent within minutes. An instruction count does not. Each variant of the example gateway
+(``benchmarks/apps.py``) runs in process under valgrind's callgrind, twice: the same warm-up,
+then ``--requests`` more inferences in the second run than in the first, 16 in flight. The
+difference in instructions between the two runs, divided by that number, is what one inference
+costs, start-up and warm-up cancelled out. Everything the process runs counts: the gateway, the
+fake provider, spendguard, its record writer (records are flushed before the count ends) and
+the garbage collector. Redis and PostgreSQL run in their own processes and are not counted.
+
+Instructions are not time: a cache miss costs more than an add, and a gateway serving real
+traffic walks more memory than this loop. So the ratio below is what the throughput ratio would
+be if every instruction cost the same; the HTTP section measures the real one. Its use is a
+before/after comparison of the request path that no drift can blur:
+
+    python -m benchmarks.instructions                 # bare, embedded, redis; both routes
+    python -m benchmarks.instructions --variants embedded --routes inference
+
+Needs ``valgrind`` (Debian: ``apt-get install valgrind``), ``redis-server`` and PostgreSQL as
+the rest of the suite; a run takes a few minutes (the process runs about fifty times slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Final
+
+from .apps import INFERENCE_PATH, TOKEN, build_gateway, chat_body
+from .asgi import Call, http_scope, lifespan
+from .common import Services, bench_identity, find_guard, set_policies
+from .inprocess import variant_settings
+from .services import PrivatePostgres, PrivateRedis, ServiceError
+
+VARIANTS: Final = ("bare", "embedded", "redis")
+ROUTES: Final = ("inference", "stream")
+WARM: Final = 200  # requests before the counted part, in both runs
+BASE: Final = 200  # counted requests of the shorter run
+CONCURRENCY: Final = 16
+_COLLECTED = re.compile(r"Collected : (\d+)")
+
+
+async def _serve(variant: str, route: str, requests: int, services: Services) -> None:
+    """The child: the gateway in process, WARM + requests inferences, records flushed."""
+    if variant == "embedded":
+        # A SQLite file of its own: the two runs of a variant go side by side.
+        services.workdir.mkdir(parents=True, exist_ok=True)
+        await set_policies(services.sqlite_url, bench_identity())
+    app = build_gateway(variant, settings=variant_settings(variant, services))
+    body = chat_body(stream=route == "stream")
+    headers = [
+        (b"authorization", f"Bearer {TOKEN}".encode()),
+        (b"host", b"gateway"),
+        (b"content-type", b"application/json"),
+    ]
+    call = Call(app, http_scope("POST", INFERENCE_PATH, headers, body), body)
+    async with lifespan(app):
+        guard = find_guard(app)
+
+        async def run(n: int) -> None:
+            left = n
+
+            async def client() -> None:
+                nonlocal left
+                while left > 0:
+                    left -= 1
+                    status, _ = await call()
+                    if status != 200:
+                        raise RuntimeError(f"{variant} answered {status}")
+
+            await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
+            if guard is not None:
+                await guard.recorder.flush()
+
+        await run(WARM)
+        await run(requests)
+
+
+def _count(variant: str, route: str, requests: int, services: Services, env: dict[str, str]) -> int:
+    """Instructions of one child run under callgrind."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        child = [variant, route, requests, services.redis_url, services.postgres_url]
+        child.append(str(services.workdir / f"{variant}-{route}-{requests}"))
+        args = [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            "-m",
+            "benchmarks.instructions",
+            "--child",
+            json.dumps(child),
+        ]
+        done = subprocess.run(args, capture_output=True, text=True, env=env, check=False)
+        found = _COLLECTED.search(done.stderr)
+        if done.returncode != 0 or found is None:
+            raise RuntimeError(f"{variant}/{route} under callgrind failed:\n{done.stderr[-2000:]}")
+        return int(found.group(1))
+
+
+def measure(
+    services: Services, variants: tuple[str, ...], routes: tuple[str, ...], requests: int
+) -> dict[str, dict[str, float]]:
+    """Instructions per inference, by route and variant."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path.cwd()), env.get("PYTHONPATH")]))
+    # Fifty times slower under callgrind: Redis answers must not look late.
+    env["SPENDGUARD_REDIS_TIMEOUT"] = "30"
+    out: dict[str, dict[str, float]] = {}
+    # Two at a time: the runs are independent and their counts do not depend on the timing.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for route in routes:
+            for variant in variants:
+                short, long = pool.map(
+                    lambda n, v=variant, r=route: _count(v, r, n, services, env),
+                    (BASE, BASE + requests),
+                )
+                out.setdefault(route, {})[variant] = (long - short) / requests
+    return out
+
+
+def report(counts: dict[str, dict[str, float]]) -> str:
+    lines = [
+        "| route | variant | instructions per inference | added to bare | bare / variant |",
+        "|---|---|---|---|---|",
+    ]
+    for route, by_variant in counts.items():
+        bare = by_variant.get("bare")
+        for variant, n in by_variant.items():
+            added = "" if bare is None or variant == "bare" else f"{n - bare:,.0f}"
+            ratio = "" if bare is None or variant == "bare" else f"{bare / n:.3f}"
+            lines.append(f"| {route} | {variant} | {n:,.0f} | {added} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--routes", default=",".join(ROUTES))
+    parser.add_argument("--requests", type=int, default=800, help="counted inferences (diff)")
+    parser.add_argument("--postgres-url", default=None)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        variant, route, n, redis_url, pg_url, workdir = json.loads(args.child)
+        asyncio.run(_serve(variant, route, n, Services(redis_url, pg_url, Path(workdir))))
+        return 0
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
+        return 2
+    variants = tuple(v for v in args.variants.split(",") if v)
+    routes = tuple(r for r in args.routes.split(",") if r)
+    if unknown := (set(variants) - set(VARIANTS)) | (set(routes) - set(ROUTES)):
+        parser.error(f"unknown variant or route: {', '.join(sorted(unknown))}")
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="spendguard-instr-") as tmp,
+            PrivateRedis() as redis,
+            PrivatePostgres(args.postgres_url) as pg,
+        ):
+            services = Services(redis.url, pg.url, Path(tmp))
+            asyncio.run(set_policies(services.postgres_url, bench_identity()))
+            counts = measure(services, variants, routes, args.requests)
+    except ServiceError as exc:
+        print(f"benchmark services unavailable: {exc}", file=sys.stderr)
+        return 2
+    print(report(counts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
