@@ -12,8 +12,11 @@ the garbage collector. Redis and PostgreSQL run in their own processes and are n
 
 Instructions are not time: a cache miss costs more than an add, and a gateway serving real
 traffic walks more memory than this loop. So the ratio below is what the throughput ratio would
-be if every instruction cost the same; the HTTP section measures the real one. Its use is a
-before/after comparison of the request path that no drift can blur:
+be if every instruction cost the same; the HTTP section measures the real one. Nor is the count
+exact: what is batched (records written together, Redis calls sent in one pipeline) depends on
+timing, so the stores' counts move by about 1 % of the whole between runs (their Redis counts
+by up to 50,000 per inference), and the bare app's by well under 1 %. Its use is a before/after
+comparison of the request path that the host's drift cannot blur:
 
     python -m benchmarks.instructions                 # bare, embedded, redis; both routes
     python -m benchmarks.instructions --variants embedded --routes inference
@@ -118,6 +121,8 @@ def measure(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path.cwd()), env.get("PYTHONPATH")]))
     # Fifty times slower under callgrind: Redis answers must not look late.
     env["SPENDGUARD_REDIS_TIMEOUT"] = "30"
+    # The same dict and set layouts in every run (string hashes are seeded per process).
+    env["PYTHONHASHSEED"] = "0"
     out: dict[str, dict[str, float]] = {}
     # Two at a time: the runs are independent and their counts do not depend on the timing.
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -12,6 +12,7 @@ replay.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 from datetime import datetime
 from typing import Any
 
@@ -91,7 +92,10 @@ class _Exchange:
         self.status = 0  # no response started (yet)
         self.observer: BodyObserver | None = None
 
-    async def send(self, message: Message) -> None:
+    def send(self, message: Message) -> Awaitable[None]:
+        # Not a coroutine function: what it does is synchronous, and it hands back the server's
+        # own send to await, so no coroutine of ours is made per message (a stream sends one
+        # per chunk).
         kind = message["type"]
         if kind == "http.response.body":
             observer = self.observer
@@ -105,7 +109,7 @@ class _Exchange:
                 self._admission, status, content_type, content_encoding
             )
             headers.extend(self._added)
-        await self._send(message)
+        return self._send(message)
 
 
 class SpendGuardMiddleware:
