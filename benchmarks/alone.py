@@ -12,7 +12,6 @@ path. Both stores, one request at a time and 64 in flight, taking turns.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import time
 from collections.abc import Awaitable, Callable
@@ -25,7 +24,7 @@ from starlette.types import Message, Receive, Scope, Send
 from spendguard import SpendGuardMiddleware
 
 from .apps import INFERENCE_PATH, KEY_ID, TEAM_ID, chat_body
-from .asgi import Call, http_scope, lifespan
+from .asgi import Call, drive, http_scope, lifespan
 from .common import Services, Sizes, bench_identity, set_policies
 from .inprocess import variant_settings
 from .stats import summary
@@ -72,19 +71,9 @@ def _call(app: Any, route: str) -> Call:
 async def _cpu_per_request(
     call: Call, concurrency: int, n: int, flush: Callable[[], Awaitable[None]]
 ) -> float:
-    left = n
-
-    async def client() -> None:
-        nonlocal left
-        while left > 0:
-            left -= 1
-            status, _ = await call()
-            if status != 200:
-                raise RuntimeError(f"benchmark request answered {status}")
-
     gc.collect()
     start = time.process_time()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    await drive(call, concurrency, n)
     await flush()  # the records' writes are spendguard's CPU too
     return (time.process_time() - start) / n * 1e6
 

@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Message
 # The lifespan driver and the request scope are the tests' own (tests/support/asgi.py).
 from tests.support.asgi import http_scope, lifespan
 
-__all__ = ["Call", "http_scope", "lifespan"]
+__all__ = ["Call", "drive", "http_scope", "lifespan"]
 
 
 class Call:
@@ -62,3 +62,19 @@ class Call:
 
         await self._app(scope, receive, send)
         return status, done
+
+
+async def drive(call: Call, concurrency: int, n: int) -> None:
+    """``n`` requests through ``call``, ``concurrency`` at a time; an answer other than 200
+    raises (a benchmark must not time refusals)."""
+    left = n
+
+    async def client() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            status, _ = await call()
+            if status != 200:
+                raise RuntimeError(f"benchmark request answered {status}")
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))

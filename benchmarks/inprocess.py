@@ -76,18 +76,20 @@ def variant_settings(variant: str, services: Services) -> Settings | None:
     return None
 
 
+_AUTH = [(b"authorization", f"Bearer {TOKEN}".encode()), (b"host", b"gateway")]
+
+
+def inference_call(app: Any, *, stream: bool = False) -> Call:
+    """A chat completion from the demo key, as the gateway's clients send it."""
+    body = chat_body(stream=stream)
+    headers = [*_AUTH, (b"content-type", b"application/json")]
+    return Call(app, http_scope("POST", INFERENCE_PATH, headers, body), body)
+
+
 def _calls(app: Any) -> dict[str, Call]:
-    auth = [(b"authorization", f"Bearer {TOKEN}".encode()), (b"host", b"gateway")]
-    body = chat_body()
     return {
-        "inference": Call(
-            app,
-            http_scope(
-                "POST", INFERENCE_PATH, [*auth, (b"content-type", b"application/json")], body
-            ),
-            body,
-        ),
-        "health": Call(app, http_scope("GET", HEALTH_PATH, auth)),
+        "inference": inference_call(app),
+        "health": Call(app, http_scope("GET", HEALTH_PATH, _AUTH)),
     }
 
 

@@ -40,10 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final
 
-from .apps import INFERENCE_PATH, TOKEN, build_gateway, chat_body
-from .asgi import Call, http_scope, lifespan
+from .apps import build_gateway
+from .asgi import drive, lifespan
 from .common import Services, bench_identity, find_guard, set_policies
-from .inprocess import variant_settings
+from .inprocess import inference_call, variant_settings
 from .services import PrivatePostgres, PrivateRedis, ServiceError
 
 VARIANTS: Final = ("bare", "embedded", "redis")
@@ -61,33 +61,13 @@ async def _serve(variant: str, route: str, requests: int, services: Services) ->
         services.workdir.mkdir(parents=True, exist_ok=True)
         await set_policies(services.sqlite_url, bench_identity())
     app = build_gateway(variant, settings=variant_settings(variant, services))
-    body = chat_body(stream=route == "stream")
-    headers = [
-        (b"authorization", f"Bearer {TOKEN}".encode()),
-        (b"host", b"gateway"),
-        (b"content-type", b"application/json"),
-    ]
-    call = Call(app, http_scope("POST", INFERENCE_PATH, headers, body), body)
+    call = inference_call(app, stream=route == "stream")
     async with lifespan(app):
         guard = find_guard(app)
-
-        async def run(n: int) -> None:
-            left = n
-
-            async def client() -> None:
-                nonlocal left
-                while left > 0:
-                    left -= 1
-                    status, _ = await call()
-                    if status != 200:
-                        raise RuntimeError(f"{variant} answered {status}")
-
-            await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
+        for n in (WARM, requests):
+            await drive(call, CONCURRENCY, n)
             if guard is not None:
                 await guard.recorder.flush()
-
-        await run(WARM)
-        await run(requests)
 
 
 def _count(variant: str, route: str, requests: int, services: Services, env: dict[str, str]) -> int:

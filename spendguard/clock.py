@@ -31,7 +31,4 @@ def utcnow() -> datetime:
 
 def to_millis(t: datetime) -> int:
     """Epoch milliseconds (the rate windows' time, passed to the store scripts)."""
-    if t.tzinfo is None:
-        raise ValueError("naive datetime: spendguard needs an aware (UTC) time")
-    delta = t - _EPOCH
-    return (delta.days * 86_400 + delta.seconds) * 1_000 + delta.microseconds // 1_000
+    return to_micros(t) // 1000

@@ -717,7 +717,7 @@ class SpendGuard:
         if status is not expected:
             record = dataclasses.replace(record, postflight=status)
         self.recorder.submit(record)
-        if self._cancel is None:  # not running
+        if not self.running:
             # No lifespan ran (e.g. an ASGI test client without it): write through, slowly
             # but durably, instead of leaving the record in a queue nobody drains.
             try:

@@ -191,7 +191,6 @@ class PriceTable:
     __slots__ = (
         "_from_file",
         "_longest",
-        "_priced",
         "_prices",
         "_providers",
         "_resolved",
@@ -230,7 +229,6 @@ class PriceTable:
         # served name (``gpt-4o-mini-2024-07-18``) takes the regex steps below. Bounded, since
         # the names come from clients.
         self._resolved: dict[str, str | None] = {}
-        self._priced: dict[str, Price | None] = {}  # lookup's answers, by the name asked
         self.as_of = as_of
         self.user_as_of = user_as_of
 
@@ -297,18 +295,8 @@ class PriceTable:
 
     def lookup(self, model: str) -> Price | None:
         """The price for ``model`` (see the module docstring for the matching rules)."""
-        # Asked about three times per inference, for the same few names: one dict read.
-        try:
-            return self._priced[model]
-        except (KeyError, TypeError):
-            pass
-        key = self.resolve(model)
-        price = None if key is None else self._prices[key]
-        if isinstance(model, str):
-            if len(self._priced) >= _RESOLVED_MAX:
-                self._priced.clear()
-            self._priced[model] = price
-        return price
+        key = self.resolve(model)  # memoised by name
+        return None if key is None else self._prices[key]
 
     def cost(self, model: str, usage: Usage) -> MicroUSD | None:
         """Charge for ``usage`` on ``model`` in micro-USD; None when the model is not priced."""

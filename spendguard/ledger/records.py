@@ -154,20 +154,15 @@ class RecordQueries(LedgerDatabase):
 def _record_row(r: InferenceRecord, now_us: int) -> tuple[Any, ...]:
     """One record as a row in the table's column order (checked by the assertion below)."""
     identity = r.identity
-    # Display text goes through _text unless it is plain ASCII without NUL (the usual case,
-    # tested inline: four calls per record saved).
-    team_id, key_id, model, route = identity.team_id, identity.api_key_id, r.model, r.route
     return (
         r.id,
         r.inference_id,
         identity.team,
         identity.api_key or "",
-        team_id
-        if team_id is None or (team_id.isascii() and "\x00" not in team_id)
-        else _text(team_id),
-        key_id if key_id is None or (key_id.isascii() and "\x00" not in key_id) else _text(key_id),
-        model if model.isascii() and "\x00" not in model else _text(model),
-        route if route.isascii() and "\x00" not in route else _text(route),
+        _text(identity.team_id),
+        _text(identity.api_key_id),
+        _text(r.model),
+        _text(r.route),
         to_micros(r.t0),
         r.status_code,
         r.usage.input_tokens,

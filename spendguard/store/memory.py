@@ -244,15 +244,12 @@ class MemoryStore:
     def _preflight(self, plan: KeyPlan, policy: _Policy, hold: int, now: datetime) -> Preflight:
         checks: list[tuple[Check, int | None, int | None, bool]] = []
         held_to = policy.held_to
-        usages = self._usage
         for check in plan.checks:
             found = held_to.get(check.field)
             if found is None:  # no policy: its usage key is not even looked at
                 continue
             limit, hard = found
-            usage = usages.get(check.usage_key)
-            if usage is not None and usage.expires_at <= now:
-                usage = self._live_usage(check.usage_key, now)  # expired: dropped
+            usage = self._live_usage(check.usage_key, now)
             used = None
             if usage is not None:
                 used = usage.settled + usage.pending
@@ -332,11 +329,8 @@ class MemoryStore:
                 rate.prev_tokens = max(0, rate.prev_tokens + delta)
         now = self._clock()
         applied = 0
-        usages = self._usage
         for key in usage_keys:
-            usage = usages.get(key)
-            if usage is not None and usage.expires_at <= now:
-                usage = self._live_usage(key, now)  # expired: dropped
+            usage = self._live_usage(key, now)
             if usage is not None and record_id in usage.holds:
                 usage.pending -= usage.holds.pop(record_id)
             if (
