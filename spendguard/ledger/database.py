@@ -20,7 +20,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from ..errors import LedgerBusy, LedgerDown, LedgerRefused, LedgerUnavailable
-from .schema import metadata, records
+from .schema import RETIRED_INDEXES, metadata, records
 
 ROWS_PER_STATEMENT = 500  # keeps a multi-row statement under SQLite's and asyncpg's parameter caps
 _SCHEMA_LOCK = 0x5E9D6A4D  # an arbitrary, fixed advisory-lock id for schema creation
@@ -166,6 +166,8 @@ class LedgerDatabase:
                     str(CreateIndex(index, if_not_exists=True).compile(dialect=dialect))
                 )
         await self._add_missing_columns()
+        for name in RETIRED_INDEXES:
+            await self._db.execute(f"DROP INDEX IF EXISTS {name}")
 
     async def _add_missing_columns(self) -> None:
         """Columns added after a table was first created (a database from an earlier release):

@@ -24,10 +24,12 @@ from .schema import settlements
 JournalEntry = list[str | int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class SettledRecord:
     """A settled record as a cache refresh sees it: whose usage it belongs to, and whether its
-    estimate reached the cache (``unknown``: the postflight outcome was not known)."""
+    estimate reached the cache (``unknown``: the postflight outcome was not known). One is made
+    per record settled, so plain slots (not frozen: a frozen ``__init__`` costs four times as
+    much); nothing assigns to one after it is made."""
 
     id: str
     team: str

@@ -21,7 +21,7 @@ from ..limits import Limit, Period, Policy, Subject, window_of
 from ..limits.rates import MAX_RATE, Rates
 from .balances import Account, BalanceQueries
 from .database import _text, _tuples
-from .schema import aggregates, balances, charge_bucket, charges, model_access, policies, rates
+from .schema import aggregates, balances, charges, charges_in, model_access, policies, rates
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +100,14 @@ class PolicyQueries(BalanceQueries):
             )
             await self._db.execute(stmt)
             if existing is None or not existing[0]:
-                await self._rebuild_aggregate(limit, limit.window.bucket(now), now_us)
+                await self._rebuild_aggregate(limit, now, now_us)
         return policy
 
-    async def _rebuild_aggregate(self, limit: Limit, bucket: str, now_us: int) -> None:
-        """Set ``limit``'s aggregate in ``bucket`` to the sum of the charges it covers."""
-        conds = [charges.c.team == limit.team, charge_bucket(limit.window) == bucket]
+    async def _rebuild_aggregate(self, limit: Limit, now: datetime, now_us: int) -> None:
+        """Set ``limit``'s aggregate in the bucket of ``now`` to the sum of the charges it
+        covers."""
+        bucket = limit.window.bucket(now)
+        conds = [charges.c.team == limit.team, *charges_in(limit.window, now)]
         if limit.subject.api_key is not None:
             conds.append(charges.c.api_key == limit.subject.api_key)
         total = await self._db.fetch_val(

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from ..limits import Limit, Period, Subject
 from .database import LedgerDatabase, _tuples
 from .policies import Aggregate, _limit_of
-from .schema import aggregates, charge_bucket, charges, records
+from .schema import aggregates, charges, charges_in, records
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class ReportQueries(LedgerDatabase):
                 bucket = window.bucket(now)
                 per_key = await self._db.fetch_all(
                     sa.select(charges.c.api_key, sa.func.sum(charges.c.amount_micros))
-                    .where(charges.c.team == team, charge_bucket(window) == bucket)
+                    .where(charges.c.team == team, *charges_in(window, now))
                     .group_by(charges.c.api_key)
                     .order_by(charges.c.api_key)
                 )

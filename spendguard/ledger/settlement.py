@@ -25,7 +25,7 @@ from .journal import JournalEntry, SettledRecord, encode_journal
 from .policies import _limit_columns, _limit_of
 from .settlement_sql import (
     AggregateRow,
-    Charges,
+    Charge,
     OverLimit,
     PostgresSettlement,
     Row,
@@ -36,21 +36,27 @@ from .settlement_sql import (
 _DAY_US = 86_400_000_000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RecordRow:
-    """An unsettled record as settlement claims it: what pricing needs."""
+    """An unsettled record as settlement claims it: what pricing needs. Built for every
+    record of every batch, so plain slots (a frozen dataclass's ``__init__`` costs four times
+    as much) and ``t0`` made only when asked."""
 
     id: str
     team: str
     api_key: str | None
     model: str
-    t0: datetime
+    t0_us: int
     input_tokens: int
     output_tokens: int
     cached_input_tokens: int
     cache_write_tokens: int
     estimate_micros: int
     postflight: str
+
+    @property
+    def t0(self) -> datetime:
+        return from_micros(self.t0_us)
 
 
 @dataclass(slots=True)
@@ -76,9 +82,8 @@ class _Claimed:
 
     rows: list[RecordRow] = field(default_factory=list)
     amounts: list[int] = field(default_factory=list)
-    t0_us: list[int] = field(default_factory=list)
     days: list[int] = field(default_factory=list)  # days since the epoch, UTC
-    charges: Charges = field(default_factory=Charges)  # those to write
+    charges: list[Charge] = field(default_factory=list)  # those to write
 
 
 class SettlementQueries(LedgerDatabase):
@@ -117,11 +122,11 @@ class SettlementQueries(LedgerDatabase):
             over = await sql.add_to_aggregates(conn, deltas, now_us)
             metrics.AGGREGATE_UPDATE_SECONDS.observe(time.perf_counter() - started)
             overdrawn = await sql.debit(conn, debits, now_us)
-            settlement = _settlement(claimed, charged_before)
+            settlement, journal = _settlement(claimed, charged_before)
             settlement.overspend = _overspend(over, overdrawn)
             # Last, so its number is taken as close to the commit as can be (design.md,
             # "Settlement": the cache sync follows these rows in number order).
-            settlement.seq = await sql.journal(conn, now_us, _journal(claimed))
+            settlement.seq = await sql.journal(conn, now_us, journal)
         return settlement
 
 
@@ -129,46 +134,28 @@ _POSTGRES = PostgresSettlement()
 _SQLITE = SqliteSettlement()
 
 
-def _record_row(row: Row) -> RecordRow:
-    """A claimed row (columns in ``CLAIMED_COLUMNS`` order) as pricing sees it."""
-    return RecordRow(
-        row[0],
-        row[1],
-        row[2] or None,
-        row[3],
-        from_micros(row[4]),
-        row[5],
-        row[6],
-        row[7],
-        row[8],
-        row[9],
-        row[10],
-    )
-
-
 def _price(rows: Sequence[Row], price: Callable[[RecordRow], int], skip: set[str]) -> _Claimed:
-    """Price each claimed record and lay out the charges to write: one per record, except for
-    the records in ``skip``, whose charge exists already."""
+    """Price each claimed record (columns in ``CLAIMED_COLUMNS`` order) and lay out the charges
+    to write: one per record, except for the records in ``skip``, whose charge exists
+    already. This runs for every record settled: one pass, no per-record objects beyond the
+    row each price call needs."""
     out = _Claimed()
     charges = out.charges
+    rows_out, amounts, days = out.rows, out.amounts, out.days
     for row in rows:
-        rec = _record_row(row)
-        day = row[4] // _DAY_US
+        rec = RecordRow(
+            row[0], row[1], row[2] or None, row[3], row[4], row[5], row[6], row[7], row[8],
+            row[9], row[10],
+        )  # fmt: skip
         amount = price(rec)
-        out.rows.append(rec)
-        out.amounts.append(amount)
-        out.t0_us.append(row[4])
-        out.days.append(day)
-        if rec.id in skip:
+        day = rec.t0_us // _DAY_US
+        rows_out.append(rec)
+        amounts.append(amount)
+        days.append(day)
+        if skip and rec.id in skip:
             continue
         day_id, month_id = _calendar_ids(day)
-        charges.record_ids.append(rec.id)
-        charges.teams.append(rec.team)
-        charges.api_keys.append(row[2])
-        charges.models.append(rec.model)
-        charges.day_ids.append(day_id)
-        charges.month_ids.append(month_id)
-        charges.amounts.append(amount)
+        charges.append((rec.id, rec.team, row[2], rec.model, day_id, month_id, amount))
     return out
 
 
@@ -220,37 +207,33 @@ def _overspend(over: list[OverLimit], overdrawn: list[int]) -> dict[tuple[str, s
     return dict(out)
 
 
-def _settlement(claimed: _Claimed, skip: set[str]) -> Settlement:
-    """What the batch committed. A record whose charge existed already counts as settled (its
-    estimate leaves the cache) but adds no money: its charge was counted when written."""
+def _settlement(claimed: _Claimed, skip: set[str]) -> tuple[Settlement, str]:
+    """What the batch committed, and its journal row (every record it settled, charged now or
+    before). A record whose charge existed already counts as settled (its estimate leaves the
+    cache) but adds no money: its charge was counted when written."""
     out = Settlement(claimed=len(claimed.rows))
     by_team = out.records
+    entries: dict[str, list[JournalEntry]] = {}
+    unknown = PostflightStatus.UNKNOWN.value
+    charged = total = error = 0
     for rec, amount in zip(claimed.rows, claimed.amounts, strict=True):
-        settled = SettledRecord(
-            rec.id, rec.team, rec.api_key, rec.t0, rec.postflight == PostflightStatus.UNKNOWN
-        )
+        is_unknown = rec.postflight == unknown
+        settled = SettledRecord(rec.id, rec.team, rec.api_key, rec.t0, is_unknown)
+        entry: JournalEntry = [rec.id, rec.api_key or "", rec.t0_us, 1 if is_unknown else 0]
         team_records = by_team.get(rec.team)
         if team_records is None:
             by_team[rec.team] = [settled]
+            entries[rec.team] = [entry]
         else:
             team_records.append(settled)
+            entries[rec.team].append(entry)
         if skip and rec.id in skip:
             continue
-        out.charged += 1
-        out.total_micros += amount
-        out.estimate_error_micros += amount - rec.estimate_micros
-    return out
-
-
-def _journal(claimed: _Claimed) -> str:
-    """The batch's journal row: every record it settled, charged now or before."""
-    entries: dict[str, list[JournalEntry]] = defaultdict(list)
-    unknown = PostflightStatus.UNKNOWN.value
-    for rec, t0_us in zip(claimed.rows, claimed.t0_us, strict=True):
-        entries[rec.team].append(
-            [rec.id, rec.api_key or "", t0_us, 1 if rec.postflight == unknown else 0]
-        )
-    return encode_journal(entries)
+        charged += 1
+        total += amount
+        error += amount - rec.estimate_micros
+    out.charged, out.total_micros, out.estimate_error_micros = charged, total, error
+    return out, encode_journal(entries)
 
 
 @lru_cache(maxsize=1024)
