@@ -51,6 +51,32 @@ async def test_hostile_display_text_is_stored(ledger: Ledger) -> None:
     assert await ledger.unsettled() == (1, 1)
 
 
+async def test_display_text_that_needs_escaping_is_stored_exactly(ledger: Ledger) -> None:
+    # PostgreSQL's writer sends a chunk as one JSON document: whatever JSON escapes (quotes,
+    # backslashes, control characters, non-ASCII, characters beyond the BMP) must come back
+    # as given, on both databases.
+    texts = ['say "hi"\\', "tab\tline\nend", "Grüße 😀 \u2028 ok", "\x1f\x7f"]
+    batch = [
+        InferenceRecord(
+            id=f"esc-{i}",
+            inference_id=f"esc-{i}",
+            identity=Identity(text, text),
+            model=text,
+            route=text,
+            t0=datetime(2026, 10, 1, tzinfo=UTC),
+            status_code=200,
+            usage=Usage(input_tokens=1),
+            estimate_micros=1,
+            postflight=PostflightStatus.APPLIED,
+        )
+        for i, text in enumerate(texts)
+    ]
+    await ledger.insert_records(batch)
+    columns = [records.c.team_id, records.c.api_key_id, records.c.model, records.c.route]
+    rows = await sql_rows(ledger.url, sa.select(*columns).order_by(records.c.id))
+    assert rows == [(text, text, text, text) for text in texts]
+
+
 async def test_every_column_is_written_as_given(ledger: Ledger) -> None:
     # The writer sends fixed statements straight to the driver: each column must land as the
     # table defines it (booleans, big integers, NULL display ids), on both databases.
