@@ -137,8 +137,8 @@ _SQLITE = SqliteSettlement()
 def _price(rows: Sequence[Row], price: Callable[[RecordRow], int], skip: set[str]) -> _Claimed:
     """Price each claimed record (columns in ``CLAIMED_COLUMNS`` order) and lay out the charges
     to write: one per record, except for the records in ``skip``, whose charge exists
-    already. This runs for every record settled: one pass, no per-record objects beyond the
-    row each price call needs."""
+    already. This runs for every record settled, so it is one pass making two objects per
+    record: the row the price callable takes and the charge's tuple."""
     out = _Claimed()
     charges = out.charges
     rows_out, amounts, days = out.rows, out.amounts, out.days
