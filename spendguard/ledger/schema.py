@@ -97,16 +97,6 @@ records = sa.Table(
     ),
 )
 
-# Indexes of earlier releases that a later one replaced: dropped at start (see
-# LedgerDatabase.init_schema). The full index on (settled, created_us) became the partial
-# spendguard_records_to_settle.
-RETIRED_INDEXES = (
-    "spendguard_records_unsettled",
-    # Both became spendguard_charges_team_bucket.
-    "spendguard_charges_team_month",
-    "spendguard_charges_team_day",
-)
-
 charges = sa.Table(
     "spendguard_charges",
     metadata,
@@ -123,6 +113,15 @@ charges = sa.Table(
     # under (team, month, day). Every charge settled writes each index once; two indexes (one
     # per window) cost a fifth more per charge written.
     sa.Index("spendguard_charges_team_bucket", "team", "month_id", "day_id", "api_key"),
+)
+
+
+# Indexes of earlier releases that a later one replaced: dropped at start, after their
+# replacements are built (see LedgerDatabase.init_schema).
+RETIRED_INDEXES = (
+    "spendguard_records_unsettled",  # became spendguard_records_to_settle (partial)
+    "spendguard_charges_team_month",  # both became spendguard_charges_team_bucket
+    "spendguard_charges_team_day",
 )
 
 

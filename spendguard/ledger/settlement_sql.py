@@ -69,11 +69,9 @@ class PostgresSettlement:
         f"ORDER BY created_us, id LIMIT $1 FOR UPDATE SKIP LOCKED)) "
         f"RETURNING {_CLAIMED}"
     )
-    # The batch's charges arrive as one JSON array of arrays: asyncpg encodes seven arrays
-    # element by element (two isinstance checks against abstract classes per value), where
-    # one json.dumps is a single C call; that was a fifth of a pass's own CPU. Every text in
-    # it came out of the database (or is a bucket id), so it holds no NUL and no lone
-    # surrogate for jsonb to refuse, and integers go through jsonb's numeric exactly.
+    # The batch's charges arrive as one JSON array of rows, as the record writer sends records
+    # (ledger/records.py says why: asyncpg's array encoding costs more than one json.dumps).
+    # Every text in it came out of the database or is a bucket id, so jsonb refuses none.
     # RETURNING names the charges this batch wrote: one already there (written by anyone, at
     # any time) is neither written again nor added to an aggregate or a balance again.
     INSERT_CHARGES = (
