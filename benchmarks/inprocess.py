@@ -11,6 +11,14 @@ as in production, between the awaits of the variant's own requests, so its CPU s
 variant's latency. What it still holds at the end of a block is written before the next
 variant's turn, untimed, so it never lands in another variant's figures.
 
+The floor: what Redis round trips cost on this machine with none of spendguard's code. The
+bare gateway behind one ``PING`` round trip to the same redis-server before the app (a Redis
+store cannot admit with less), and the embedded-store gateway with one ``PING`` before the app
+and one after it (the Redis store's two round trips on the embedded store's code), each sent
+by the minimal hiredis client of ``redis_path.py``. Their added time is what the Redis targets
+read against: where one bare round trip already costs more than a target allows, no client
+can meet it here.
+
 Two breakdowns say where spendguard's time goes. The inference route is also timed with the
 record writer out of the way (records kept aside and written between blocks, untimed): the
 difference is what the writer's work costs the requests it shares the loop with. And the
@@ -36,10 +44,34 @@ from spendguard.usage import Usage
 from .apps import HEALTH_PATH, INFERENCE_PATH, MODEL, TOKEN, VARIANTS, build_gateway, chat_body
 from .asgi import Call, http_scope, lifespan
 from .common import Services, Sizes, bench_identity, find_guard, set_policies
+from .redis_path import HiredisMinimal, pack
 from .stats import percentile, summary
 
 ROUTES = ("inference", "health")
 ASIDE = ("embedded", "redis")  # also timed with their records kept aside (inference only)
+# The floor variants (inference only): (the gateway they wrap, PINGs before, PINGs after).
+FLOORS = {"one round trip": ("bare", 1, 0), "two round trips": ("embedded", 1, 1)}
+
+
+class RoundTrips:
+    """An app behind bare Redis round trips on an inference route: ``before`` PINGs before the
+    app is called, ``after`` more once it returned (see the module docstring, "The floor")."""
+
+    def __init__(self, app: Any, redis: HiredisMinimal, before: int, after: int) -> None:
+        self._app, self._redis, self._before, self._after = app, redis, before, after
+        self._ping = pack("PING")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != INFERENCE_PATH:
+            await self._app(scope, receive, send)
+            return
+        for _ in range(self._before):
+            await self._redis.call(self._ping)
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            for _ in range(self._after):
+                await self._redis.call(self._ping)
 
 
 @asynccontextmanager
@@ -123,6 +155,12 @@ async def measure(
             await stack.enter_async_context(lifespan(app))
         guards = {v: find_guard(app) for v, app in apps.items()}
         calls = {v: _calls(app) for v, app in apps.items()}
+        ping = await HiredisMinimal.connect(services.redis_url)
+        stack.callback(ping.close)
+        for name, (wrapped, before, after) in FLOORS.items():
+            calls[name] = {
+                "inference": inference_call(RoundTrips(apps[wrapped], ping, before, after))
+            }
 
         async def drain() -> None:
             for guard in guards.values():
@@ -133,20 +171,26 @@ async def measure(
         for v in VARIANTS:
             for route in ROUTES:
                 await _timed_block(calls[v][route], sizes.inproc_warmup, [], [])
+        for name in FLOORS:
+            await _timed_block(calls[name]["inference"], sizes.inproc_warmup, [], [])
         await drain()
 
         for rep in range(repeats):
             progress(f"in-process: repeat {rep + 1}/{repeats}")
             samples: dict[str, dict[str, list[int]]] = {
-                r: {v: [] for v in (*VARIANTS, *(f"{a}/aside" for a in ASIDE))} for r in ROUTES
+                r: {v: [] for v in (*VARIANTS, *(f"{a}/aside" for a in ASIDE), *FLOORS)}
+                for r in ROUTES
             }
-            last_byte: dict[str, list[int]] = {v: [] for v in VARIANTS}  # inference route
+            # Inference route.
+            last_byte: dict[str, list[int]] = {v: [] for v in (*VARIANTS, *FLOORS)}
             for route, total in (
                 ("inference", sizes.inproc_inference),
                 ("health", sizes.inproc_health),
             ):
                 block = sizes.inproc_block if route == "inference" else sizes.inproc_block * 4
-                labels = [*VARIANTS, *(f"{a}/aside" for a in ASIDE if route == "inference")]
+                labels = [*VARIANTS]
+                if route == "inference":
+                    labels += [*(f"{a}/aside" for a in ASIDE), *FLOORS]
                 rounds = max(1, total // block)
                 gc.collect()
                 for i in range(rounds):
@@ -154,7 +198,7 @@ async def measure(
                         v, aside, _ = label.partition("/")
                         out = samples[route][label]
                         lb = last_byte[v] if route == "inference" and not aside else []
-                        guard = guards[v]
+                        guard = guards.get(v)
                         if aside and guard is not None:
                             async with records_aside(guard):
                                 await _timed_block(calls[v][route], block, out, lb)
@@ -170,15 +214,40 @@ async def measure(
         }
     return {
         **_report(per_repeat),
-        "last_byte": _last_byte_report(per_repeat_last_byte),
+        "last_byte": _last_byte_report(per_repeat_last_byte, VARIANTS),
+        "floor": _floor_report(per_repeat, per_repeat_last_byte),
         "engine": engine,
     }
 
 
-def _last_byte_report(per_repeat: list[dict[str, list[int]]]) -> dict[str, Any]:
+def _floor_report(
+    per_repeat: list[dict[str, dict[str, list[int]]]],
+    per_repeat_last_byte: list[dict[str, list[int]]],
+) -> dict[str, Any]:
+    """The floor variants, as the Redis targets read them: the whole ASGI call's added p50
+    and p99, and the last byte's."""
+    out = _last_byte_report(per_repeat_last_byte, tuple(FLOORS))
+    for name in FLOORS:
+        added50, added99 = [], []
+        for samples in per_repeat:
+            mine, bare = samples["inference"][name], samples["inference"]["bare"]
+            added50.append((percentile(mine, 50) - percentile(bare, 50)) / 1000)
+            added99.append((percentile(mine, 99) - percentile(bare, 99)) / 1000)
+        out[name] = {
+            "last_byte_added_p50_us": out[name]["added_p50_us"],
+            "last_byte_added_p99_us": out[name]["added_p99_us"],
+            "added_p50_us": summary(added50),
+            "added_p99_us": summary(added99),
+        }
+    return out
+
+
+def _last_byte_report(
+    per_repeat: list[dict[str, list[int]]], variants: tuple[str, ...]
+) -> dict[str, Any]:
     """Inference route, request start to the last response byte sent."""
     out: dict[str, Any] = {}
-    for v in VARIANTS:
+    for v in variants:
         p50s, added50, added99 = [], [], []
         for samples in per_repeat:
             mine, bare = samples[v], samples["bare"]

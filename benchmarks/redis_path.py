@@ -48,7 +48,7 @@ from .stats import percentile, summary
 Reply = Any
 
 
-def _pack(*parts: str | bytes) -> bytes:
+def pack(*parts: str | bytes) -> bytes:
     out = [b"*%d\r\n" % len(parts)]
     for part in parts:
         data = part if isinstance(part, bytes) else part.encode()
@@ -232,7 +232,7 @@ async def _measure(redis_url: str, sizes: Sizes, repeats: int) -> dict[str, Any]
     # tokens a TPM rate reserves and the in-flight deadline.
     args = [str(len(keys.checks)), *(c.field for c in keys.checks), "", "0", ""]
     args += [*keys.allow_fields, *keys.rate_fields, str(int(time.time() * 1000)), "0", "600000"]
-    packed = _pack("EVALSHA", script.sha, str(len(redis_keys)), *redis_keys, *args)
+    packed = pack("EVALSHA", script.sha, str(len(redis_keys)), *redis_keys, *args)
     minimal = await MinimalRedis.connect(redis_url)
     fast = await HiredisMinimal.connect(redis_url)
     clients: dict[str, Callable[[], Awaitable[Any]]] = {

@@ -24,6 +24,9 @@ class Target:
     higher_is_better: bool
     unit: str
     path: tuple[str, ...]  # where the figure lives in the results
+    # Where the same figure of the floor lives (Redis round trips with none of spendguard's
+    # code, inprocess.py): what no client could go below on this machine.
+    floor: tuple[str, ...] | None = None
 
 
 def _get(results: dict[str, Any], path: tuple[str, ...]) -> dict[str, float] | None:
@@ -80,11 +83,13 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         Target(
             "Inference route, Redis store: ≤ 1.5 ms added p99 of the whole ASGI call in-process",
             1500, False, "µs", (*inf, "redis", "added_p99_us"),
+            ("inprocess", "floor", "two round trips", "added_p99_us"),
         ),
         Target(
             "Inference route, Redis store: ≤ 300 µs added p50 to the last response byte "
             "in-process (one request at a time)",
             300, False, "µs", ("inprocess", "last_byte", "redis", "added_p50_us"),
+            ("inprocess", "floor", "one round trip", "last_byte_added_p50_us"),
         ),
         Target(
             f"Settlement on PostgreSQL, one worker (batch {batch}): ≥ 20,000 records/s",
@@ -107,6 +112,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "measured": figure,
                 "met": bool(figure is not None and met),
                 "within_spread": bool(spread),
+                "floor": _get(results, t.floor) if t.floor else None,
             }
         )
     return out
@@ -169,9 +175,17 @@ def markdown(results: dict[str, Any]) -> str:
                 _cell(t["measured"], digits) + ("" if t["unit"] == "×" else f" {t['unit']}"),
                 ("**met**" if t["met"] else "**missed**")
                 + (" (the goal is within the repeats' spread)" if t["within_spread"] else ""),
+                f"{_cell(t['floor'])} {t['unit']}" if t.get("floor") else "",
             ]
         )
-    lines += _table(["target", "measured (median, min–max)", ""], rows)
+    lines += _table(["target", "measured (median, min–max)", "", "floor on this machine"], rows)
+    lines += [
+        "The floor: the same figure for bare Redis round trips with none of spendguard's code "
+        '(section 1, "The floor"): one PING before the bare app for the last byte, a PING '
+        "before and after the embedded store's gateway for the whole call. A goal below its "
+        "floor cannot be met on this machine by any Redis client.",
+        "",
+    ]
 
     lines += [
         "## 1. In-process overhead (raw ASGI calls, per request, µs)",
@@ -232,6 +246,35 @@ def markdown(results: dict[str, Any]) -> str:
         if v != "bare"
     ]
     lines += _table(["variant", "p50", "added p50", "added p99"], rows)
+    floor = results["inprocess"].get("floor", {})
+    lines += [
+        "The floor: bare Redis round trips (the minimal hiredis client's PING to the same "
+        "redis-server) with none of spendguard's code. *One round trip*: before the bare "
+        "app, as a Redis store must ask before admitting. *Two round trips*: before and after "
+        "the embedded store's gateway, the Redis store's two scripts on the embedded store's "
+        "code. Added to the bare app, as above (µs):",
+        "",
+    ]
+    rows = [
+        [
+            name,
+            _cell(f["added_p50_us"]),
+            _cell(f["added_p99_us"]),
+            _cell(f["last_byte_added_p50_us"]),
+            _cell(f["last_byte_added_p99_us"]),
+        ]
+        for name, f in floor.items()
+    ]
+    lines += _table(
+        [
+            "floor",
+            "whole call added p50",
+            "added p99",
+            "last byte added p50",
+            "added p99",
+        ],
+        rows,
+    )
     lines += [
         "The engine alone: `SpendGuard.preflight` and `SpendGuard.postflight` called directly "
         "on the same warm guards, records written aside (µs):",

@@ -9,18 +9,25 @@ fails only its caller.
 
 The deadline is one per batch and starts when the batch is taken for sending, so it measures
 Redis (and the connection), not how long a request waited for the event loop. A call never
-waits for long in the queue either: it is queued only while every sender is busy, and when a
-batch fails (its deadline, a broken connection) the calls queued behind it fail with it
-instead of being sent to a Redis that just did not answer. So a call ends within about twice
-the timeout however Redis fails, and a slow event loop alone never fails one.
+waits for long in the queue either: it is queued only while as many batches as may be in
+flight are, and when a batch fails (its deadline, a broken connection) the calls queued behind
+it fail with it instead of being sent to a Redis that just did not answer. So a call ends
+within about twice the timeout however Redis fails, and a slow event loop alone never fails
+one.
+
+On an open connection to one server a batch needs no task: the flush writes it, the replies
+resolve their callers as they are read (wire.py), a loop timer is its deadline and a callback
+its end. Only a batch that must await (connecting, a script reload, a cluster, redis-py's
+connections) runs in a task.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -108,22 +115,29 @@ class ScriptPipeline:
             raise ValueError("max_batch and max_in_flight must be at least 1")
         self._client = client
         self._transport: _Transport
+        # The one-server connections of wire.py can take a batch without a task (see _flush).
+        self._wire: wire.WireConnections | None = None
         if isinstance(client, RedisCluster):
             self._transport = _ClusterPipelines(client)
         elif wire.supports(client):
-            self._transport = wire.WireConnections(client)
+            self._transport = self._wire = wire.WireConnections(client)
         else:  # TLS, a credential provider, RESP3: redis-py's own connections
             self._transport = _Connections(client)
         self._timeout = timeout
         self._max_batch = max_batch
         self._max_in_flight = max_in_flight
         self._queue: deque[_Call] = deque()
-        self._senders: set[asyncio.Task[None]] = set()
-        # A sender created but not yet running: it will take everything queued by then, so
-        # the calls of one loop turn start one sender, not one each.
-        self._starting: asyncio.Task[None] | None = None
+        self._busy = 0  # batches in flight
+        # The flush queued for the next loop turn: it takes everything queued by then, so the
+        # calls of one loop turn leave together.
+        self._flushing: asyncio.Handle | None = None
+        # Batches that need awaiting (connecting, a cluster, a script reload): one task each.
+        self._tasks: set[asyncio.Task[None]] = set()
         # When a batch last failed as a whole: calls queued before then are not sent.
         self._failed_at = float("-inf")
+        # Counts closes and loop changes: a batch of an earlier epoch ends without touching
+        # the count of batches in flight, which started afresh.
+        self._epoch = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats = BatchStats()
 
@@ -136,61 +150,84 @@ class ScriptPipeline:
             self._bind(loop)
         future: asyncio.Future[Any] = loop.create_future()
         self._queue.append(_Call(script, keys, args, future, loop.time()))
-        if self._starting is None and len(self._senders) < self._max_in_flight:
-            self._spawn()
+        if self._flushing is None and self._busy < self._max_in_flight:
+            self._flushing = loop.call_soon(self._flush)
         return future
 
     async def aclose(self) -> None:
-        """Stop every sender and fail what is still queued (the store is closing)."""
-        senders = list(self._senders)
-        for task in senders:
+        """Stop every batch and fail what is still queued (the store is closing; used again,
+        it connects again)."""
+        self._epoch += 1
+        self._busy = 0
+        if self._flushing is not None:
+            self._flushing.cancel()
+            self._flushing = None
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*senders, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._fail(self._queue, StoreUnavailable("redis store closed"))
         self._queue.clear()
+        # Batches in flight on wire connections fail as their connections close.
         await self._transport.aclose()
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start afresh in another event loop (a store used by one ``asyncio.run`` after
-        another): a sender of the old loop may never run again, and would hold the queue."""
+        another): a batch of the old loop may never end, and would hold its place."""
         self._loop = loop
         self._queue.clear()  # callers of a finished loop wait no more
-        self._senders = set()
-        self._starting = None
+        self._epoch += 1
+        self._busy = 0
+        self._flushing = None
+        self._tasks = set()
         self._failed_at = float("-inf")
         self._transport.forget()
 
-    # -- senders --------------------------------------------------------------------------
-    def _spawn(self) -> None:
-        task = asyncio.get_running_loop().create_task(self._run())
-        self._starting = task
-        self._senders.add(task)
-        task.add_done_callback(self._sender_done)
+    # -- sending ----------------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Send what is queued, as batches, while a batch may start.
 
-    def _sender_done(self, task: asyncio.Task[None]) -> None:
-        # Only for a sender cancelled before it ran; one that ran has left already.
-        self._senders.discard(task)
-        if self._starting is task:
-            self._starting = None
+        On an open wire connection a batch is written here, at once: its replies resolve the
+        callers as they are read (wire.py) and a timer is its deadline, so a warm call costs
+        no task, no cancel scope and no wake-up of a sender. A batch that must await first
+        (no open connection yet, a cluster, redis-py's connections) runs in a task.
+        """
+        self._flushing = None
+        queue = self._queue
+        while queue and self._busy < self._max_in_flight:
+            batch = self._take()
+            if not batch:
+                return
+            self._busy += 1
+            connections = self._wire
+            conn = connections.ready() if connections is not None else None
+            if conn is None or connections is None:
+                self._in_task(self._send(batch))
+                continue
+            try:
+                self._write(batch, conn)
+            except Exception as exc:  # nothing was written (packing failed): a bug, not Redis
+                connections.release(conn)
+                self._busy -= 1
+                self._fail_with(batch, exc)
 
-    async def _run(self) -> None:
-        self._starting = None
+    def _ended(self) -> None:
+        """A batch is over: what queued meanwhile leaves now."""
+        self._busy -= 1
+        if self._queue and self._flushing is None:
+            self._flush()
+
+    def _in_task(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(self._until_ended(work, self._epoch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _until_ended(self, work: Coroutine[Any, Any, None], epoch: int) -> None:
         try:
-            # Loop while calls keep arriving: those queued while a batch was in flight form
-            # the next one.
-            while batch := self._take():
-                if (
-                    self._queue
-                    and self._starting is None
-                    and len(self._senders) < self._max_in_flight
-                ):
-                    self._spawn()  # more than one batch is waiting: send the next alongside
-                await self._send(batch)
+            await work
         finally:
-            # Leave the set now, in the step that found the queue empty. A done-callback
-            # runs a loop turn later, after the callers this sender just answered have
-            # called again: they would find every sender "busy", and no sender would come.
-            self._senders.discard(asyncio.current_task())
+            if epoch == self._epoch:
+                self._ended()
 
     def _take(self) -> list[_Call]:
         """Up to ``max_batch`` queued calls that are still wanted."""
@@ -211,12 +248,85 @@ class ScriptPipeline:
             batch.append(call)
         return batch
 
-    async def _send(self, batch: list[_Call]) -> None:
+    def _commands(self, calls: Sequence[_Call]) -> list[Command]:
+        self.stats.batches += 1
+        self.stats.calls += len(calls)
+        self.stats.largest = max(self.stats.largest, len(calls))
+        return [("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args) for c in calls]
+
+    def _write(self, batch: list[_Call], conn: wire.WireProtocol) -> None:
+        """Write ``batch`` on an open connection; ``_landed`` takes it from there."""
+        loop = asyncio.get_running_loop()
+        packed = b"".join(map(hiredis.pack_command, self._commands(batch)))
+        replies = conn.exchange(packed, len(batch), [c.future for c in batch])
+        deadline = loop.call_at(loop.time() + self._timeout, _expire, replies)
+        replies.add_done_callback(partial(self._landed, self._epoch, batch, conn, deadline))
+
+    def _landed(
+        self,
+        epoch: int,
+        batch: list[_Call],
+        conn: wire.WireProtocol,
+        deadline: asyncio.TimerHandle,
+        replies: asyncio.Future[list[Any]],
+    ) -> None:
+        """A written batch's replies are in, or its connection broke, or its deadline passed."""
+        deadline.cancel()
+        try:
+            self._land(epoch, batch, conn, replies)
+        except Exception as exc:
+            # A bug here must not leave callers waiting for replies nobody hands over, nor
+            # hold the batch's place: they get it as the store's error.
+            self._fail_with(batch, exc)
+            if epoch == self._epoch:
+                self._ended()
+
+    def _land(
+        self,
+        epoch: int,
+        batch: list[_Call],
+        conn: wire.WireProtocol,
+        replies: asyncio.Future[list[Any]],
+    ) -> None:
+        assert self._wire is not None
+        if epoch != self._epoch or replies.cancelled():  # the store closed meanwhile
+            self._wire.drop(conn)
+            self._fail(batch, StoreUnavailable("redis store closed"))
+            return
+        exc = replies.exception()
+        if exc is None:
+            self._wire.release(conn)
+            got = replies.result()
+            if any(isinstance(reply, NoScriptError) for reply in got):
+                self._in_task(self._send(batch, got))  # a reload must await: in a task
+                return
+            self._answer(batch, got)
+        elif isinstance(exc, wire.Broken):
+            # A connection that was open before this batch died on it (a server restart):
+            # the calls without a reply go once more, on a fresh connection.
+            self._wire.drop(conn)
+            done = len(exc.replies)
+            self._answer(batch[:done], exc.replies)
+            if done < len(batch):
+                self._in_task(self._send(batch[done:], fresh=True))
+                return
+        else:
+            self._wire.drop(conn)
+            self._failed_at = asyncio.get_running_loop().time()
+            self._fail_with(batch, exc)
+        self._ended()
+
+    async def _send(
+        self, batch: list[_Call], replies: list[Any] | None = None, *, fresh: bool = False
+    ) -> None:
+        """Send ``batch`` through the transport, awaiting (``replies``: it was sent already, and
+        only its lost scripts are to be sent again)."""
         try:
             # One deadline for the whole batch, from when it is taken: connection, write,
             # replies, and a script reload if Redis lost the scripts.
             async with asyncio.timeout(self._timeout):
-                replies = await self._execute(batch)
+                if replies is None:
+                    replies = await self._execute(batch, fresh=fresh)
                 lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
                 if lost:
                     replies = await self._reload_and_retry(batch, replies, lost)
@@ -225,11 +335,14 @@ class ScriptPipeline:
             raise
         except Exception as exc:
             # A timeout, a broken connection, a cluster without the slot's node: the whole
-            # batch failed. Anything else (a bug) must not end the sender either, or callers
+            # batch failed. Anything else (a bug) must not end the pipeline either, or callers
             # would wait for replies nobody sends; they get it as the store's error.
             self._failed_at = asyncio.get_running_loop().time()
             self._fail_with(batch, exc)
             return
+        self._answer(batch, replies)
+
+    def _answer(self, batch: Sequence[_Call], replies: Sequence[Any]) -> None:
         for call, reply in zip(batch, replies, strict=True):
             future = call.future
             if future.done():
@@ -239,17 +352,17 @@ class ScriptPipeline:
             else:
                 future.set_result(reply)
 
-    async def _execute(self, calls: Sequence[_Call]) -> list[Any]:
+    async def _execute(self, calls: Sequence[_Call], *, fresh: bool = False) -> list[Any]:
         """One pipeline of EVALSHAs: replies in call order, an error reply as its exception.
 
         The scripts are not registered with a redis-py pipeline: it would ask SCRIPT EXISTS
         before every execution, a second round trip. NOSCRIPT is handled instead.
         """
-        self.stats.batches += 1
-        self.stats.calls += len(calls)
-        self.stats.largest = max(self.stats.largest, len(calls))
-        commands = [("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args) for c in calls]
-        return await self._transport.execute(commands, [c.future for c in calls])
+        commands = self._commands(calls)
+        callers = [c.future for c in calls]
+        if fresh and self._wire is not None:
+            return await self._wire.execute(commands, callers, fresh=True)
+        return await self._transport.execute(commands, callers)
 
     async def _reload_and_retry(
         self, batch: list[_Call], replies: list[Any], lost: list[int]
@@ -280,6 +393,12 @@ class ScriptPipeline:
         for call in calls:
             if not call.future.done():
                 call.future.set_exception(store_error(exc))
+
+
+def _expire(replies: asyncio.Future[list[Any]]) -> None:
+    """A written batch's deadline: its replies did not all come in time."""
+    if not replies.done():
+        replies.set_exception(TimeoutError("no reply from redis within the timeout"))
 
 
 Command = tuple[Any, ...]

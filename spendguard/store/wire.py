@@ -25,7 +25,7 @@ from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-__all__ = ["WireConnections", "supports"]
+__all__ = ["Broken", "WireConnections", "WireProtocol", "supports"]
 
 Command = tuple[Any, ...]
 
@@ -49,7 +49,7 @@ def _reply_error(message: str) -> ResponseError:
     return ResponseError(message)
 
 
-class _Broken(RedisConnectionError):
+class Broken(RedisConnectionError):
     """The connection failed in the middle of a batch; ``replies`` had arrived before."""
 
     def __init__(self, message: str, replies: list[Any]) -> None:
@@ -70,7 +70,7 @@ class _Batch:
         self.replies: list[Any] = []
 
 
-class _Protocol(asyncio.Protocol):
+class WireProtocol(asyncio.Protocol):
     """One connection: batches written in order, their replies read in the same order."""
 
     def __init__(self) -> None:
@@ -89,7 +89,7 @@ class _Protocol(asyncio.Protocol):
         while self._batches:
             batch = self._batches.popleft()
             if not batch.future.done():
-                batch.future.set_exception(_Broken(reason, batch.replies))
+                batch.future.set_exception(Broken(reason, batch.replies))
 
     def data_received(self, data: bytes) -> None:
         reader = self._reader
@@ -127,7 +127,7 @@ class _Protocol(asyncio.Protocol):
         ``callers[i]`` (if given) gets reply i as soon as it is read, unless it is an error."""
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         if self.closed or self._transport is None:
-            future.set_exception(_Broken("connection closed", []))
+            future.set_exception(Broken("connection closed", []))
             return future
         self._batches.append(_Batch(future, wanted, callers))
         self._transport.write(packed)
@@ -137,6 +137,9 @@ class _Protocol(asyncio.Protocol):
         if self._transport is not None and not self.closed:
             self._transport.abort()  # replies still on the way must never reach a new batch
         self.closed = True
+        # The batches it carried end now, not a loop turn later when the transport reports
+        # the connection lost.
+        self.connection_lost(None)
 
 
 class WireConnections:
@@ -157,41 +160,61 @@ class WireConnections:
         if kwargs.get("client_name"):
             setup.append(("CLIENT", "SETNAME", kwargs["client_name"]))
         self._setup = setup
-        self._idle: list[_Protocol] = []
-        self._made: set[_Protocol] = set()
+        self._idle: list[WireProtocol] = []
+        self._made: set[WireProtocol] = set()
 
-    async def _connect(self) -> _Protocol:
+    async def _connect(self) -> WireProtocol:
         loop = asyncio.get_running_loop()
         if self._path is not None:
-            _, proto = await loop.create_unix_connection(_Protocol, self._path)
+            _, proto = await loop.create_unix_connection(WireProtocol, self._path)
         else:
-            _, proto = await loop.create_connection(_Protocol, self._host, self._port)
+            _, proto = await loop.create_connection(WireProtocol, self._host, self._port)
         self._made.add(proto)
         if self._setup:
             packed = b"".join(map(hiredis.pack_command, self._setup))
             try:
                 replies = await proto.exchange(packed, len(self._setup))
             except BaseException:
-                self._drop(proto)
+                self.drop(proto)
                 raise
             for reply in replies:
                 if isinstance(reply, Exception):
-                    self._drop(proto)
+                    self.drop(proto)
                     raise RedisConnectionError(f"redis refused the connection setup: {reply}")
         return proto
 
-    def _drop(self, conn: _Protocol | None) -> None:
+    def drop(self, conn: WireProtocol | None) -> None:
         if conn is not None:
             conn.close()
             self._made.discard(conn)
 
+    def ready(self) -> WireProtocol | None:
+        """An open connection no batch is using, taken for one; None if there is none (a
+        batch must then connect, awaiting, in ``execute``)."""
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn
+            self._made.discard(conn)
+        return None
+
+    def release(self, conn: WireProtocol) -> None:
+        """``conn`` (from ``ready``) carried its batch to the end: it takes the next."""
+        self._idle.append(conn)
+
     async def execute(
-        self, commands: Sequence[Command], callers: Sequence[asyncio.Future[Any]]
+        self,
+        commands: Sequence[Command],
+        callers: Sequence[asyncio.Future[Any]],
+        *,
+        fresh: bool = False,
     ) -> list[Any]:
-        """The replies of ``commands``, in order; ``callers[i]`` gets reply i early (above)."""
+        """The replies of ``commands``, in order; ``callers[i]`` gets reply i early (above).
+        ``fresh``: on a new connection (an open one just broke under these calls)."""
         replies: list[Any] = []
         retried = False
-        conn = self._idle.pop() if self._idle else None
+        conn = self.ready() if not fresh else None
         while True:
             # A connection that was open before this batch may have died since (a server
             # restart): that is worth one retry on a fresh one. A fresh connection failing
@@ -199,16 +222,16 @@ class WireConnections:
             reused = conn is not None and not conn.closed
             try:
                 if conn is None or not reused:
-                    self._drop(conn)
+                    self.drop(conn)
                     conn = None
                     conn = await self._connect()
                 done = len(replies)
                 rest = commands[done:]
                 packed = b"".join(map(hiredis.pack_command, rest))
                 got = await conn.exchange(packed, len(rest), callers[done:])
-            except _Broken as exc:
+            except Broken as exc:
                 replies.extend(exc.replies)
-                self._drop(conn)
+                self.drop(conn)
                 if retried or not reused:
                     raise
                 retried = True
@@ -219,7 +242,7 @@ class WireConnections:
                 continue
             except BaseException:
                 # Replies may still be on the way (a deadline, a cancel): never reuse it.
-                self._drop(conn)
+                self.drop(conn)
                 raise
             self._idle.append(conn)
             return replies + got if replies else got

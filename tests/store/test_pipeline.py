@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -306,6 +307,31 @@ async def test_batches_are_bounded(redis_url: str) -> None:
     assert store.pipeline.stats.largest == 8
     assert store.pipeline.stats.batches - before == 7  # ceil(50 / 8)
     await store.aclose()
+
+
+async def test_warm_calls_on_one_server_start_no_task(store: RedisStore) -> None:
+    # On an open connection a batch is written from a loop callback, its replies resolve the
+    # callers as they are read and a timer is its deadline: no task per batch (a task cost
+    # about as much CPU as the rest of the client path at one request at a time).
+    p = plan("acme")
+    await warm(store, p)  # the connection is open from here on
+    loop = asyncio.get_running_loop()
+    made: list[object] = []
+    factory = loop.get_task_factory()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+        made.append(coro)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    batches = store.pipeline.stats.batches
+    loop.set_task_factory(counting)
+    try:
+        for _ in range(20):
+            assert (await store.preflight(p)).outcome is Outcome.ALLOW
+    finally:
+        loop.set_task_factory(factory)
+    assert store.pipeline.stats.batches - batches == 20  # one round trip each, all sent
+    assert made == []
 
 
 async def test_a_call_whose_caller_gave_up_is_not_sent(store: RedisStore) -> None:

@@ -112,6 +112,12 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
         assert set(results["inprocess"]["routes"][route]) == variants
     assert set(results["inprocess"]["last_byte"]) == variants
     assert set(results["inprocess"]["records_aside"]) == {"embedded", "redis"}
+    # The floor the Redis targets are read against: bare round trips cost time here too.
+    floor = results["inprocess"]["floor"]
+    assert set(floor) == {"one round trip", "two round trips"}
+    assert floor["two round trips"]["added_p50_us"]["median"] > 0
+    floors = {t["target"]: t["floor"] for t in results["targets"] if t["floor"] is not None}
+    assert len(floors) == 2 and all(math.isfinite(f["median"]) for f in floors.values())
     assert set(results["inprocess"]["engine"]) == {"embedded", "redis"}
     alone = results["alone"]["cpu_us"]
     assert set(alone) == {"embedded", "redis"}
