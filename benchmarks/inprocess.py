@@ -214,7 +214,7 @@ async def measure(
         }
     return {
         **_report(per_repeat),
-        "last_byte": _last_byte_report(per_repeat_last_byte, VARIANTS),
+        "last_byte": _last_byte_report(per_repeat_last_byte),
         "floor": _floor_report(per_repeat, per_repeat_last_byte),
         "engine": engine,
     }
@@ -226,40 +226,27 @@ def _floor_report(
 ) -> dict[str, Any]:
     """The floor variants, as the Redis targets read them: the whole ASGI call's added p50
     and p99, and the last byte's."""
-    out = _last_byte_report(per_repeat_last_byte, tuple(FLOORS))
-    for name in FLOORS:
-        added50, added99 = [], []
-        for samples in per_repeat:
-            mine, bare = samples["inference"][name], samples["inference"]["bare"]
-            added50.append((percentile(mine, 50) - percentile(bare, 50)) / 1000)
-            added99.append((percentile(mine, 99) - percentile(bare, 99)) / 1000)
-        out[name] = {
-            "last_byte_added_p50_us": out[name]["added_p50_us"],
-            "last_byte_added_p99_us": out[name]["added_p99_us"],
-            "added_p50_us": summary(added50),
-            "added_p99_us": summary(added99),
-        }
-    return out
-
-
-def _last_byte_report(
-    per_repeat: list[dict[str, list[int]]], variants: tuple[str, ...]
-) -> dict[str, Any]:
-    """Inference route, request start to the last response byte sent."""
+    inference = [samples["inference"] for samples in per_repeat]
     out: dict[str, Any] = {}
-    for v in variants:
-        p50s, added50, added99 = [], [], []
-        for samples in per_repeat:
-            mine, bare = samples[v], samples["bare"]
-            p50s.append(percentile(mine, 50) / 1000)
-            added50.append((percentile(mine, 50) - percentile(bare, 50)) / 1000)
-            added99.append((percentile(mine, 99) - percentile(bare, 99)) / 1000)
-        out[v] = {
-            "p50_us": summary(p50s),
-            "added_p50_us": summary(added50),
-            "added_p99_us": summary(added99),
+    for name in FLOORS:
+        last_byte = _added(per_repeat_last_byte, name)
+        out[name] = {
+            "last_byte_added_p50_us": last_byte["added_p50_us"],
+            "last_byte_added_p99_us": last_byte["added_p99_us"],
+            **_added(inference, name),
         }
     return out
+
+
+def _last_byte_report(per_repeat: list[dict[str, list[int]]]) -> dict[str, Any]:
+    """Inference route, request start to the last response byte sent."""
+    return {
+        v: {
+            "p50_us": summary([percentile(samples[v], 50) / 1000 for samples in per_repeat]),
+            **_added(per_repeat, v),
+        }
+        for v in VARIANTS
+    }
 
 
 async def _engine(guard: SpendGuard, sizes: Sizes, repeats: int) -> dict[str, Any]:
@@ -317,13 +304,17 @@ def _report(per_repeat: list[dict[str, dict[str, list[int]]]]) -> dict[str, Any]
                 "p99_ratio": summary(ratio99),
             }
         out["routes"][route] = variants
-    aside: dict[str, Any] = {}
-    for a in ASIDE:
-        added50, added99 = [], []
-        for samples in per_repeat:
-            mine, bare = samples["inference"][f"{a}/aside"], samples["inference"]["bare"]
-            added50.append((percentile(mine, 50) - percentile(bare, 50)) / 1000)
-            added99.append((percentile(mine, 99) - percentile(bare, 99)) / 1000)
-        aside[a] = {"added_p50_us": summary(added50), "added_p99_us": summary(added99)}
-    out["records_aside"] = aside
+    out["records_aside"] = {
+        a: _added([samples["inference"] for samples in per_repeat], f"{a}/aside") for a in ASIDE
+    }
     return out
+
+
+def _added(per_repeat: list[dict[str, list[int]]], label: str) -> dict[str, Any]:
+    """``label``'s p50 and p99 minus the bare app's of the same repeat, over the repeats (µs)."""
+    added50, added99 = [], []
+    for samples in per_repeat:
+        mine, bare = samples[label], samples["bare"]
+        added50.append((percentile(mine, 50) - percentile(bare, 50)) / 1000)
+        added99.append((percentile(mine, 99) - percentile(bare, 99)) / 1000)
+    return {"added_p50_us": summary(added50), "added_p99_us": summary(added99)}

@@ -244,7 +244,7 @@ class WireConnections:
                 # Replies may still be on the way (a deadline, a cancel): never reuse it.
                 self.drop(conn)
                 raise
-            self._idle.append(conn)
+            self.release(conn)
             return replies + got if replies else got
 
     def forget(self) -> None:
