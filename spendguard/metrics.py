@@ -129,6 +129,17 @@ OVERSPEND = Counter(
     "the limit's kind and period.",
     ["kind", "period"],  # team | api_key with day | month; balance with none
 )
+UNLISTED_INFERENCE = Counter(
+    "spendguard_unlisted_inference_total",
+    "Requests whose JSON body looks like an inference on a route that is neither a guarded "
+    "route nor a pass route, by what spendguard did: refused (403), passed (the app served it "
+    "unlimited and unrecorded), uninspected (a body beyond SPENDGUARD_MAX_BODY_BYTES, passed "
+    "unread).",
+    ["action"],  # refused | passed | uninspected
+)
+UNLISTED_BY_ACTION = {
+    action: UNLISTED_INFERENCE.labels(action) for action in ("refused", "passed", "uninspected")
+}
 
 # The closed label values (docs/metrics.md). Periods come from the window enum; a new limit
 # kind (e.g. "rate") adds its members here.

@@ -19,14 +19,43 @@ from .errors import ConfigurationError
 
 log = logging.getLogger("spendguard")
 
-DEFAULT_ROUTES = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/responses",
-    "/v1/embeddings",
-    "/v1/messages",
-    "/anthropic/v1/messages",
+
+def _default_routes() -> tuple[str, ...]:
+    """The OpenAI-, Azure- and Anthropic-compatible inference paths popular gateways serve."""
+    endpoints: tuple[str, ...] = ("/chat/completions", "/completions", "/responses")
+    endpoints += ("/responses/compact", "/embeddings", "/messages")
+    prefixes = ("/v1", "", "/openai/v1", "/openai")
+    routes = [f"{prefix}{path}" for prefix in prefixes for path in endpoints]
+    routes += ["/anthropic/v1/messages", "/anthropic/messages"]
+    # The model is the path's: Azure's deployments and the legacy engines.
+    bases = ("/openai/deployments", "/deployments", "/engines", "/v1/engines", "/openai/engines")
+    for base in bases:
+        for path in ("/chat/completions", "/completions", "/embeddings", "/responses"):
+            routes.append(f"{base}/{{model:path}}{path}")
+    # Any other prefix of the one unmistakable inference path (a gateway's queue, an editor's
+    # proxy route): after the patterns above, so they name the model first.
+    routes.append("/{prefix:path}/chat/completions")
+    return tuple(routes)
+
+
+DEFAULT_ROUTES = _default_routes()
+# POST routes whose bodies look like inferences but call no paid model: token counters.
+DEFAULT_PASS_ROUTES = (
+    "/utils/token_counter",
+    "/v1/messages/count_tokens",
+    "/messages/count_tokens",
+    "/anthropic/v1/messages/count_tokens",
+    "/v1/responses/input_tokens",
+    "/responses/input_tokens",
+    "/openai/v1/responses/input_tokens",
 )
+
+
+class Unlisted(StrEnum):
+    """A POST that looks like an inference (a model and a prompt) on a route nobody listed."""
+
+    REFUSE = "refuse"  # 403 before the app is called
+    WARN = "warn"  # passed to the app; a WARNING once per route and a metric
 
 
 class FailMode(StrEnum):
@@ -43,6 +72,22 @@ class UnknownModel(StrEnum):
 class MissingIdentity(StrEnum):
     REJECT = "reject"  # 401
     ALLOW = "allow"  # pass through, unlimited and unrecorded
+
+
+def _checked_routes(value: tuple[str, ...], defaults: tuple[str, ...]) -> tuple[str, ...]:
+    """Routes as configured, ``default`` expanded, each an absolute path or pattern."""
+    from .asgi.routes import route_pattern  # (the routes import these settings' module)
+
+    routes: list[str] = []
+    for path in value:
+        if path == "default":
+            routes.extend(defaults)
+            continue
+        if not path.startswith("/") or any(c.isspace() for c in path):
+            raise ValueError(f"{path!r} is not an absolute path")
+        route_pattern(path)  # path parameters: /openai/deployments/{deployment}/...
+        routes.append(path.rstrip("/") or "/")
+    return tuple(dict.fromkeys(routes))
 
 
 class Settings(BaseSettings):
@@ -91,6 +136,17 @@ class Settings(BaseSettings):
         DEFAULT_ROUTES,
         description="Inference routes (comma-separated paths, POST only; path parameters "
         "allowed: /openai/deployments/{deployment}/chat/completions).",
+    )
+    pass_routes: Annotated[tuple[str, ...], NoDecode] = Field(
+        DEFAULT_PASS_ROUTES,
+        description="POST routes that pass untouched although their bodies look like "
+        "inferences (comma-separated, as routes; 'default' stands for the built-in token "
+        "counters; an empty value lists none).",
+    )
+    unlisted_inference: Unlisted = Field(
+        Unlisted.REFUSE,
+        description="A POST whose JSON body looks like an inference on a route in neither "
+        "list: refuse (403) or warn (passed, logged once per route, counted).",
     )
     prices: Path | None = Field(None, description="Price-table file (JSON or YAML).")
     unknown_model: UnknownModel = Field(
@@ -153,7 +209,7 @@ class Settings(BaseSettings):
         "unset or empty: those routes answer 404.",
     )
 
-    @field_validator("routes", mode="before")
+    @field_validator("routes", "pass_routes", mode="before")
     @classmethod
     def _split_routes(cls, value: object) -> object:
         if isinstance(value, str):
@@ -165,13 +221,12 @@ class Settings(BaseSettings):
     def _check_routes(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value:
             raise ValueError("at least one route")
-        from .asgi.routes import route_pattern  # (the routes import these settings' module)
+        return _checked_routes(value, DEFAULT_ROUTES)
 
-        for path in value:
-            if not path.startswith("/") or any(c.isspace() for c in path):
-                raise ValueError(f"{path!r} is not an absolute path")
-            route_pattern(path)  # path parameters: /openai/deployments/{deployment}/...
-        return tuple(p.rstrip("/") or "/" for p in value)
+    @field_validator("pass_routes")
+    @classmethod
+    def _check_pass_routes(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return _checked_routes(value, DEFAULT_PASS_ROUTES)
 
     @field_validator("key_prefix")
     @classmethod

@@ -20,8 +20,8 @@ from starlette.routing import Mount
 llm = FastAPI()
 
 
-@llm.post("/v1/chat/completions")
-async def chat() -> dict:
+@llm.post("/v1/embeddings")
+async def embed() -> dict:
     return {}
 
 
@@ -98,10 +98,10 @@ def test_routes_are_checked_against_the_app(
     code, found = doctor(capsys, "--app", "mounted_gateway:app")
     assert code == 1
     routes = found["routes"]
-    assert routes["uncovered"] == ["/llm/v1/chat/completions"]
-    assert "/v1/chat/completions" in routes["unmatched"]
+    assert routes["uncovered"] == ["/llm/v1/embeddings"]
+    assert "/v1/embeddings" in routes["unmatched"]
 
-    monkeypatch.setenv("SPENDGUARD_ROUTES", "/llm/v1/chat/completions")
+    monkeypatch.setenv("SPENDGUARD_ROUTES", "/llm/v1/embeddings")
     code, found = doctor(capsys, "--app", "mounted_gateway:app")
     assert code == 0 and found["routes"]["uncovered"] == [] and found["routes"]["unmatched"] == []
 

@@ -44,7 +44,7 @@ async def spendguard_guard(request: Request) -> None:
     Raises :class:`Refused` for a refused inference (answered by the middleware). On a request
     the middleware does not guard it only warns, once per route: the request is not limited.
     """
-    from .middleware import STATE_RECORD_ID  # (the middleware imports this module)
+    from .admission import STATE_RECORD_ID  # (the admission imports this module)
 
     state: dict[str, Any] = request.scope.get("state") or {}
     admit = state.get(STATE_ADMIT)

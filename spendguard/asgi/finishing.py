@@ -27,7 +27,7 @@ def replay(body: bytes, receive: Receive) -> Receive:
 
 class _Replay:
     """``replay``'s receive: one slotted object rather than a closure and its cells, as it
-    stays alive through the app call (see the middleware's ``_Exchange``)."""
+    stays alive through the app call (see ``admission.Exchange``)."""
 
     __slots__ = ("_body", "_receive")
 

@@ -9,6 +9,7 @@ spendguard itself, so the worker runs all the same.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import anyio
 from anyio.abc import TaskGroup
@@ -20,8 +21,14 @@ log = logging.getLogger("spendguard")
 
 
 async def run_lifespan(
-    app: ASGIApp, guard: SpendGuard, scope: Scope, receive: Receive, send: Send
+    app: ASGIApp,
+    guard: SpendGuard,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    started: Callable[[], None] | None = None,
 ) -> None:
+    """``started`` runs once the app's own startup is done (its routes may have changed)."""
     seen = {"startup": False, "answered": False}
     async with anyio.create_task_group() as tg:
 
@@ -36,6 +43,8 @@ async def run_lifespan(
                 seen["answered"] = True
                 if not await _start(guard, tg, send):
                     return
+                if started is not None:
+                    started()
             elif message["type"] == "lifespan.startup.failed":
                 seen["answered"] = True
             elif message["type"] == "lifespan.shutdown.complete":

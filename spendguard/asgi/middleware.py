@@ -12,104 +12,53 @@ replay.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
-from datetime import datetime
+from functools import partial
 from typing import Any
 
 from starlette.requests import HTTPConnection
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..budgets import BudgetAdmission, BudgetGate, gate_for
-from ..budgets.responses import send_budget_refusal
-from ..engine.decision import Admission, InferenceRequest, Verdict
+from ..budgets import BudgetGate, gate_for
 from ..engine.guard import SpendGuard
 from ..ledger import Ledger
 from ..settings import Settings, load_settings
 from ..store import Store
-from ..usage import BodyObserver, Dialect
+from .admission import (
+    HEADER_INFERENCE_ID,
+    STATE_INFERENCE_ID,
+    STATE_RECORD_ID,
+    STATE_T0,
+    Exchange,
+    admit_inference,
+    bad_request,
+)
 from .deferred import deferred_inference
-from .errors import send_error, send_refusal
-from .finishing import finish, replay
+from .errors import send_error
+from .finishing import replay
 from .identity import IdentityResolver, resolve
 from .lifespan import run_lifespan
-from .ratelimit import rate_limit_headers
-from .remaining import remaining_headers
-from .request import BadRequest, parse_request
-from .routes import RouteTable
+from .request import BadRequest
+from .routes import AMBIGUOUS, RouteMatch, RouteTable
+from .unlisted import BODY_METHODS, UnlistedInferences
 from .wiring import Wiring
 
+__all__ = [
+    "HEADER_INFERENCE_ID",
+    "STATE_INFERENCE_ID",
+    "STATE_RECORD_ID",
+    "STATE_T0",
+    "SpendGuardMiddleware",
+]
+
 log = logging.getLogger("spendguard")
-
-STATE_INFERENCE_ID = "spendguard_inference_id"
-STATE_T0 = "spendguard_t0"
-STATE_RECORD_ID = "spendguard_record_id"
-HEADER_INFERENCE_ID = "x-spendguard-inference-id"
-_INFERENCE_ID_HEADER = HEADER_INFERENCE_ID.encode()
-
-
-def _content_headers(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, str | None]:
-    """Content-Type and Content-Encoding of a response, from its raw ASGI headers."""
-    content_type = content_encoding = None
-    for name, value in headers:
-        lname = name.lower()
-        if lname == b"content-type" and content_type is None:
-            content_type = value.decode("latin-1")
-        elif lname == b"content-encoding" and content_encoding is None:
-            content_encoding = value.decode("latin-1")
-    return content_type, content_encoding
 
 
 def _too_large(limit: int) -> BadRequest:
     return BadRequest(f"Request body exceeds {limit} bytes.", status=413)
 
 
-class _Disconnected(Exception):
+class Disconnected(Exception):
     """The client went away while we read the request body: nothing to answer or charge."""
-
-
-class _Exchange:
-    """An admitted inference's response as the app sends it: every message forwarded as it
-    comes, its status and usage observed on the way.
-
-    One slotted object rather than a closure: each object a request keeps alive through the
-    app call is walked by every garbage collection that runs meanwhile, and under load most of
-    them are promoted to the oldest generation before they die. The two closures (this and the
-    body replay) and their cells were twelve such objects per request; now they are three:
-    this, its bound ``send`` and the replay (``finishing.replay``).
-    """
-
-    __slots__ = ("_added", "_admission", "_guard", "_send", "observer", "status")
-
-    def __init__(
-        self,
-        guard: SpendGuard,
-        admission: Admission,
-        send: Send,
-        added: list[tuple[bytes, bytes]],
-    ) -> None:
-        self._guard, self._admission, self._added = guard, admission, added
-        self._send = send
-        self.status = 0  # no response started (yet)
-        self.observer: BodyObserver | None = None
-
-    def send(self, message: Message) -> Awaitable[None]:
-        # Not a coroutine function: what it does is synchronous, and it hands back the server's
-        # own send to await, so no coroutine of ours is made per message (a stream sends one
-        # per chunk).
-        kind = message["type"]
-        if kind == "http.response.body":
-            observer = self.observer
-            if observer is not None:
-                observer.feed(message.get("body", b""))
-        elif kind == "http.response.start":
-            status = self.status = message["status"]
-            headers = message["headers"] = list(message.get("headers", ()))
-            content_type, content_encoding = _content_headers(headers)
-            self.observer = self._guard.observe(
-                self._admission, status, content_type, content_encoding
-            )
-            headers.extend(self._added)
-        return self._send(message)
 
 
 class SpendGuardMiddleware:
@@ -137,6 +86,7 @@ class SpendGuardMiddleware:
         self.resolve_identity = resolve_identity
         self.routes = RouteTable(self.settings.routes)
         self.wiring = Wiring(self.settings, self.routes, resolve_identity)
+        self.unlisted = UnlistedInferences(self.settings)
         # Disabled means a strict no-op: not even a database file or a price table.
         self.guard: SpendGuard | None = None
         if self.enabled:
@@ -155,104 +105,85 @@ class SpendGuardMiddleware:
                 self.wiring.first_request(scope, self.app)
             match = self.routes.match(scope)
             if match is not None:
+                if match is AMBIGUOUS:
+                    message = "The request path is ambiguous (encoded too often, or control "
+                    message += "characters); send it plainly."
+                    await send_error(send, match.dialect, 400, "invalid_request_path", message)
+                    return
                 if self.wiring.unstarted:  # the first inference, and no lifespan ran
                     await self.wiring.start_without_lifespan(self.guard)
-                await self._inference(self.guard, scope, receive, send, *match)
+                await self._inference(self.guard, scope, receive, send, match)
+                return
+            if scope["method"] in BODY_METHODS:  # an inference nobody listed? (asgi/unlisted.py)
+                await self.unlisted(self.app, scope, receive, send)
                 return
         elif scope["type"] == "lifespan":
             self.wiring.lifespan(scope, self.app)
-            await run_lifespan(self.app, self.guard, scope, receive, send)
+            started = partial(self.wiring.recheck, self.app)
+            await run_lifespan(self.app, self.guard, scope, receive, send, started)
             return
         await self.app(scope, receive, send)
 
     async def _inference(
-        self,
-        guard: SpendGuard,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        route: str,
-        dialect: Dialect,
+        self, guard: SpendGuard, scope: Scope, receive: Receive, send: Send, match: RouteMatch
     ) -> None:
+        route, dialect, path_model = match
         state: dict[str, Any] = scope.setdefault("state", {})
         identity = await resolve(self.resolve_identity, HTTPConnection(scope))
-        body = b""
-        request: InferenceRequest | None = None
+        body: bytes | None = None
         if identity is not None:  # no identity: answered without reading the body
             try:
                 body = await self._read_body(scope, receive)
-                request = parse_request(body)
-            except _Disconnected:
+            except Disconnected:
                 return
             except BadRequest as exc:
-                code = "request_too_large" if exc.status == 413 else "invalid_request"
-                await send_error(send, dialect, exc.status, code, exc.message)
+                await bad_request(dialect, exc)(send)
                 return
-        elif self.wiring.defers(scope):  # the route's own auth dependency resolves it
+        elif self.wiring.defers(scope, self.app):  # the route's own auth dependency resolves it
             await deferred_inference(
                 guard,
                 self.app,
                 scope,
                 receive,
                 send,
-                route=route,
-                dialect=dialect,
+                match=match,
                 read_body=self._read_body,
                 resolver=self.resolve_identity,
-                retry_of=self._retry_of,
                 no_identity=self.wiring.no_identity,
                 budgets=self.budgets,
+                remaining=self.settings.remaining_headers,
             )
             return
         else:
             self.wiring.no_identity(scope)
-
-        budget: BudgetAdmission | None = None
-        if self.budgets is not None and identity is not None and request is not None:
-            budget = await self.budgets.admit(identity, request)
-            if budget is not None and not budget.allowed:
-                await send_budget_refusal(send, dialect, budget)
-                return
-        t0, inference_id = self._retry_of(state)
-        admission = await guard.admit(
-            identity, request, route=route, dialect=dialect, t0=t0, inference_id=inference_id
+        outcome = await admit_inference(
+            guard,
+            self.budgets,
+            identity,
+            body,
+            send,
+            route=route,
+            dialect=dialect,
+            path_model=path_model,
+            state=state,
+            remaining=self.settings.remaining_headers,
         )
-        if admission.verdict is Verdict.PASS:
-            await self.app(scope, receive, send)
+        if outcome is None:  # passed through, unobserved
+            await self.app(scope, receive if body is None else replay(body, receive), send)
             return
-        if not admission.allowed or admission.decision is None:
-            if budget is not None and self.budgets is not None:
-                await self.budgets.release(budget)  # spend limits refused: return the hold
-            await send_refusal(send, admission, self._remaining_headers(admission))
+        if not isinstance(outcome, Exchange):
+            await outcome(send)
             return
-        decision = admission.decision
-        state[STATE_INFERENCE_ID] = decision.inference_id
-        state[STATE_T0] = decision.t0
-        state[STATE_RECORD_ID] = decision.record_id
-        added = [
-            (_INFERENCE_ID_HEADER, decision.inference_id.encode()),
-            *self._remaining_headers(admission),
-            *rate_limit_headers(decision),
-        ]
-        if budget is not None:
-            added.extend(budget.headers)
-        exchange = _Exchange(guard, admission, send, added)
         try:
-            await self.app(scope, replay(body, receive), exchange.send)
+            await self.app(scope, replay(body or b"", receive), outcome.send)
         finally:
-            await finish(guard, self.budgets, admission, exchange.status, exchange.observer, budget)
-
-    def _remaining_headers(self, admission: Admission) -> list[tuple[bytes, bytes]]:
-        decision = admission.decision
-        if not self.settings.remaining_headers or decision is None:
-            return []
-        return remaining_headers(decision)
+            await outcome.finish(self.budgets)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_body_bytes
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise _Disconnected
+            raise Disconnected
         chunk = message.get("body", b"")
         if not message.get("more_body", False):
             # The whole body in one message, as servers pass small ones: already read, so
@@ -278,16 +209,7 @@ class SpendGuardMiddleware:
                 return b"".join(chunks)
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise _Disconnected
+                raise Disconnected
             chunk = message.get("body", b"")
             size += len(chunk)
             chunks.append(chunk)
-
-    @staticmethod
-    def _retry_of(state: dict[str, Any]) -> tuple[datetime | None, str | None]:
-        """What the host app marked as the original inference of a retry or fallback (the
-        engine decides whether to honour it)."""
-        t0, inference_id = state.get(STATE_T0), state.get(STATE_INFERENCE_ID)
-        if not isinstance(inference_id, str) or not isinstance(t0, datetime):
-            return None, None
-        return t0, inference_id

@@ -60,8 +60,11 @@ def _parse_float(text: str) -> float:
     return value
 
 
-def parse_request(body: bytes) -> InferenceRequest:
+def parse_request(body: bytes, path_model: str | None = None) -> InferenceRequest:
     """Validate an inference request body and extract what budgeting needs.
+
+    ``path_model`` is the model a route names in its path (an Azure deployment): the upstream
+    runs that one whatever the body says, so it is the one priced and checked.
 
     Raises :class:`BadRequest` (and nothing else) when the body is unusable.
     """
@@ -69,7 +72,7 @@ def parse_request(body: bytes) -> InferenceRequest:
     if not isinstance(obj, dict):
         raise BadRequest("Request body must be a JSON object.")
     return InferenceRequest(
-        model=_model(obj),
+        model=_model(obj) if path_model is None else _model({"model": path_model}),
         stream=_stream(obj),
         max_tokens=_max_tokens(obj),
         # Walked only if the provider reports no usage: one pass over the body otherwise. It

@@ -22,6 +22,7 @@ import asyncio
 import importlib
 import logging
 import re
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +33,10 @@ from starlette.types import Scope
 
 from ..describe import default_database, ledger_description, store_description
 from ..engine.guard import SpendGuard
-from ..settings import DEFAULT_ROUTES, MissingIdentity, Settings
+from ..settings import DEFAULT_ROUTES, MissingIdentity, Settings, Unlisted
 from .dependency import spendguard_guard
 from .identity import STATE_API_KEY, STATE_IDENTITY, STATE_TEAM, IdentityResolver
-from .routes import RouteTable
+from .routes import MODEL_PARAMETERS, RouteTable
 
 log = logging.getLogger("spendguard")
 
@@ -45,6 +46,8 @@ _INFERENCE_ENDINGS = ("/completions", "/responses", "/embeddings", "/messages")
 # What a path parameter stands for when a configured pattern is tried against the app's routes.
 _SAMPLES = {"int": "1", "float": "1.5", "uuid": "00000000-0000-0000-0000-000000000000"}
 _PARAM = re.compile(r"\{([^{}:]+)(?::([^{}]+))?\}")
+_PARAM_NAMES = re.compile(r"\{([^{}]+)\}")
+_RECHECK_EVERY = 1.0  # seconds: a re-walk of the app's routes, at most this often
 _background: set[asyncio.Task[None]] = set()  # detached starts, referenced until they end
 
 
@@ -90,7 +93,13 @@ def app_routes(*apps: object) -> list[AppRoute] | None:
 
 def _walk(routes: Iterable[Any], prefix: str) -> Iterator[AppRoute]:
     for route in routes:
-        if isinstance(route, WebSocketRoute):
+        contexts = getattr(route, "effective_route_contexts", None)
+        if callable(contexts):
+            # FastAPI >= 0.137: an included router stays one node; its routes, with the
+            # include's prefix and dependencies applied, are its effective contexts.
+            yield from _walk_included(contexts(), prefix)
+            continue
+        if isinstance(route, WebSocketRoute) or "WebSocket" in type(route).__name__:
             continue
         if isinstance(route, (Mount, Host)):
             under = prefix + (route.path if isinstance(route, Mount) else "")
@@ -111,6 +120,30 @@ def _walk(routes: Iterable[Any], prefix: str) -> Iterator[AppRoute]:
             frozenset(methods) if methods else None,
             compile_path(full)[0],
             _lists_guard(getattr(route, "dependant", None)),
+        )
+
+
+def _walk_included(contexts: Iterable[Any], prefix: str) -> Iterator[AppRoute]:
+    for context in contexts:
+        inner = getattr(context, "starlette_route", None)
+        if inner is not None:  # a plain Starlette route or a mount inside the router
+            yield from _walk([inner], prefix)
+            continue
+        original = getattr(context, "original_route", None)
+        if "WebSocket" in type(original).__name__:
+            continue
+        path = getattr(context, "path", None)
+        if not isinstance(path, str) or not path:
+            if original is not None:
+                yield from _walk([original], prefix)
+            continue
+        methods = getattr(context, "methods", None)
+        full = prefix + path
+        yield AppRoute(
+            full,
+            frozenset(methods) if methods else None,
+            compile_path(full)[0],
+            _lists_guard(getattr(context, "dependant", None)),
         )
 
 
@@ -136,17 +169,31 @@ class RouteReport:
     uncovered: tuple[str, ...]  # app routes that look like inference but match no configured one
     stray: tuple[str, ...]  # app routes with Depends(spendguard_guard) that are not configured
     deferred: tuple[str, ...]  # app routes whose admission waits for Depends(spendguard_guard)
+    guarded: tuple[str, ...] = ()  # app POST routes a configured route covers
 
     @property
     def ok(self) -> bool:
         return not (self.uncovered or self.stray)
 
 
-def route_report(table: RouteTable, found: list[AppRoute]) -> RouteReport:
+def _looks_like_inference(route: AppRoute) -> bool:
+    """An app route an inference would be sent to: its last segment is an inference API's, and
+    its parameters, if any, name a model (``/threads/{thread_id}/messages`` is a resource)."""
+    if route.methods is None or not route.path.endswith(_INFERENCE_ENDINGS):
+        return False
+    return all(
+        name.split(":", 1)[0] in MODEL_PARAMETERS or name.endswith(":path")
+        for name in _PARAM_NAMES.findall(route.path)
+    )
+
+
+def route_report(
+    table: RouteTable, found: list[AppRoute], passes: RouteTable | None = None
+) -> RouteReport:
     posts = [r for r in found if r.takes_post]
 
-    def configured(route: AppRoute) -> bool:
-        return table.match({"method": "POST", "path": sample_path(route.path)}) is not None
+    def configured(route: AppRoute, in_table: RouteTable = table) -> bool:
+        return in_table.match({"method": "POST", "path": sample_path(route.path)}) is not None
 
     return RouteReport(
         posts=tuple(r.path for r in posts),
@@ -158,10 +205,13 @@ def route_report(table: RouteTable, found: list[AppRoute]) -> RouteReport:
         uncovered=tuple(
             r.path
             for r in posts
-            if r.methods is not None and r.path.endswith(_INFERENCE_ENDINGS) and not configured(r)
+            if _looks_like_inference(r)
+            and not configured(r)
+            and not (passes is not None and configured(r, passes))
         ),
         stray=tuple(r.path for r in found if r.guarded and not configured(r)),
         deferred=tuple(r.path for r in found if r.guarded and configured(r)),
+        guarded=tuple(r.path for r in posts if r.methods is not None and configured(r)),
     )
 
 
@@ -186,8 +236,13 @@ class Wiring:
         self.pending = True  # neither a lifespan nor a request seen yet
         self.unstarted = True  # no lifespan started the guard, nor the first inference
         self.started_by: str | None = None  # "lifespan" or "first request"
+        self.passes = RouteTable(settings.pass_routes)
         self._explained = False
         self._deferred: tuple[re.Pattern[str], ...] = ()
+        self._seen: frozenset[str] | None = None  # the app routes last checked
+        self._warned: set[str] = set()  # routes already warned about
+        self._checked_at = -_RECHECK_EVERY
+        self._scope_app: object = None
 
     # -- the first lifespan or request ----------------------------------------------------
     def lifespan(self, scope: Scope, app: object) -> None:
@@ -239,44 +294,61 @@ class Wiring:
             )
         else:
             log.info("%s", where)
-        found = app_routes(scope.get("app"), app)
+        self._scope_app = scope.get("app")
+        found = app_routes(self._scope_app, app)
         if found is None:
             log.info("spendguard cannot see the app's routes; the configured routes are unchecked")
             return
         self.check_routes(found)
 
+    def recheck(self, app: object) -> None:
+        """Check the app's routes again if they changed (routes added in the app's lifespan,
+        or lazily on a first request): at most once a second, and only off the hot path."""
+        now = time.monotonic()
+        if now - self._checked_at < _RECHECK_EVERY:
+            return
+        self._checked_at = now
+        found = app_routes(self._scope_app, app)
+        if found is not None and frozenset(r.path for r in found) != self._seen:
+            self.check_routes(found)
+
     def check_routes(self, found: list[AppRoute]) -> None:
-        report = route_report(self.routes, found)
-        configured = ", ".join(self.routes.paths)
-        if report.uncovered:
+        first = self._seen is None
+        self._seen = frozenset(r.path for r in found)
+        report = route_report(self.routes, found, self.passes)
+        uncovered = [path for path in report.uncovered if path not in self._warned]
+        self._warned.update(uncovered)
+        if uncovered:
             log.warning(
                 "spendguard: these POST routes of the app look like inference routes but match "
-                "no configured route, so they are NOT limited or recorded: %s. Set "
-                "SPENDGUARD_ROUTES to the paths as the app serves them, relative to where "
-                "SpendGuardMiddleware sits (configured: %s)",
-                ", ".join(report.uncovered),
-                configured,
+                "no guarded route, so inference-looking requests to them are %s: %s. Guard "
+                "them with SPENDGUARD_ROUTES=default,<route> (paths relative to where "
+                "SpendGuardMiddleware sits), or list them in SPENDGUARD_PASS_ROUTES",
+                "REFUSED (403)"
+                if self.settings.unlisted_inference is Unlisted.REFUSE
+                else "passed UNLIMITED and UNRECORDED",
+                ", ".join(uncovered),
             )
-        if report.unmatched and (
-            self.routes.paths != DEFAULT_ROUTES or len(report.unmatched) == len(self.routes.paths)
-        ):
+        own = [path for path in report.unmatched if path not in DEFAULT_ROUTES]
+        if first and (own or len(report.unmatched) == len(self.routes.paths)):
             log.warning(
                 "spendguard: these inference routes match no POST route of the app: %s "
                 "(the app's POST routes: %s). Paths are relative to where SpendGuardMiddleware "
-                "sits; path parameters are written like /openai/deployments/{deployment}/"
+                "sits; path parameters are written like /openai/deployments/{model}/"
                 "chat/completions",
-                ", ".join(report.unmatched),
+                ", ".join(own or report.unmatched),
                 ", ".join(report.posts) or "none",
             )
-        elif report.unmatched:
-            log.info("spendguard: default routes the app does not serve: %s", report.unmatched)
-        if report.stray:
+        stray = [path for path in report.stray if path not in self._warned]
+        self._warned.update(stray)
+        if stray:
             log.warning(
-                "spendguard: routes with Depends(spendguard_guard) that are not configured "
-                "inference routes, so they are NOT limited: %s (configured: %s)",
-                ", ".join(report.stray),
-                configured,
+                "spendguard: routes with Depends(spendguard_guard) that are not guarded "
+                "inference routes, so they are NOT limited: %s (add them to SPENDGUARD_ROUTES)",
+                ", ".join(stray),
             )
+        if first or report.guarded:
+            log.info("spendguard guards these routes of the app: %s", ", ".join(report.guarded))
         self._deferred = tuple(r.pattern for r in found if r.guarded)
 
     def status(self) -> dict[str, object]:
@@ -290,11 +362,15 @@ class Wiring:
         }
 
     # -- per request (only on requests that have no identity) ------------------------------
-    def defers(self, scope: Scope) -> bool:
-        """The request goes to a route whose own dependency resolves the identity."""
-        if not self._deferred:
-            return False
+    def defers(self, scope: Scope, app: object = None) -> bool:
+        """The request goes to a route whose own dependency resolves the identity (the app's
+        routes are checked again first if none does: it may have added the route since)."""
         path = _relative_path(scope)
+        if any(p.match(path) for p in self._deferred):
+            return True
+        if app is None:
+            return False
+        self.recheck(app)
         return any(p.match(path) for p in self._deferred)
 
     def no_identity(self, scope: Scope) -> None:

@@ -119,7 +119,8 @@ async def test_default_routes_the_app_does_not_serve_are_no_warning(
     async with lifespan(gateway(app, settings(tmp_path))):
         pass
     assert warned(caplog) == []
-    assert any("default routes the app does not serve" in r.getMessage() for r in caplog.records)
+    guarded = [r.getMessage() for r in caplog.records if "guards these routes" in r.getMessage()]
+    assert guarded == ["spendguard guards these routes of the app: /v1/chat/completions"]
 
 
 async def test_an_unconfigured_inference_route_is_a_warning_on_the_first_request(
@@ -130,7 +131,7 @@ async def test_an_unconfigured_inference_route_is_a_warning_on_the_first_request
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", ok, methods=["POST"]),
-            Route("/v2/chat/completions", ok, methods=["POST"]),
+            Route("/v2/embeddings", ok, methods=["POST"]),
             Route("/health", ok),
         ]
     )
@@ -138,7 +139,7 @@ async def test_an_unconfigured_inference_route_is_a_warning_on_the_first_request
         await c.get("/health")
         await c.get("/health")
     said = warned(caplog)
-    assert len(said) == 1 and "NOT limited or recorded: /v2/chat/completions." in said[0]
+    assert len(said) == 1 and "are REFUSED (403): /v2/embeddings." in said[0]
 
 
 async def test_where_the_ledger_is_said_at_start(
