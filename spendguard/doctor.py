@@ -29,7 +29,7 @@ from .asgi.wiring import app_routes, route_report
 from .describe import ledger_description, redact_url, sqlite_file, store_description
 from .errors import ConfigurationError, SpendGuardError
 from .ledger import Ledger
-from .settings import Settings
+from .settings import DEFAULT_ROUTES, Settings
 from .store import make_store
 
 
@@ -127,32 +127,36 @@ def load_app(target: str) -> object:
 
 
 async def check_routes(ctx: DoctorContext) -> Finding:
+    """The guarded routes against the app's: every inference-looking POST route of the app
+    must be guarded or a pass route (else: not ok, and ``doctor`` exits 1)."""
     routes = ctx.settings.routes
     table = RouteTable(routes)
     data: dict[str, Any] = {"configured": list(routes)}
     if ctx.app is None:
-        return Finding("routes", True, "configured: " + ", ".join(routes), data)
+        return Finding("routes", True, f"{len(routes)} routes guarded (no --app to check)", data)
     found = app_routes(load_app(ctx.app))
     if found is None:
         return Finding("routes", False, f"{ctx.app} has no route table to check", data)
-    report = route_report(table, found)
+    report = route_report(table, found, RouteTable(ctx.settings.pass_routes))
+    own_unmatched = [p for p in report.unmatched if p not in DEFAULT_ROUTES]
     data.update(
         app_post_routes=list(report.posts),
-        unmatched=list(report.unmatched),
+        guarded=list(report.guarded),
+        unmatched=own_unmatched,
         uncovered=list(report.uncovered),
         stray=list(report.stray),
         deferred=list(report.deferred),
     )
     problems = []
     if report.uncovered:
-        problems.append("not limited (no configured route): " + ", ".join(report.uncovered))
+        problems.append("NOT guarded (inference-looking): " + ", ".join(report.uncovered))
     if report.stray:
-        problems.append("Depends(spendguard_guard) on unconfigured: " + ", ".join(report.stray))
-    if report.unmatched:
-        problems.append("configured, matching no app route: " + ", ".join(report.unmatched))
-    served = [p for p in routes if p not in report.unmatched]
-    detail = "; ".join(problems) if problems else "every inference route is configured"
-    return Finding("routes", report.ok, f"guarded: {', '.join(served) or 'none'}; {detail}", data)
+        problems.append("Depends(spendguard_guard) on unguarded: " + ", ".join(report.stray))
+    if own_unmatched:
+        problems.append("configured, matching no app route: " + ", ".join(own_unmatched))
+    detail = "; ".join(problems) if problems else "every inference-looking route is guarded"
+    guarded = ", ".join(report.guarded) or "none"
+    return Finding("routes", report.ok, f"guarded: {guarded}; {detail}", data)
 
 
 _LIFESPAN_TEXT = {

@@ -99,11 +99,76 @@ def test_routes_are_checked_against_the_app(
     assert code == 1
     routes = found["routes"]
     assert routes["uncovered"] == ["/llm/v1/embeddings"]
-    assert "/v1/embeddings" in routes["unmatched"]
+    assert routes["guarded"] == []
 
     monkeypatch.setenv("SPENDGUARD_ROUTES", "/llm/v1/embeddings")
     code, found = doctor(capsys, "--app", "mounted_gateway:app")
     assert code == 0 and found["routes"]["uncovered"] == [] and found["routes"]["unmatched"] == []
+    assert found["routes"]["guarded"] == ["/llm/v1/embeddings"]
+
+
+ROUTER_MODULE = """
+from fastapi import APIRouter, Depends, FastAPI
+
+from spendguard.asgi import spendguard_guard
+
+
+async def auth() -> None: ...
+
+
+inner = APIRouter(prefix="/openai")
+llm = APIRouter(dependencies=[Depends(auth), Depends(spendguard_guard)])
+
+
+@llm.post("/v1/chat/completions")
+@llm.post("/chat/completions")
+@inner.post("/deployments/{model:path}/chat/completions")
+async def chat() -> dict:
+    return {}
+
+
+@llm.post("/v1/threads/{thread_id}/messages")  # a resource, not an inference
+@llm.post("/key/generate")
+async def other() -> dict:
+    return {}
+
+
+EXTRA = "/v2/embeddings"
+llm.include_router(inner)
+app = FastAPI()
+app.include_router(llm, prefix="")
+"""
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_routes_inside_included_routers_are_checked(
+    sqlite_db: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    extra: bool,
+) -> None:
+    """FastAPI >= 0.137 keeps an included router as one node of ``app.routes``: the check
+    sees its routes all the same, and an unguarded inference-looking one fails it."""
+    main(["db", "init"])
+    name = f"router_gateway_{extra}"
+    module = ROUTER_MODULE + ("\nllm.post(EXTRA)(chat)\n" if extra else "")
+    (tmp_path / f"{name}.py").write_text(module)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    capsys.readouterr()
+    code, found = doctor(capsys, "--app", f"{name}:app")
+    routes = found["routes"]
+    assert set(routes["guarded"]) == {
+        "/v1/chat/completions",
+        "/chat/completions",
+        "/openai/deployments/{model:path}/chat/completions",
+    }
+    assert set(routes["deferred"]) == set(routes["guarded"])
+    if extra:
+        assert code == 1 and routes["uncovered"] == ["/v2/embeddings"]
+    else:
+        assert code == 0 and routes["uncovered"] == [] and routes["stray"] == []
 
 
 def test_an_app_that_cannot_be_found_is_a_usage_error(

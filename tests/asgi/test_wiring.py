@@ -3,7 +3,9 @@ lifespan startup or its first request, so that a setup mistake is logged, never 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -282,3 +284,44 @@ async def test_the_status_says_who_started_the_background_tasks(tmp_path: Path) 
         assert without.wiring.status()["background_started_by"] == "first request"
     finally:
         await guard.stop()
+
+
+def test_routes_of_included_routers_are_found_with_their_prefixes() -> None:
+    """FastAPI >= 0.137 keeps ``include_router`` as one node of ``app.routes``."""
+    from fastapi import APIRouter
+
+    async def auth() -> None: ...
+
+    inner = APIRouter(prefix="/deployments")
+    inner.post("/{model:path}/chat/completions")(ok)
+    outer = APIRouter(prefix="/openai", dependencies=[Depends(auth), Depends(spendguard_guard)])
+    outer.post("/v1/chat/completions")(ok)
+    outer.include_router(inner)
+    app = FastAPI()
+    app.include_router(outer)
+    app.post("/v1/embeddings")(ok)
+    found = {r.path: (r.methods, r.guarded) for r in app_routes(app) or []}
+    assert found["/openai/v1/chat/completions"] == (frozenset({"POST"}), True)
+    assert found["/openai/deployments/{model:path}/chat/completions"] == (
+        frozenset({"POST"}),
+        True,
+    )
+    assert found["/v1/embeddings"] == (frozenset({"POST"}), False)
+
+
+async def test_routes_the_app_adds_in_its_lifespan_are_checked_after_it_started(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "spendguard")
+
+    @contextlib.asynccontextmanager
+    async def adds_routes(app: Starlette) -> AsyncIterator[None]:
+        app.router.routes.append(Route("/v3/embeddings", ok, methods=["POST"]))
+        yield
+
+    app = Starlette(routes=[Route("/v1/chat/completions", ok, methods=["POST"])])
+    app.router.lifespan_context = adds_routes
+    async with lifespan(gateway(app, settings(tmp_path))):
+        pass
+    said = warned(caplog)
+    assert len(said) == 1 and "REFUSED (403): /v3/embeddings." in said[0]
