@@ -27,8 +27,8 @@ from starlette.types import Send
 log = logging.getLogger("spendguard")
 
 STATE_ADMIT = "spendguard_admit"  # set by the middleware on a route that defers admission
-_warned: set[tuple[int, str]] = set()
-_INFERENCE_ENDINGS = ("/completions", "/responses", "/embeddings", "/messages", "/compact")  # (app, path) warned about, once each
+_warned: set[tuple[int, str]] = set()  # (app, path) warned about, once each
+_INFERENCE_ENDINGS = ("/completions", "/responses", "/embeddings", "/messages", "/compact")
 
 
 class Refused(Exception):

@@ -13,7 +13,6 @@ from spendguard.usage import Dialect
 from tests.support import http_scope
 
 
-
 def scope(path: str, method: str = "POST", root_path: str = "") -> dict[str, Any]:
     return {**http_scope(method, path), "root_path": root_path}
 
@@ -101,13 +100,15 @@ def test_the_anthropic_dialect_goes_with_a_messages_path() -> None:
 
 
 def test_path_parameter_patterns_match_and_answer_with_the_real_path() -> None:
-    table = _Table(RouteTable(
-        [
-            "/v1/chat/completions",
-            "/openai/deployments/{deployment}/chat/completions",
-            "/claude/{version:int}/messages",
-        ]
-    ))
+    table = _Table(
+        RouteTable(
+            [
+                "/v1/chat/completions",
+                "/openai/deployments/{deployment}/chat/completions",
+                "/claude/{version:int}/messages",
+            ]
+        )
+    )
     azure = "/openai/deployments/gpt-4o-prod/chat/completions"
     assert table.match(scope(azure)) == (azure, Dialect.OPENAI)
     assert table.match(scope(azure + "/")) == (azure, Dialect.OPENAI)
@@ -129,7 +130,9 @@ def test_a_path_pattern_covers_everything_under_a_prefix() -> None:
 
 
 def test_a_route_written_with_the_mount_prefix_matches_inside_the_mount_too() -> None:
-    table = _Table(RouteTable(["/llm/v1/chat/completions", "/llm/deployments/{d}/chat/completions"]))
+    table = _Table(
+        RouteTable(["/llm/v1/chat/completions", "/llm/deployments/{d}/chat/completions"])
+    )
     # The middleware on the top app: the full path.
     assert table.match(scope("/llm/v1/chat/completions")) is not None
     # The middleware on the app mounted at /llm: Starlette passes the prefix as root_path.

@@ -220,7 +220,7 @@ async def test_a_refusal_is_logged_once_per_route(
         ("application/json", b'{"model": "gpt-4o"}'),  # a model, but nothing asked of it
         ("application/json", b"[1, 2, 3]"),
         ("application/json", b"{not json"),
-        ("multipart/form-data; boundary=x", b"--x\r\nname=\"file\"\r\n\r\nabc\r\n--x--\r\n"),
+        ("multipart/form-data; boundary=x", b'--x\r\nname="file"\r\n\r\nabc\r\n--x--\r\n'),
         ("application/octet-stream", b"\x00\x01binary"),
     ],
 )
