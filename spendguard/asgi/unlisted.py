@@ -35,8 +35,9 @@ log = logging.getLogger("spendguard")
 
 BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 # Fields that carry what a model is asked: chat, completions, responses, embeddings,
-# moderations, speech (input), images (prompt), Gemini (contents), Vertex (instances), TGI.
-PROMPT_FIELDS: Final = ("messages", "prompt", "input", "contents", "instances", "inputs")
+# moderations, speech (input), images (prompt), Gemini (contents), Vertex (instances), TGI
+# (inputs), rerank (query).
+PROMPT_FIELDS: Final = ("messages", "prompt", "input", "contents", "instances", "inputs", "query")
 _MAX_WARNED: Final = 1000
 
 

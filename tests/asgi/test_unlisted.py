@@ -174,6 +174,10 @@ INFERENCE_LIKE = [
     ("application/json", json.dumps(chat_body()).encode()),
     ("application/json", json.dumps({"model": "dall-e-3", "prompt": "a cat"}).encode()),
     ("application/json", json.dumps({"model": "tts-1", "input": "hello"}).encode()),
+    (
+        "application/json",
+        json.dumps({"model": "rerank-v3", "query": "q", "documents": []}).encode(),
+    ),
     ("application/json", json.dumps({"contents": [{"role": "user", "parts": []}]}).encode()),
     ("application/json", b'{"\\u006dodel": "unit-model", "messages": []}'),  # escaped key
     ("text/plain", b'  {"model": "unit-model", "prompt": "hi"}'),
