@@ -59,7 +59,7 @@ async def run_lifespan(
             log.info("the app does not handle ASGI lifespan; spendguard runs it itself")
         try:
             if not seen["answered"]:
-                await _own_lifespan(guard, tg, seen["startup"], receive, send)
+                await _own_lifespan(guard, tg, seen["startup"], receive, send, started)
         finally:
             if guard.running:
                 await guard.stop()
@@ -76,12 +76,19 @@ async def _start(guard: SpendGuard, tg: TaskGroup, send: Send) -> bool:
 
 
 async def _own_lifespan(
-    guard: SpendGuard, tg: TaskGroup, got_startup: bool, receive: Receive, send: Send
+    guard: SpendGuard,
+    tg: TaskGroup,
+    got_startup: bool,
+    receive: Receive,
+    send: Send,
+    started: Callable[[], None] | None,
 ) -> None:
     if not got_startup:
         await receive()  # lifespan.startup
     if not await _start(guard, tg, send):
         return
+    if started is not None:
+        started()
     await send({"type": "lifespan.startup.complete"})
     while (await receive())["type"] != "lifespan.shutdown":
         pass

@@ -119,7 +119,7 @@ class SpendGuardMiddleware:
                 return
         elif scope["type"] == "lifespan":
             self.wiring.lifespan(scope, self.app)
-            started = partial(self.wiring.recheck, self.app)
+            started = partial(self.wiring.started, scope, self.app)
             await run_lifespan(self.app, self.guard, scope, receive, send, started)
             return
         await self.app(scope, receive, send)

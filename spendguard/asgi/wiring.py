@@ -34,7 +34,7 @@ from starlette.types import Scope
 from ..describe import default_database, ledger_description, store_description
 from ..engine.guard import SpendGuard
 from ..settings import DEFAULT_ROUTES, MissingIdentity, Settings, Unlisted
-from .dependency import spendguard_guard
+from .dependency import STATE_ADMIT, spendguard_guard
 from .identity import STATE_API_KEY, STATE_IDENTITY, STATE_TEAM, IdentityResolver
 from .routes import MODEL_PARAMETERS, RouteTable
 
@@ -249,12 +249,19 @@ class Wiring:
 
     # -- the first lifespan or request ----------------------------------------------------
     def lifespan(self, scope: Scope, app: object) -> None:
-        """The app's lifespan starts: the guard starts with it."""
+        """The app's lifespan starts: the guard starts with it. Its routes are checked once
+        the app's own startup is done (:meth:`started`): the startup may add routes."""
         self.unstarted = False
         self.started_by = "lifespan"
+
+    def started(self, scope: Scope, app: object) -> None:
+        """The app's own startup is done: the first check of its routes (on a later lifespan,
+        a check of what changed). A request's re-walk is not held back by it."""
         if self.pending:
             self.pending = False
             self.inspect(scope, app)
+        else:
+            self._check_if_changed(app)
 
     def first_request(self, scope: Scope, app: object) -> None:
         """The first request, before it is handled."""
@@ -311,6 +318,9 @@ class Wiring:
         if now - self._checked_at < _RECHECK_EVERY:
             return
         self._checked_at = now
+        self._check_if_changed(app)
+
+    def _check_if_changed(self, app: object) -> None:
         found = app_routes(self._scope_app, app)
         if found is not None and frozenset(r.path for r in found) != self._seen:
             self.check_routes(found)
@@ -398,6 +408,16 @@ class Wiring:
         if self.resolver is not None:
             name = getattr(self.resolver, "__qualname__", repr(self.resolver))
             return f"resolve_identity={name} returned no identity (None, or it raised)"
+        state = scope.get("state") or {}
+        if STATE_ADMIT in state:  # asked by Depends(spendguard_guard): the app's auth ran
+            held = sorted(str(n) for n in state if not str(n).startswith("spendguard_"))
+            seen = f" (it holds: {', '.join(held)})" if held else ""
+            return (
+                "the route lists Depends(spendguard_guard), but the dependencies before it left "
+                f"no identity in request.state{seen}: the auth dependency, listed before "
+                f"spendguard_guard, must set request.state.{STATE_TEAM}/{STATE_API_KEY} or "
+                f"request.state.{STATE_IDENTITY}"
+            )
         user = scope.get("user")
         if user is not None and getattr(user, "is_authenticated", True):
             names = sorted(n for n in dir(user) if not n.startswith("_"))
@@ -406,7 +426,6 @@ class Wiring:
                 f"without {STATE_TEAM!r}/{STATE_API_KEY!r}: map its own names with "
                 'resolve_identity=from_user(team="...", api_key="...")'
             )
-        state = scope.get("state") or {}
         seen = f" (it holds: {', '.join(sorted(map(str, state)))})" if state else ""
         return (
             f"nothing was in request.state{seen}. spendguard reads request.state."
