@@ -119,8 +119,10 @@ class RouteTable:
     def __init__(self, paths: Iterable[str]) -> None:
         self._exact: dict[str, RouteMatch] = {}
         self._folded: dict[str, RouteMatch] = {}  # by the lower-cased canonical path
-        # By the route's last literal segment ("" for those ending in a parameter).
-        self._patterns: dict[str, list[re.Pattern[str]]] = {}
+        # By the route's last literal segment ("" for those ending in a parameter), each with
+        # the lower-cased literal text before its first parameter: a prefix test rules most
+        # patterns out before their regex runs.
+        self._patterns: dict[str, list[tuple[str, re.Pattern[str]]]] = {}
         self.paths: tuple[str, ...] = ()
         for path in paths:
             norm = path.rstrip("/") or "/"
@@ -133,7 +135,8 @@ class RouteTable:
                 self._exact[norm] = match
                 self._folded.setdefault((canonical_path(norm) or norm).lower(), match)
             else:
-                self._patterns.setdefault(_last_literal(norm), []).append(pattern)
+                head = norm.split("{", 1)[0].lower()
+                self._patterns.setdefault(_last_literal(norm), []).append((head, pattern))
 
     def match(self, scope: Scope) -> RouteMatch | None:
         """The route of a POST request; None: not an inference route; :data:`AMBIGUOUS`: a
@@ -188,8 +191,11 @@ class RouteTable:
     def _match_pattern(self, path: str) -> RouteMatch | None:
         if not self._patterns:
             return None
+        folded = path.lower()
         for key in (_last_literal(path), ""):
-            for pattern in self._patterns.get(key, ()):
+            for head, pattern in self._patterns.get(key, ()):
+                if not folded.startswith(head):
+                    continue
                 hit = pattern.match(path)
                 if hit is not None:
                     params = hit.groupdict()
