@@ -163,7 +163,9 @@ class RouteTable:
         found = self._exact.get(path)
         if found is not None:
             return found
-        return self.match_path(path, scope["path"], root)
+        if root or self._patterns or _UNUSUAL.search(path):
+            return self.match_path(path, scope["path"], root)
+        return None
 
     def match_path(self, path: str, full: str | None = None, root: str = "") -> RouteMatch | None:
         """The slower cases: any spelling of a path, the full path under a mount, patterns."""

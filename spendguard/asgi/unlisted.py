@@ -39,6 +39,7 @@ BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 # (inputs), rerank (query).
 PROMPT_FIELDS: Final = ("messages", "prompt", "input", "contents", "instances", "inputs", "query")
 _MAX_WARNED: Final = 1000
+_KEYS: Final = (b'"model"', b'"messages"', b'"contents"')
 
 
 def looks_like_inference(body: bytes, content_type: str | None) -> bool:
@@ -54,6 +55,10 @@ def looks_like_inference(body: bytes, content_type: str | None) -> bool:
         return "model" in form and any(name in form for name in PROMPT_FIELDS)
     start = body.lstrip()[:1]
     if start not in (b"{", b"\xef"):  # an object, maybe after a UTF-8 byte order mark
+        return False
+    # A key is spelled as it is or with \u escapes: without either, the parse (most of what
+    # the net costs a non-inference POST) can't find one.
+    if b"\\u" not in body and not any(key in body for key in _KEYS):
         return False
     try:
         obj = json.loads(body)

@@ -180,6 +180,7 @@ INFERENCE_LIKE = [
     ),
     ("application/json", json.dumps({"contents": [{"role": "user", "parts": []}]}).encode()),
     ("application/json", b'{"\\u006dodel": "unit-model", "messages": []}'),  # escaped key
+    ("application/json", b'{"\\u006dodel": "unit-model", "\\u0070rompt": "hi"}'),  # both
     ("text/plain", b'  {"model": "unit-model", "prompt": "hi"}'),
     (
         "multipart/form-data; boundary=x",
