@@ -54,6 +54,8 @@ class Sizes:
     preflight_calls: int  # per concurrency level
     preflight_concurrency: tuple[int, ...]
     client_calls: int  # Redis client-path experiment, calls per client
+    route_calls: int  # RouteTable.match and the safety net's steps: calls per timed batch
+    route_batches: int  # timed batches of each, per repeat
 
     @classmethod
     def full(cls) -> Sizes:
@@ -77,6 +79,8 @@ class Sizes:
             preflight_calls=4000,
             preflight_concurrency=(1, 64),
             client_calls=4000,
+            route_calls=10_000,
+            route_batches=15,
         )
 
     @classmethod
@@ -101,6 +105,8 @@ class Sizes:
             preflight_calls=200,
             preflight_concurrency=(1, 64),
             client_calls=200,
+            route_calls=200,
+            route_batches=3,
         )
 
 

@@ -310,6 +310,10 @@ def markdown(results: dict[str, Any]) -> str:
         ]
         lines += _table(["variant", "inference, c=1", "inference, c=64", "stream, c=64"], rows)
 
+    routing = results.get("routing")
+    if routing is not None:
+        lines += routing_section(routing)
+
     http = results["http"]
     http_extra = http.get("extra_repeats", 0)
     lines += [
@@ -504,6 +508,76 @@ def markdown(results: dict[str, Any]) -> str:
             rows,
         )
     return "\n".join(lines)
+
+
+def routing_section(routing: dict[str, Any]) -> list[str]:
+    """Section 1c (benchmarks/routing.py), also printed by ``python -m benchmarks.routing``."""
+    routes = routing["routes"]
+    lines = [
+        "## 1c. Route matching and the safety net",
+        "",
+        f"`RouteTable.match` per call (ns) on the default table ({routes['new']} routes) and "
+        f"on the previous release's ({routes['previous']} exact paths), median of "
+        f"{routing['batches']} batches of {routing['calls_per_batch']} calls per repeat, taking "
+        'turns; "matched as" is what each table answered (—: no inference route).',
+        "",
+    ]
+    rows = [
+        [
+            f["label"],
+            f"`{f['method']} {f['path']}`",
+            _cell(f["new"]["ns"]),
+            f["new"]["matched"] or "—",
+            _cell(f["previous"]["ns"]),
+            f["previous"]["matched"] or "—",
+            _cell(f["ratio"], 2),
+        ]
+        for f in routing["cases"].values()
+    ]
+    lines += _table(
+        ["request", "", "this release", "matched as", "previous release", "matched as", "× prev."],
+        rows,
+    )
+    steps = routing["safety_net_steps"]
+    lines += [
+        "The safety net's own steps on an unmatched POST, per call (ns): the pass-route "
+        f"lookup, then the {routing['body_bytes']}-byte JSON body inspected (and, of that, "
+        "`json.loads` alone).",
+        "",
+    ]
+    lines += _table(
+        ["pass-route lookup", "`looks_like_inference`", "`json.loads`"],
+        [
+            [
+                _cell(steps[k]["ns"])
+                for k in ("pass_route_lookup", "looks_like_inference", "json_loads")
+            ]
+        ],
+    )
+    lines += [
+        "Through the ASGI stack (the benchmark gateway in process, as in section 1): the bare "
+        "app and the same app with spendguard on the embedded store; CPU is this process's per "
+        "request, the record writer's included (µs):",
+        "",
+    ]
+    rows = []
+    for f in routing["asgi"].values():
+        bare, mine = f["bare"], f["embedded"]
+        rows.append(
+            [
+                f["label"],
+                f"`{f['method']} {f['path']}`",
+                _cell(bare["p50_us"]),
+                _cell(mine["added_p50_us"]),
+                _cell(mine["added_p99_us"]),
+                _cell(bare["cpu_us_per_request"]),
+                _cell(mine["added_cpu_us_per_request"]),
+            ]
+        )
+    lines += _table(
+        ["request", "", "bare p50", "added p50", "added p99", "bare CPU", "added CPU"], rows
+    )
+    return lines
 
 
 def peer_rows(results: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,17 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import alone, features, http_load, inprocess, overshoot, redis_path, report, settlement
+from . import (
+    alone,
+    features,
+    http_load,
+    inprocess,
+    overshoot,
+    redis_path,
+    report,
+    routing,
+    settlement,
+)
 from .apps import VARIANTS
 from .common import Services, Sizes, bench_identity, set_policies
 from .loadgen import close_worker, have_wrk, run_load
@@ -155,6 +165,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         progress("1b. spendguard alone")
         results["alone"] = asyncio.run(alone.measure(services, sizes, args.repeat))
+
+        progress("1c. route matching and the safety net")
+        routing_db = f"sqlite:///{workdir / 'routing.db'}"
+        results["routing"] = asyncio.run(routing.measure(routing_db, sizes, args.repeat, progress))
 
         progress("2. HTTP: starting the gateways")
         http_sqlite = f"sqlite:///{workdir / 'http-embedded.db'}"

@@ -27,6 +27,7 @@ SECTIONS = (
     "machine",
     "inprocess",
     "alone",
+    "routing",
     "http",
     "overshoot",
     "settlement",
@@ -124,6 +125,33 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
     for cases in alone.values():
         assert set(cases) == {"inference/1", "inference/64", "stream/64"}
         assert all(f["median"] > 0 for f in cases.values())
+    routing = results["routing"]
+    cases = routing["cases"]
+    assert set(cases) == {
+        "exact",
+        "double_slash",
+        "upper_case",
+        "azure",
+        "other_prefix",
+        "unmatched_post",
+        "get",
+    }
+    # What each table answered: every spelling and pattern matched by this release's table, the
+    # previous one's matching the exact path only; no route for the non-inference requests.
+    for case, f in cases.items():
+        inference = case not in ("unmatched_post", "get")
+        assert (f["new"]["matched"] is not None) == inference, (case, f["new"])
+        assert (f["previous"]["matched"] is not None) == (case == "exact"), (case, f["previous"])
+    assert "(model gpt-4o-mini)" in cases["azure"]["new"]["matched"]
+    assert set(routing["safety_net_steps"]) == {
+        "pass_route_lookup",
+        "looks_like_inference",
+        "json_loads",
+    }
+    assert set(routing["asgi"]) == {"inference", "inference_variant", "admin_post", "get"}
+    for f in routing["asgi"].values():
+        assert {"added_p50_us", "added_p99_us", "added_cpu_us_per_request"} <= set(f["embedded"])
+        assert f["bare"]["cpu_us_per_request"]["median"] > 0
     repeats = results["run"]["repeats"]
     for route in ("health", "inference", "stream"):
         cells = results["http"]["routes"][route]
@@ -154,6 +182,7 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
     table = (out / "results.md").read_text()
     assert "| target |" in table and "## 4. Settlement" in table
     assert "## 1b. spendguard alone" in table
+    assert "## 1c. Route matching and the safety net" in table
     png = (out / "chart.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
