@@ -35,6 +35,8 @@ def _default_routes() -> tuple[str, ...]:
     # Any other prefix of the one unmistakable inference path (a gateway's queue, an editor's
     # proxy route): after the patterns above, so they name the model first.
     routes.append("/{prefix:path}/chat/completions")
+    # And of the versioned paths (a coding tool's `/claude_code_gateway/v1/messages`).
+    routes += [f"/{{prefix:path}}/v1{path}" for path in ("/messages", "/responses", "/embeddings")]
     return tuple(routes)
 
 

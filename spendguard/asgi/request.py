@@ -81,6 +81,7 @@ def parse_request(body: bytes, path_model: str | None = None) -> InferenceReques
         estimate=partial(_estimate_from_body, body),
         size=len(body),
         choices=_choices(obj),
+        model_pinned=path_model is not None,
     )
 
 

@@ -90,7 +90,16 @@ class InferenceRequest:
     requests never walk their prompt a second time.
     """
 
-    __slots__ = ("_estimate", "_estimated", "choices", "max_tokens", "model", "size", "stream")
+    __slots__ = (
+        "_estimate",
+        "_estimated",
+        "choices",
+        "max_tokens",
+        "model",
+        "model_pinned",
+        "size",
+        "stream",
+    )
 
     def __init__(
         self,
@@ -102,10 +111,14 @@ class InferenceRequest:
         estimate: Callable[[], int] | None = None,
         size: int = 0,
         choices: int = 1,
+        model_pinned: bool = False,
     ) -> None:
         if (estimated_input_tokens is None) == (estimate is None):
             raise TypeError("give estimated_input_tokens or estimate, not both or neither")
         self.model = model
+        # The route names the model (an Azure deployment): the upstream runs it whatever the
+        # body or the response calls it, so the response's model name does not replace it.
+        self.model_pinned = model_pinned
         self.size = size  # bytes of the request body, 0 when unknown
         self.choices = choices  # completions asked for (OpenAI's n)
         self.stream = stream

@@ -80,7 +80,9 @@ def test_paths_are_matched_relative_to_the_root_path() -> None:
         "/v1/responses",
         Dialect.OPENAI,
     )
-    assert TABLE.match(scope("/gw/v1/responses")) is None  # no root path: no stripping
+    # No root path: no stripping (the route recorded is the path as sent).
+    assert TABLE.match(scope("/gw/v1/responses")) == ("/gw/v1/responses", Dialect.OPENAI)
+    assert TABLE.match(scope("/gw/v1/completions")) is None
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE", "OPTIONS", "HEAD", "post"])
@@ -218,7 +220,8 @@ def test_a_mounted_path_spelled_oddly_matches_relative_to_the_mount() -> None:
             "/messages",
         )
     ]
-    + ["/anthropic/v1/messages", "/queue/chat/completions", "/cursor/chat/completions"],
+    + ["/anthropic/v1/messages", "/queue/chat/completions", "/cursor/chat/completions"]
+    + ["/claude_code_gateway/v1/messages", "/gw/v1/responses", "/gw/v1/embeddings"],
 )
 def test_the_defaults_cover_the_compatible_surface(path: str) -> None:
     found = TABLE.match(scope(path))

@@ -287,3 +287,17 @@ async def test_a_route_added_to_the_list_is_guarded_instead(
     assert status == 429 and answer["error"]["code"] == "spend_limit_exceeded"
     assert ok == 429  # the defaults are still there
     assert provider.reached == []
+
+
+async def test_the_path_model_wins_over_the_body_and_the_response(
+    gw: Gateway, provider: Provider
+) -> None:
+    """A deployment runs the model it names: the body's model (which the provider here echoes,
+    as LiteLLM does) does not price the inference."""
+    assert gw.guard.coster.is_priced("gpt-4o")
+    body = json.dumps({**chat_body(), "model": "gpt-4o"}).encode()
+    for path in [f"/openai/deployments/{MODEL}/chat/completions", f"/engines/{MODEL}/completions"]:
+        status, answer = await send_raw(gw, "POST", path, body, "application/json")
+        assert status == 200 and answer["model"] == "gpt-4o"
+    await gw.settle()
+    assert await gw.guard.ledger.charges_total() == 2 * 15  # the unit model's 10 + 5 tokens
