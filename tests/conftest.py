@@ -5,6 +5,11 @@ PostgreSQL comes from ``SPENDGUARD_TEST_POSTGRES_URL`` (default: the local serve
 ``postgres``). Each run creates its own database and drops it afterwards. Without a server (or
 without ``redis-server``) those tests skip locally but FAIL under ``CI=true``.
 
+Async tests run on asyncio's own event loop. A test (or module) marked ``both_loops`` runs
+once on it and once on uvloop: its ``loop`` fixture names the loop, which the test's own
+coroutine runs on and which a test starting gateway processes passes to uvicorn. Without uvloop
+the uvloop variants skip locally and FAIL under ``CI=true`` too.
+
 The launchers and helpers behind these fixtures are in ``tests/support/`` (shared with the
 benchmarks).
 """
@@ -17,14 +22,36 @@ from pathlib import Path
 import pytest
 
 from spendguard.ledger import Ledger
+from tests.support import loops
 from tests.support.postgres import TemporaryDatabase, truncate_spendguard_tables
 from tests.support.redis import RedisCluster, RedisServer
-from tests.support.services import created_database, started_cluster, started_redis
+from tests.support.services import created_database, require_loop, started_cluster, started_redis
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "both_loops: run on asyncio's event loop and on uvloop (the loop fixture)"
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # Only where asked: most tests never touch a socket through the loop, and doubling them
+    # all would double the suite's time for nothing.
+    if metafunc.definition.get_closest_marker("both_loops") and "loop" in metafunc.fixturenames:
+        metafunc.parametrize("loop", loops.LOOPS, indirect=True)
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+def loop(request: pytest.FixtureRequest) -> str:
+    """The event loop this test runs on: asyncio's, unless ``both_loops`` parametrizes it."""
+    name: str = getattr(request, "param", "asyncio")
+    require_loop(name)
+    return name
+
+
+@pytest.fixture
+def anyio_backend(loop: str) -> object:
+    return loops.anyio_backend(loop)
 
 
 # -- SQL ------------------------------------------------------------------------------------

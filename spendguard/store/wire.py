@@ -10,6 +10,10 @@ stays on redis-py.
 Only what a plain TCP or Unix-socket connection needs is spoken here: AUTH, SELECT and CLIENT
 SETNAME at connect. A client with TLS, a credential provider or RESP3 keeps redis-py's
 connections (:func:`supports`).
+
+Nothing here depends on which event loop runs it: the protocol keeps only the two methods it
+calls on its transport (:class:`_Transport`), which every loop's stream transports have, and
+only the loop's public API is used (uvloop's transports and handles are not asyncio's classes).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import hiredis
 from redis.asyncio import Redis
@@ -57,6 +61,15 @@ class Broken(RedisConnectionError):
         self.replies = replies
 
 
+class _Transport(Protocol):
+    """What a connection uses of its transport. An ``isinstance`` check against asyncio's own
+    classes would refuse other loops' transports (uvloop's are no subclass of them)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def abort(self) -> None: ...
+
+
 class _Batch:
     __slots__ = ("callers", "future", "replies", "wanted")
 
@@ -76,12 +89,12 @@ class WireProtocol(asyncio.Protocol):
     def __init__(self) -> None:
         self._reader = hiredis.Reader(encoding="utf-8", replyError=_reply_error)
         self._batches: deque[_Batch] = deque()
-        self._transport: asyncio.Transport | None = None
+        self._transport: _Transport | None = None
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # A stream connection's transport, whatever loop made it (see the module docstring).
+        self._transport = cast(_Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

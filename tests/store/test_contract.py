@@ -1,7 +1,8 @@
 """One contract, every store: the embedded store and the Redis store (a real redis-server).
 
 Time is real for Redis, so the harness exposes ``advance(seconds)``: the memory store's clock
-jumps, Redis sleeps. Expiry tests use sub-second TTLs to stay fast.
+jumps, Redis sleeps. Expiry tests use sub-second TTLs to stay fast. Every test runs on asyncio's
+event loop and on uvloop (uvicorn's default wherever it is installed).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
 from tests.support import Clock
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
 GRACE = timedelta(days=2)
 ALPHA = Identity("acme", "alpha")

@@ -3,7 +3,8 @@
 Against real redis-server processes: coalescing (the pipeline's own count, and what the server
 saw), one reply or one error per caller, NOSCRIPT recovery after SCRIPT FLUSH and a restart, a
 hung or dead server within the bound, the batch and queue bounds, a burst on a healthy server,
-and the cluster.
+and the cluster. On asyncio's event loop and on uvloop: the batches are written, timed and
+answered through the loop's own transports and timers.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from spendguard.store import Outcome, UsageFill
 from spendguard.store.redis import RedisStore
 from tests.support import Gateway, RedisCluster, RedisServer
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
 CODEC = KeyCodec("quota", timedelta(days=2))
 LIMIT = 10**12

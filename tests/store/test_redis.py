@@ -1,7 +1,8 @@
 """The middleware on the Redis store, against real redis-server processes.
 
 Round trips on the hot path, miss recovery, fail modes (refused, hung), restarts and script
-flushes in the middle of traffic, the eviction-policy warning, cluster slots.
+flushes in the middle of traffic, the eviction-policy warning, cluster slots. On asyncio's event
+loop and on uvloop.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from spendguard.store import RefreshEntry, UsageFill
 from spendguard.store.redis import MARKER_PAGE, REFRESH_IDS, RedisStore
 from tests.support import Gateway, RedisCluster, RedisServer, chat_body
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The hot path's own Redis connections (store/wire.py) against real redis-server processes:
 a password and a database in the URL, a Unix socket, a refused login, a reply stream that
-stays in step after a deadline, and the clients it leaves to redis-py's connections."""
+stays in step after a deadline, and the clients it leaves to redis-py's connections. Each runs
+on asyncio's event loop and on uvloop, whose transports are not asyncio's classes."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ import redis.asyncio as aioredis
 from redis.credentials import UsernamePasswordCredentialProvider
 
 from spendguard import Identity
+from spendguard.clock import utcnow
 from spendguard.errors import StoreUnavailable
-from spendguard.limits import KeyCodec, KeyPlan, Limit
+from spendguard.limits import KeyCodec, KeyPlan, Limit, Period
 from spendguard.limits.codec import field_of
 from spendguard.store import Outcome, UsageFill
 from spendguard.store.redis import RedisStore
-from spendguard.store.wire import WireConnections
-from tests.support import RedisServer
+from spendguard.store.wire import WireConnections, WireProtocol
+from tests.support import Gateway, RedisServer
+from tests.support.loops import running_loop_name
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
 CODEC = KeyCodec("wire", timedelta(days=2))
 
@@ -117,3 +120,52 @@ async def test_clients_it_cannot_speak_for_keep_redis_py_connections(server: Red
     assert (await store.preflight(p)).outcome is Outcome.ALLOW
     assert any("user=gw" in line for line in evalsha_clients(server))
     await store.aclose()
+
+
+class _ForeignTransport:
+    """A stream transport as another event loop makes one: asyncio's interface, none of its
+    classes (uvloop's TCP transport is like this)."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+async def test_a_transport_that_is_no_asyncio_class_carries_batches() -> None:
+    assert not isinstance(_ForeignTransport(), asyncio.BaseTransport)
+    proto = WireProtocol()
+    transport = _ForeignTransport()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    replies = proto.exchange(b"*1\r\n$4\r\nPING\r\n", 1)
+    assert transport.written == [b"*1\r\n$4\r\nPING\r\n"]
+    proto.data_received(b"+PONG\r\n")
+    assert await replies == ["PONG"]
+    proto.close()
+    assert transport.aborted and proto.closed
+
+
+async def test_the_middleware_admits_through_the_wire_on_every_event_loop(
+    loop: str, redis_url: str, tmp_path: Path
+) -> None:
+    # uvicorn runs on uvloop wherever it is installed: a hot path that only spoke to asyncio's
+    # own transports answered every inference there with a 503, Redis healthy.
+    assert running_loop_name() == loop
+    store = RedisStore.from_url(redis_url, timeout=2)
+    assert isinstance(store.pipeline._transport, WireConnections)
+    try:
+        async with Gateway(tmp_path, utcnow, store=store) as gw:
+            await gw.policy(Period.DAY, 10**9)
+            statuses = [(await gw.post()).status_code]  # the first connects and fills
+            statuses += [
+                r.status_code for r in await asyncio.gather(*(gw.post() for _ in range(20)))
+            ]
+            assert statuses == [200] * 21
+            assert gw.store.calls["preflight"] >= 21 and gw.postflights == 21
+    finally:
+        await store.aclose()

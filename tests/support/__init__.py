@@ -16,10 +16,12 @@
 ``sql``            reading the ledger's tables on a connection of the test's own
 ``bodies``         response bodies, chunkings and retained-bytes measurement for usage tests
 ``services``       skip locally / fail under CI when a service is missing (imports pytest)
+``loops``          the event loops the tests run on (asyncio's, uvloop) as anyio backends
 =================  ==========================================================================
 
 The names below are re-exported here; ``services`` is not (the benchmarks run without pytest
-in their path), import it as ``tests.support.services``.
+in their path), import it as ``tests.support.services``; ``loops`` is not either, import it
+as ``tests.support.loops``.
 """
 
 from .asgi import StateAuth, http_scope, lifespan, raw_call

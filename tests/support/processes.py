@@ -74,9 +74,12 @@ def spawn(args: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Pop
 
 
 def uvicorn(
-    app: str, port: int, env: dict[str, str], log: Path, *options: str
+    app: str, port: int, env: dict[str, str], log: Path, *options: str, loop: str | None = None
 ) -> subprocess.Popen[bytes]:
-    """``python -m uvicorn APP --port PORT OPTIONS`` from the repository root."""
+    """``python -m uvicorn APP --port PORT OPTIONS`` from the repository root, on the event
+    loop ``loop`` (``--loop``; None: uvicorn's default, uvloop wherever it is installed)."""
+    if loop is not None:
+        options = ("--loop", loop, *options)
     return spawn(["-m", "uvicorn", app, "--port", str(port), *options], env, log)
 
 

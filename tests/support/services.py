@@ -7,6 +7,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from typing import NoReturn
 
 import pytest
@@ -34,6 +35,15 @@ def require_modules(*modules: str) -> None:
     for module in modules:
         if importlib.util.find_spec(module) is None:
             unavailable(f"{module} is not installed")
+
+
+def require_loop(loop: str) -> None:
+    """A test on ``loop`` (one of ``tests.support.loops.LOOPS``): uvloop must be importable,
+    except on Windows, where it does not exist and its variants always skip."""
+    if loop == "uvloop":
+        if sys.platform == "win32":
+            pytest.skip("uvloop does not run on Windows")
+        require_modules("uvloop")
 
 
 def started_redis(server: RedisServer) -> RedisServer:

@@ -4,7 +4,8 @@ fail-open admission (fail open) just because the requests arrived together.
 
 A false "Redis unavailable" under a burst is what a deadline measured from the start of the
 call (event-loop queueing included) produces: the test fails if the Redis path counts waiting
-for its turn as Redis being slow.
+for its turn as Redis being slow. The gateway runs on asyncio's event loop and on uvloop
+(uvicorn's default wherever it is installed).
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ BURST = 200
 
 @pytest.fixture(params=["closed", "open"])
 def gateway(
-    request: pytest.FixtureRequest, clean_postgres_url: str, redis_url: str, tmp_path: Path
+    request: pytest.FixtureRequest,
+    clean_postgres_url: str,
+    redis_url: str,
+    tmp_path: Path,
+    loop: str,
 ) -> Iterator[tuple[str, dict[str, str], Path]]:
     env = clean_env(
         SPENDGUARD_DATABASE_URL=clean_postgres_url,
@@ -38,7 +43,7 @@ def gateway(
         # Every other Redis setting stays at its default: the burst must hold with them.
     )
     port, log = free_port(), tmp_path / "gateway.log"
-    proc = uvicorn("examples.gateway:app", port, env, log)
+    proc = uvicorn("examples.gateway:app", port, env, log, loop=loop)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, log)
@@ -48,6 +53,7 @@ def gateway(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.both_loops
 def test_a_burst_of_200_on_a_healthy_redis_is_checked_and_charged_through_redis(
     gateway: tuple[str, dict[str, str], Path], clean_postgres_url: str
 ) -> None:

@@ -1,6 +1,7 @@
 """Redis killed, paused and flushed under concurrent traffic, failing closed and open: every
 inference that was served is recorded and charged exactly once, and afterwards the cache
-equals the ledger to the micro-USD.
+equals the ledger to the micro-USD. On asyncio's event loop and on uvloop: a broken or hung
+connection ends through each loop's own transports and timers.
 
 (The other faults of the chaos suite live next to what they break: a gateway killed with
 SIGKILL in ``test_crash.py`` / ``test_crash_redis.py``, the database cut for 3 policy TTLs in
@@ -25,7 +26,7 @@ from spendguard.store.redis import RedisStore
 from tests.support import Gateway, RedisServer, chat_body
 from tests.support.sql import sql_value
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
 CLIENTS = 8
 FAULT_SECONDS = 1.0

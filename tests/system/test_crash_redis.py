@@ -33,14 +33,14 @@ OPEN = 4  # streams the upstream stalls: open at the kill
 
 
 async def _gateway_under_traffic(
-    env: dict[str, str], tmp_path: Path, *, cut: Callable[[], None] | None = None
+    env: dict[str, str], tmp_path: Path, loop: str, *, cut: Callable[[], None] | None = None
 ) -> tuple[set[str], int]:
     """Run the demo gateway, serve FINISHED inferences (half streamed) while OPEN streams
     stall, keep more traffic going and SIGKILL the gateway in the middle of it. ``cut`` runs
     after a first inference has warmed the cache. Returns the inference ids the clients saw
-    (every one an admitted inference) and the requests sent."""
+    (every one an admitted inference) and the requests sent. The gateway runs on ``loop``."""
     port, log = free_port(), tmp_path / "gateway.log"
-    proc = uvicorn("examples.gateway:app", port, env, log)
+    proc = uvicorn("examples.gateway:app", port, env, log, loop=loop)
     base = f"http://127.0.0.1:{port}"
     seen: set[str] = set()
     sent = 0
@@ -170,20 +170,21 @@ def _env(redis: RedisServer, db_url: str, prefix: str) -> dict[str, str]:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.both_loops
 async def test_sigkill_under_traffic_with_open_streams_loses_nothing(
-    redis_server: RedisServer, clean_postgres_url: str, tmp_path: Path
+    redis_server: RedisServer, clean_postgres_url: str, tmp_path: Path, loop: str
 ) -> None:
     prefix = f"crash{uuid.uuid4().hex[:8]}"
     env = _env(redis_server, clean_postgres_url, prefix)
     run_cli(env, "policy", "set", "--team", "acme", "--api-key", "alpha", "--period", "day",
             "--limit-usd", "1000")  # fmt: skip
-    seen, sent = await _gateway_under_traffic(env, tmp_path)
+    seen, sent = await _gateway_under_traffic(env, tmp_path, loop)
     await _assert_recovered_exactly(env, clean_postgres_url, redis_server, prefix, seen, sent)
 
 
 @pytest.mark.timeout(180)
 async def test_sigkill_while_the_database_is_down_loses_nothing(
-    redis_server: RedisServer, clean_postgres_url: str, tmp_path: Path
+    redis_server: RedisServer, clean_postgres_url: str, tmp_path: Path, loop: str
 ) -> None:
     """The database is cut before the traffic ends: the gateway holds its records in memory
     and dies with them; their entries in Redis are all that is left, and enough."""
@@ -196,5 +197,5 @@ async def test_sigkill_while_the_database_is_down_loses_nothing(
     async with TcpProxy(int(server.rsplit(":", 1)[1])) as proxy:
         via_proxy = f"{server.rsplit(':', 1)[0]}:{proxy.port}/{db}"
         env = _env(redis_server, via_proxy, prefix)
-        seen, sent = await _gateway_under_traffic(env, tmp_path, cut=proxy.down)
+        seen, sent = await _gateway_under_traffic(env, tmp_path, loop, cut=proxy.down)
     await _assert_recovered_exactly(direct, clean_postgres_url, redis_server, prefix, seen, sent)

@@ -75,6 +75,7 @@ class HeldUpstream:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.both_loops
 @pytest.mark.parametrize("cap", ["limit", "balance"])
 async def test_200_concurrent_requests_admit_only_what_fits_a_hard_limit(
     tmp_path: Path, store: Store, cap: str

@@ -262,17 +262,22 @@ async def test_mounted_gateway_with_prefixed_and_parametrised_routes(
     assert not warnings(caplog)  # correctly configured: nothing to warn about
 
 
-async def test_mounted_gateway_with_default_routes_warns(
+async def test_mounted_gateway_with_default_routes_is_guarded(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, "spendguard")
-    guard = SpendGuard(settings(tmp_path))  # the default /v1/... routes
+    """The defaults guard a chat route under any prefix: a gateway mounted at /llm needs no
+    SPENDGUARD_ROUTES, and the start-up check says which routes it guards."""
+    caplog.set_level(logging.INFO, "spendguard")
+    guard = SpendGuard(settings(tmp_path))  # the default routes
     app = mounted_gateway(guard, fake_upstream())
     async with lifespan(app):
         pass
-    said = warnings(caplog)
-    assert "NOT limited or recorded: /llm/chat/completions" in said
-    assert "match no POST route of the app: /v1/chat/completions" in said
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    guarded = [r.getMessage() for r in caplog.records if "guards these routes" in r.getMessage()]
+    assert guarded == [
+        "spendguard guards these routes of the app: /llm/chat/completions, "
+        "/llm/openai/deployments/{deployment}/chat/completions"
+    ]
 
 
 async def test_middleware_on_the_mounted_app_starts_without_lifespan(

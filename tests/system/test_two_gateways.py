@@ -1,7 +1,8 @@
 """Two gateway processes, one Redis, one PostgreSQL: 200 concurrent requests against one key.
 
 The cached usage must equal the sum of the estimates before settlement and the sum of the
-exact charges after it, to the micro-USD.
+exact charges after it, to the micro-USD. Both gateways run on asyncio's event loop, then both
+on uvloop.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ def env(clean_postgres_url: str, redis_url: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def gateways(env: dict[str, str], tmp_path: Path) -> Iterator[list[str]]:
+def gateways(env: dict[str, str], tmp_path: Path, loop: str) -> Iterator[list[str]]:
     procs, bases, logs = [], [], []
     try:
         for n in range(2):
             port, log = free_port(), tmp_path / f"gw{n}.log"
-            procs.append(uvicorn("examples.gateway:app", port, env, log))
+            procs.append(uvicorn("examples.gateway:app", port, env, log, loop=loop))
             bases.append(f"http://127.0.0.1:{port}")
             logs.append(log)
         for base, proc, log in zip(bases, procs, logs, strict=True):
@@ -52,6 +53,7 @@ def gateways(env: dict[str, str], tmp_path: Path) -> Iterator[list[str]]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.both_loops
 def test_two_gateways_200_concurrent_requests_one_key(
     gateways: list[str], env: dict[str, str], clean_postgres_url: str, redis_url: str
 ) -> None:
