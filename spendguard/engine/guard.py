@@ -53,6 +53,7 @@ from ..usage import BodyObserver, Dialect, Usage, estimate_usage, observer_for
 from .admin import Admin
 from .costing import Coster
 from .decision import Admission, Decision, InferenceRequest, Unavailable, Verdict
+from .embedded import POSTGRES_WARNING, EmbeddedClaim, claim_sqlite
 from .entries import admission_tokens, closed_entry, open_entry, worst_case
 from .fill import CacheFiller
 from .outage import OutageTracker
@@ -156,6 +157,10 @@ class SpendGuard:
         )
         self._stack: AsyncExitStack | None = None
         self._cancel: anyio.CancelScope | None = None
+        self._claim: EmbeddedClaim | None = None  # held from start to stop (embedded store)
+        # Set when start found another process counting on this ledger: every preflight then
+        # refuses, since without a lifespan the app serves on after a failed start.
+        self._refused = False
         self._stopped = anyio.Event()
         self._connect_lock = anyio.Lock()
         trace_guard(self, s.otel)  # spans around preflight/postflight, if enabled
@@ -205,6 +210,34 @@ class SpendGuard:
         """
         if self._cancel is not None:
             raise ConfigurationError("SpendGuard already started")
+        claim = self._claim_ledger()
+        try:
+            await self._start(task_group, worker)
+        except BaseException:
+            if claim is not None:
+                claim.release()
+            raise
+        self._claim = claim
+
+    def _claim_ledger(self) -> EmbeddedClaim | None:
+        """The embedded store counts in this process only: make sure no other process runs
+        one on the same ledger (design.md, "One process per embedded store")."""
+        if self.store.shared:
+            return None
+        path = self.ledger.sqlite_path
+        if path is None:
+            if self.ledger.is_postgres:
+                log.warning(POSTGRES_WARNING)
+            return None  # in-memory SQLite: the ledger itself is this process's
+        try:
+            claim = claim_sqlite(path)
+        except ConfigurationError:
+            self._refused = True
+            raise
+        self._refused = False
+        return claim
+
+    async def _start(self, task_group: TaskGroup | None, worker: bool | None) -> None:
         await self._ensure_connected()
         await self.store.start()
         store = self.store
@@ -312,7 +345,16 @@ class SpendGuard:
             self._unclosed.setdefault(key, {}).setdefault(rid, now)
 
     async def stop(self) -> None:
-        """Stop taking work, flush the records (shielded, bounded) and disconnect."""
+        """Stop taking work, flush the records (shielded, bounded), disconnect and release the
+        ledger (the embedded store's claim)."""
+        claim, self._claim = self._claim, None
+        try:
+            await self._stop()
+        finally:
+            if claim is not None:
+                claim.release()
+
+    async def _stop(self) -> None:
         cancel, stack = self._cancel, self._stack
         self._cancel = self._stack = None
         if cancel is not None:
@@ -495,6 +537,8 @@ class SpendGuard:
         # per call beyond it).
         made = (identity, t0, record_id, inference_id, plan, entry)
         conclude = self._conclude
+        if self._refused:  # never fails open: this process's counts are not the limit's
+            return conclude(made, Verdict.UNAVAILABLE, unavailable=Unavailable.STORE)
 
         try:
             if entry is not None and identity.team not in self._entry_teams:
