@@ -20,7 +20,7 @@ from starlette.routing import Mount
 llm = FastAPI()
 
 
-@llm.post("/v1/embeddings")
+@llm.post("/text/completions")
 async def embed() -> dict:
     return {}
 
@@ -98,13 +98,13 @@ def test_routes_are_checked_against_the_app(
     code, found = doctor(capsys, "--app", "mounted_gateway:app")
     assert code == 1
     routes = found["routes"]
-    assert routes["uncovered"] == ["/llm/v1/embeddings"]
+    assert routes["uncovered"] == ["/llm/text/completions"]
     assert routes["guarded"] == []
 
-    monkeypatch.setenv("SPENDGUARD_ROUTES", "/llm/v1/embeddings")
+    monkeypatch.setenv("SPENDGUARD_ROUTES", "/llm/text/completions")
     code, found = doctor(capsys, "--app", "mounted_gateway:app")
     assert code == 0 and found["routes"]["uncovered"] == [] and found["routes"]["unmatched"] == []
-    assert found["routes"]["guarded"] == ["/llm/v1/embeddings"]
+    assert found["routes"]["guarded"] == ["/llm/text/completions"]
 
 
 ROUTER_MODULE = """

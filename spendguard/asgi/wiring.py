@@ -343,7 +343,8 @@ class Wiring:
                 ", ".join(uncovered),
             )
         own = [path for path in report.unmatched if path not in DEFAULT_ROUTES]
-        if first and (own or not report.guarded):
+        nothing = not report.guarded and len(report.unmatched) == len(self.routes.paths)
+        if first and (own or nothing):
             log.warning(
                 "spendguard: these inference routes match no POST route of the app: %s "
                 "(the app's POST routes: %s). Paths are relative to where SpendGuardMiddleware "

@@ -487,7 +487,7 @@ class SpendGuard:
             usage = estimate_usage(request.estimated_input_tokens, output)
         model = request.model
         served = observer.model if observer is not None else None
-        if served and self.coster.is_priced(served):
+        if served and not request.model_pinned and self.coster.is_priced(served):
             model = served  # what was actually served (aliases, fallbacks)
         try:
             return await self.postflight(
