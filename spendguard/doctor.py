@@ -29,7 +29,7 @@ from .asgi.wiring import app_routes, route_report
 from .describe import ledger_description, redact_url, sqlite_file, store_description
 from .errors import ConfigurationError, SpendGuardError
 from .ledger import Ledger
-from .settings import DEFAULT_ROUTES, Settings
+from .settings import Settings
 from .store import make_store
 
 
@@ -138,7 +138,7 @@ async def check_routes(ctx: DoctorContext) -> Finding:
     if found is None:
         return Finding("routes", False, f"{ctx.app} has no route table to check", data)
     report = route_report(table, found, RouteTable(ctx.settings.pass_routes))
-    own_unmatched = [p for p in report.unmatched if p not in DEFAULT_ROUTES]
+    own_unmatched = report.unmatched_own
     data.update(
         app_post_routes=list(report.posts),
         guarded=list(report.guarded),

@@ -35,6 +35,11 @@ STATE_RECORD_ID = "spendguard_record_id"
 HEADER_INFERENCE_ID = "x-spendguard-inference-id"
 _INFERENCE_ID_HEADER = HEADER_INFERENCE_ID.encode()
 
+
+class Disconnected(Exception):
+    """The client went away while we read the request body: nothing to answer or charge."""
+
+
 # A response to send instead of calling the app's endpoint.
 Refusal = Callable[[Send], Awaitable[None]]
 

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..budgets import BudgetGate
 from ..engine.guard import SpendGuard
-from .admission import STATE_RECORD_ID, Exchange, admit_inference, bad_request
+from .admission import STATE_RECORD_ID, Disconnected, Exchange, admit_inference, bad_request
 from .dependency import STATE_ADMIT, Refused
 from .finishing import replay
 from .identity import IdentityResolver, resolve
@@ -41,8 +41,6 @@ async def deferred_inference(
 ) -> None:
     """Read the body, call the app with the admission hook; observe and finish what it
     admitted."""
-    from .middleware import Disconnected  # (the middleware imports this module)
-
     try:
         body = await read_body(scope, receive)
     except Disconnected:

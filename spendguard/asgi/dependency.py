@@ -24,11 +24,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import Send
 
+from .routes import INFERENCE_ENDINGS
+
 log = logging.getLogger("spendguard")
 
 STATE_ADMIT = "spendguard_admit"  # set by the middleware on a route that defers admission
 _warned: set[tuple[int, str]] = set()  # (app, path) warned about, once each
-_INFERENCE_ENDINGS = ("/completions", "/responses", "/embeddings", "/messages", "/compact")
 
 
 class Refused(Exception):
@@ -54,7 +55,7 @@ async def spendguard_guard(request: Request) -> None:
         return
     if STATE_RECORD_ID in state:
         return  # the middleware already admitted it (an identity was known before the app)
-    if not request.url.path.rstrip("/").endswith(_INFERENCE_ENDINGS):
+    if not request.url.path.rstrip("/").endswith(INFERENCE_ENDINGS):
         return  # listed router-wide, on a route that is no inference
     where = (id(request.scope.get("app")), request.url.path)
     if where not in _warned and len(_warned) < 1000:

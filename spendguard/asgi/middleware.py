@@ -28,6 +28,7 @@ from .admission import (
     STATE_INFERENCE_ID,
     STATE_RECORD_ID,
     STATE_T0,
+    Disconnected,
     Exchange,
     admit_inference,
     bad_request,
@@ -57,10 +58,6 @@ def _too_large(limit: int) -> BadRequest:
     return BadRequest(f"Request body exceeds {limit} bytes.", status=413)
 
 
-class Disconnected(Exception):
-    """The client went away while we read the request body: nothing to answer or charge."""
-
-
 class SpendGuardMiddleware:
     """Spend limits for the inference routes of a Starlette/FastAPI app.
 
@@ -85,8 +82,10 @@ class SpendGuardMiddleware:
         self.enabled = self.settings.enabled
         self.resolve_identity = resolve_identity
         self.routes = RouteTable(self.settings.routes)
-        self.wiring = Wiring(self.settings, self.routes, resolve_identity)
         self.unlisted = UnlistedInferences(self.settings)
+        self.wiring = Wiring(
+            self.settings, self.routes, resolve_identity, self.unlisted.pass_routes
+        )
         # Disabled means a strict no-op: not even a database file or a price table.
         self.guard: SpendGuard | None = None
         if self.enabled:

@@ -35,6 +35,8 @@ MODEL_PARAMETERS: Final = ("model", "deployment", "deployment_id", "engine", "mo
 _UNUSUAL: Final = re.compile(r"//|/\.|%|\\|[A-Z]|/$")
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _DECODINGS: Final = 3
+# Last path segments of the APIs spendguard reads usage from.
+INFERENCE_ENDINGS: Final = ("/completions", "/responses", "/embeddings", "/messages", "/compact")
 # A route recorded with a record is the path as requested; a pattern can match a long one.
 MAX_ROUTE_LENGTH: Final = 256
 
@@ -143,16 +145,7 @@ class RouteTable:
         path that can't be read one way only."""
         if scope["method"] != "POST":
             return None
-        path: str = scope["path"]
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :]
-        found = self._exact.get(path)
-        if found is not None:
-            return found
-        if root or self._patterns or _UNUSUAL.search(path):
-            return self.match_path(path, scope["path"], root)
-        return None
+        return self.lookup(scope)
 
     def lookup(self, scope: Scope) -> RouteMatch | None:
         """:meth:`match` for a request of any method."""

@@ -36,13 +36,10 @@ from ..engine.guard import SpendGuard
 from ..settings import DEFAULT_ROUTES, MissingIdentity, Settings, Unlisted
 from .dependency import STATE_ADMIT, spendguard_guard
 from .identity import STATE_API_KEY, STATE_IDENTITY, STATE_TEAM, IdentityResolver
-from .routes import MODEL_PARAMETERS, RouteTable
+from .routes import INFERENCE_ENDINGS, MODEL_PARAMETERS, RouteTable
 
 log = logging.getLogger("spendguard")
 
-# Last path segments of the APIs spendguard reads usage from: an app route ending so that no
-# configured route covers is most likely an inference route left unguarded.
-_INFERENCE_ENDINGS = ("/completions", "/responses", "/embeddings", "/messages")
 # What a path parameter stands for when a configured pattern is tried against the app's routes.
 _SAMPLES = {"int": "1", "float": "1.5", "uuid": "00000000-0000-0000-0000-000000000000"}
 _PARAM = re.compile(r"\{([^{}:]+)(?::([^{}]+))?\}")
@@ -124,27 +121,17 @@ def _walk(routes: Iterable[Any], prefix: str) -> Iterator[AppRoute]:
 
 
 def _walk_included(contexts: Iterable[Any], prefix: str) -> Iterator[AppRoute]:
+    """An included router's routes. A context carries the route's own names (``path``,
+    ``methods``, ``dependant``) with the include applied, so it is walked as a route; a plain
+    Starlette route or a mount inside the router comes as its ``starlette_route``."""
     for context in contexts:
-        inner = getattr(context, "starlette_route", None)
-        if inner is not None:  # a plain Starlette route or a mount inside the router
-            yield from _walk([inner], prefix)
-            continue
         original = getattr(context, "original_route", None)
         if "WebSocket" in type(original).__name__:
             continue
-        path = getattr(context, "path", None)
-        if not isinstance(path, str) or not path:
-            if original is not None:
-                yield from _walk([original], prefix)
-            continue
-        methods = getattr(context, "methods", None)
-        full = prefix + path
-        yield AppRoute(
-            full,
-            frozenset(methods) if methods else None,
-            compile_path(full)[0],
-            _lists_guard(getattr(context, "dependant", None)),
-        )
+        inner = getattr(context, "starlette_route", None)
+        if inner is None and not getattr(context, "path", None):
+            inner = original
+        yield from _walk([context if inner is None else inner], prefix)
 
 
 def _lists_guard(dependant: Any) -> bool:
@@ -172,6 +159,11 @@ class RouteReport:
     guarded: tuple[str, ...] = ()  # app POST routes a configured route covers
 
     @property
+    def unmatched_own(self) -> list[str]:
+        """The unmatched routes someone configured (the defaults cover more than one app)."""
+        return [path for path in self.unmatched if path not in DEFAULT_ROUTES]
+
+    @property
     def ok(self) -> bool:
         return not (self.uncovered or self.stray)
 
@@ -179,7 +171,7 @@ class RouteReport:
 def _looks_like_inference(route: AppRoute) -> bool:
     """An app route an inference would be sent to: its last segment is an inference API's, and
     its parameters, if any, name a model (``/threads/{thread_id}/messages`` is a resource)."""
-    if route.methods is None or not route.path.endswith(_INFERENCE_ENDINGS):
+    if route.methods is None or not route.path.endswith(INFERENCE_ENDINGS):
         return False
     return all(
         name.split(":", 1)[0] in MODEL_PARAMETERS or name.endswith(":path")
@@ -231,7 +223,11 @@ class Wiring:
     """The middleware's first-time checks (one per middleware, see the module docstring)."""
 
     def __init__(
-        self, settings: Settings, routes: RouteTable, resolver: IdentityResolver | None
+        self,
+        settings: Settings,
+        routes: RouteTable,
+        resolver: IdentityResolver | None,
+        passes: RouteTable | None = None,
     ) -> None:
         self.settings = settings
         self.routes = routes
@@ -239,7 +235,7 @@ class Wiring:
         self.pending = True  # neither a lifespan nor a request seen yet
         self.unstarted = True  # no lifespan started the guard, nor the first inference
         self.started_by: str | None = None  # "lifespan" or "first request"
-        self.passes = RouteTable(settings.pass_routes)
+        self.passes = passes if passes is not None else RouteTable(settings.pass_routes)
         self._explained = False
         self._deferred: tuple[re.Pattern[str], ...] = ()
         self._seen: frozenset[str] | None = None  # the app routes last checked
@@ -342,7 +338,7 @@ class Wiring:
                 else "passed UNLIMITED and UNRECORDED",
                 ", ".join(uncovered),
             )
-        own = [path for path in report.unmatched if path not in DEFAULT_ROUTES]
+        own = report.unmatched_own
         nothing = not report.guarded and len(report.unmatched) == len(self.routes.paths)
         if first and (own or nothing):
             log.warning(

@@ -23,6 +23,7 @@ from spendguard import SpendGuardMiddleware
 from spendguard.limits import Period
 from tests.support import StateAuth, chat_body
 from tests.support.gateway import MODEL, Gateway
+from tests.support.paths import CHAT_SPELLINGS
 
 pytestmark = pytest.mark.anyio
 
@@ -103,15 +104,8 @@ VARIANTS = [
     "/v1/chat/completions",
     "/chat/completions",
     "/openai/v1/chat/completions",
-    "//v1/chat/completions",
-    "/v1//chat/completions",
-    "/v1/chat//completions",
-    "/v1/./chat/completions",
-    "/v1/chat/../chat/completions",
-    "/v1/chat/completions/",
-    "/v1/chat%2Fcompletions",
+    *CHAT_SPELLINGS,
     "/v1/chat%252Fcompletions",
-    "/v1/%63hat/completions",
     "/V1/CHAT/COMPLETIONS",
     "/v1/responses",
     "/responses",

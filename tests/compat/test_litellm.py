@@ -21,6 +21,8 @@ import httpx2  # the SDKs' current majors speak httpx2 (anthropic accepts nothin
 import openai
 import pytest
 
+from tests.support.paths import CHAT_SPELLINGS
+
 from .litellm_gateway import (
     ALIAS,
     EMBEDDING,
@@ -82,16 +84,7 @@ INFERENCE_ROUTES: list[tuple[str, dict[str, Any]]] = [
     ("/cursor/chat/completions", CHAT),
 ]
 # Spellings of /v1/chat/completions a client can send; sent byte for byte.
-PATH_VARIANTS = [
-    "//v1/chat/completions",
-    "/v1//chat/completions",
-    "/v1/chat//completions",
-    "/v1/./chat/completions",
-    "/v1/chat/../chat/completions",
-    "/v1/chat/completions/",
-    "/v1/chat%2Fcompletions",
-    "/v1/%63hat/completions",
-]
+PATH_VARIANTS = list(CHAT_SPELLINGS)
 
 
 @pytest.fixture(scope="module")

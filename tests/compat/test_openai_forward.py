@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.paths import CHAT_SPELLINGS
+
 from .forward_gateway import OPEN_KEY, ZERO_KEY, Gateway, forward_config, prepare
 from .support import (
     Provider,
@@ -39,16 +41,7 @@ ROUTES: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/messages", {"model": "claude-sonnet-4-6", "max_tokens": 50, "messages": PROMPT}, ""),
 ]
 # Spellings openai-forward forwards to /v1/chat/completions (checked: the provider gets that).
-PATH_VARIANTS = [
-    "//v1/chat/completions",
-    "/v1//chat/completions",
-    "/v1/chat//completions",
-    "/v1/./chat/completions",
-    "/v1/chat/../chat/completions",
-    "/v1/chat/completions/",
-    "/v1/chat%2Fcompletions",
-    "/v1/%63hat/completions",
-]
+PATH_VARIANTS = list(CHAT_SPELLINGS)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from spendguard.ledger import Ledger
 from spendguard.ledger.schema import records
 from tests.support import clean_env, free_port, run_cli, stop, uvicorn, wait_healthy
+from tests.support.burst import released_together
 from tests.support.sql import sql_rows
 
 BURST = 200
@@ -67,25 +68,14 @@ def test_a_burst_of_200_on_a_healthy_redis_is_checked_and_charged_through_redis(
     body: dict[str, Any] = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 
     async def burst() -> list[int]:
-        statuses: list[int] = []
         limits = httpx.Limits(max_connections=BURST)
         async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
             # One warm request: the policy and usage keys are cached, as in steady traffic.
             warm = await client.post("/v1/chat/completions", json=body, headers=headers)
             assert warm.status_code == 200, warm.text
-            ready = anyio.Event()
-
-            async def one() -> None:
-                await ready.wait()  # all 200 leave together
-                r = await client.post("/v1/chat/completions", json=body, headers=headers)
-                statuses.append(r.status_code)
-
-            async with anyio.create_task_group() as tg:
-                for _ in range(BURST):
-                    tg.start_soon(one)
-                await anyio.sleep(0.2)
-                ready.set()
-        return statuses
+            return await released_together(
+                BURST, lambda: client.post("/v1/chat/completions", json=body, headers=headers)
+            )
 
     statuses = anyio.run(burst)
     assert sorted(statuses) == [200] * BURST, {s: statuses.count(s) for s in set(statuses)}

@@ -36,6 +36,7 @@ from tests.support import (
     wait_healthy,
     write_unit_prices,
 )
+from tests.support.burst import released_together
 from tests.support.sql import sql_rows
 
 pytestmark = pytest.mark.both_loops
@@ -90,22 +91,12 @@ def test_a_hard_limit_admits_exactly_what_fits_on_each_loop_and_redis_is_never_a
             "--limit-usd", str(micros_to_usd(limit)), "--mode", "hard")  # fmt: skip
 
     async def at_once() -> list[int]:
-        statuses: list[int] = []
         limits = httpx.Limits(max_connections=CONCURRENT)
         async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
-            ready = anyio.Event()
-
-            async def one() -> None:
-                await ready.wait()
-                r = await client.post("/v1/chat/completions", content=BODY, headers=HEADERS)
-                statuses.append(r.status_code)
-
-            async with anyio.create_task_group() as tg:
-                for _ in range(CONCURRENT):
-                    tg.start_soon(one)
-                await anyio.sleep(0.2)
-                ready.set()
-        return statuses
+            return await released_together(
+                CONCURRENT,
+                lambda: client.post("/v1/chat/completions", content=BODY, headers=HEADERS),
+            )
 
     statuses = anyio.run(at_once)
     counts = {s: statuses.count(s) for s in set(statuses)}
