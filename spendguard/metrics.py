@@ -53,6 +53,13 @@ RECOVERED_RECORDS = Counter(
     "whole record, open = its admission estimate).",
     ["kind"],
 )
+UNKNOWN_MODEL = Counter(
+    "spendguard_unknown_model_total",
+    "Prices asked for a model the price table does not know, by the unknown-model rule that "
+    "answered (default_price, free, reject) and the stage (admission, hold, estimate, "
+    "settlement).",
+    ["rule", "stage"],
+)
 DEFAULT_PRICED = Counter(
     "spendguard_default_priced_total",
     "Costs computed at the price table's 'default' entry, for models the table does not price "

@@ -7,7 +7,7 @@ from enum import StrEnum
 from typing import Final
 
 from ..errors import ConfigurationError
-from ..metrics import DEFAULT_PRICED
+from ..metrics import DEFAULT_PRICED, UNKNOWN_MODEL
 from ..settings import UnknownModel
 from ..usage import Usage
 from .pricing import Price, PriceTable
@@ -26,15 +26,16 @@ class Stage(StrEnum):
     ESTIMATE = "estimate"  # postflight's estimate (and a dead gateway's recovered one)
     SETTLEMENT = "settlement"  # the exact charge written to the ledger
     HOLD = "hold"  # preflight's worst case, held on hard limits: not a charge
+    ADMISSION = "admission"  # refused before the provider (unknown_model=reject)
 
 
 class Coster:
     """``cost()`` is used for the postflight estimate and for the exact settlement charge, so
     the two agree whenever the provider reported usage.
 
-    A model the table does not price, charged the ``default`` entry, is logged once per model
-    name (a warning: the default is deliberately dear) and counted in
-    ``spendguard_default_priced_total``.
+    A model the table does not price is logged once per model name (a warning, whatever the
+    unknown-model rule) and counted in ``spendguard_unknown_model_total`` (and, charged the
+    deliberately dear ``default`` entry, in ``spendguard_default_priced_total``).
     """
 
     __slots__ = ("_fallback", "_table", "_unknown", "_warned")
@@ -55,27 +56,55 @@ class Coster:
     def rejects_unknown(self) -> bool:
         return self._unknown is UnknownModel.REJECT
 
+    @property
+    def table(self) -> PriceTable:
+        return self._table
+
     def is_priced(self, model: str) -> bool:
         return self._table.lookup(model) is not None
 
-    def cost(self, model: str, usage: Usage, *, stage: Stage = Stage.ESTIMATE) -> int:
+    def price(self, model: str, *, stage: Stage = Stage.ESTIMATE) -> Price | None:
+        """The price ``model`` is charged at: its table entry, else the unknown-model rule's
+        (the ``default`` entry, or None: charged nothing). An unknown model is logged once
+        and counted every time."""
         price = self._table.lookup(model)
-        if price is None and self._fallback is not None:
-            price = self._fallback
-            self._charged_default(model, stage)
+        if price is not None:
+            return price
+        self._unpriced(model, stage)
+        return self._fallback
+
+    def cost(self, model: str, usage: Usage, *, stage: Stage = Stage.ESTIMATE) -> int:
+        price = self.price(model, stage=stage)
         # REJECT keeps unpriced models from reaching the provider; one that slips through (a
         # price file edited between request and settlement) is charged nothing, not guessed.
         return 0 if price is None else int(price.cost(usage))
 
-    def _charged_default(self, model: str, stage: Stage) -> None:
-        DEFAULT_PRICED.labels(stage.value).inc()
+    def refused(self, model: str) -> None:
+        """An unknown model refused at admission (unknown_model=reject): logged and counted."""
+        self._unpriced(model, Stage.ADMISSION)
+
+    def _unpriced(self, model: str, stage: Stage) -> None:
+        rule = self._unknown
+        UNKNOWN_MODEL.labels(rule.value, stage.value).inc()
+        if rule is UnknownModel.DEFAULT_PRICE:
+            DEFAULT_PRICED.labels(stage.value).inc()
         if model in self._warned or len(self._warned) >= _WARNED_MAX:
             return
         self._warned.add(model)
+        if rule is UnknownModel.DEFAULT_PRICE:
+            fallback = self._fallback
+            what = (
+                f"charged the default price ({fallback.input if fallback else '?'} in, "
+                f"{fallback.output if fallback else '?'} out per 1M tokens)"
+            )
+        elif rule is UnknownModel.REJECT:
+            what = "refused with a 400"
+        else:
+            what = "charged nothing (unknown_model=free)"
         log.warning(
-            "model %r is not in the price table: charged the default price (%s in, %s out "
-            "per 1M tokens); add it to a price file (SPENDGUARD_PRICES)",
+            "model %r is not in the price table: %s; add it to a price file "
+            "(SPENDGUARD_PRICES) or check `spendguard prices show %s`",
             model,
-            self._fallback.input if self._fallback is not None else "?",
-            self._fallback.output if self._fallback is not None else "?",
+            what,
+            model,
         )

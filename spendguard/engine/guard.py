@@ -422,6 +422,7 @@ class SpendGuard:
         if request is None:
             raise TypeError("admit() needs the request of an identified inference")
         if self.coster.rejects_unknown and not self.coster.is_priced(request.model):
+            self.coster.refused(request.model)
             message = f"Model {request.model!r} has no price."
             admitted(Verdict.UNPRICED)
             return Admission(Verdict.UNPRICED, route, dialect, request, message=message)

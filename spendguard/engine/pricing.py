@@ -1,39 +1,32 @@
 """Model price table: USD per 1M tokens, looked up by the model name a client sends.
 
-spendguard ships a table of public list prices (``prices.json`` next to this module). An
-operator's own file (JSON or YAML) is laid over it: an entry there replaces the shipped entry of
-the same model and new entries extend the table. Both files use one format::
+spendguard ships a table of list prices (``prices.json`` next to the package, generated from
+LiteLLM's price file by ``spendguard prices refresh``). An operator's own file is laid over it:
+spendguard's format (JSON or YAML) or LiteLLM's ``model_prices_and_context_window.json``
+(``SPENDGUARD_PRICES=litellm`` takes the one of the installed ``litellm`` package). The file
+formats are in :mod:`.price_files`.
 
-    {"as_of": "2026-06-21",
-     "models": {"gpt-4o-mini": {"input": "0.15", "output": "0.60", "cached_input": "0.075"}}}
+Prices are :class:`~decimal.Decimal` and never touch binary floats: a USD price per 1M tokens
+is numerically the micro-USD price per token, so a charge is an exact integer sum over the
+prices' common denominator, rounded up once, to whole micro-USD, at the end.
 
-An operator's file may instead be LiteLLM's ``model_prices_and_context_window.json`` (or a copy
-of part of it), which many gateways already maintain: USD *per token* in
-``input_cost_per_token``, ``output_cost_per_token``, ``cache_read_input_token_cost`` and
-``cache_creation_input_token_cost``, with ``litellm_provider`` and ``mode``. It is recognised by
-its shape (no ``models`` key; entries with LiteLLM's fields). Entries of modes that are not
-billed per text token (image generation, speech, transcription, moderation, rerank...) and
-entries without token prices are skipped; the others become per-1M prices exactly (a per-token
-``1.5e-07`` is ``0.15``).
+A name is priced by a rule, never by a guess. :meth:`PriceTable.match` tries, in order:
 
-Prices are parsed to :class:`~decimal.Decimal` and never touch binary floats: a USD price per
-1M tokens is numerically the micro-USD price per token, so a charge is an exact sum (integers
-over the prices' common denominator) that is rounded up once, to whole micro-USD, at the end.
+1. the exact name (case-insensitive), or an alias the table declares;
+2. the name without routing prefixes (``openai/gpt-4o``, ``openrouter/anthropic/claude-...``),
+   one ``/`` segment at a time;
+3. the vendor form of a cloud's id (``us.anthropic.claude-sonnet-4-20250514-v1:0``: region
+   group, vendor and version removed), and a fine-tuned model (``ft:gpt-4o-mini:org::id``)
+   as its base's fine-tune entry;
+4. a dated snapshot (``-2024-08-06``, ``-20250514``, ``@20250514``) as its undated family.
 
-Model names reach us in many spellings (``openai/gpt-4o-mini``, ``gpt-4o-mini-2024-07-18``,
-``claude-sonnet-4@20250514``, ``us.anthropic.claude-sonnet-4-20250514-v1:0``). :meth:`lookup`
-tries, in order: the exact name (case-insensitive), the name without a provider prefix, the name
-without a date suffix, then the longest table entry the name starts with at a ``-`` boundary.
-That last step never crosses a variant word: ``gpt-4o-audio-preview`` or
-``gemini-2.5-flash-preview-tts`` bill audio, images or searches at other prices than the text
-model they start with, so they match only an entry of their own (or none, and the caller's
-unknown-model rule applies).
+Steps 2-4 are logged once per name (a snapshot at WARNING: its price may differ from its
+family's). Anything else is unknown and follows the configured unknown-model rule; no shared
+prefix ever prices a name (``gpt-4o-mni`` is not ``gpt-4o``).
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import logging
 import math
 import os
@@ -42,13 +35,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from decimal import Decimal, InvalidOperation
-from functools import lru_cache
-from importlib import resources
-from pathlib import Path
+from enum import StrEnum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final
-
-import yaml
+from typing import TYPE_CHECKING, Final
 
 from ..errors import ConfigurationError
 from ..money import MicroUSD
@@ -56,62 +45,38 @@ from ..money import MicroUSD
 if TYPE_CHECKING:
     from ..usage import Usage
 
-__all__ = ["Price", "PriceMatch", "PriceTable"]
+__all__ = ["Price", "PriceMatch", "PriceTable", "Resolution", "Tier"]
 
 log = logging.getLogger("spendguard")
 
-_SHIPPED_FILE: Final = "prices.json"
 _PRICE_FIELDS: Final = ("input", "output", "cached_input", "cache_write")
-_REQUIRED_PRICE_FIELDS: Final = ("input", "output")
-# Not prices: who sells the model (shown by ``spendguard prices show``).
-_ENTRY_FIELDS: Final = (*_PRICE_FIELDS, "provider")
-_TOP_LEVEL_FIELDS: Final = ("as_of", "source", "sources", "models")
-
-# Words that make a model a variant priced apart from the text model its name starts with
-# (audio or image tokens, per-call search fees, speech, embeddings...): a name is never
-# priced as a shorter entry across one of them.
-_VARIANT_WORDS: Final = frozenset(
-    {
-        "audio",
-        "realtime",
-        "image",
-        "images",
-        "vision",
-        "transcribe",
-        "transcription",
-        "tts",
-        "speech",
-        "embed",
-        "embedding",
-        "search",
-        "deep",
-        "research",
-        "computer",
-        "live",
-        "moderation",
-    }
-)
-
-# LiteLLM's price file: per-token USD fields, and the modes billed per text token.
-_LITELLM_PRICE_FIELDS: Final = {
-    "input_cost_per_token": "input",
-    "output_cost_per_token": "output",
-    "cache_read_input_token_cost": "cached_input",
-    "cache_creation_input_token_cost": "cache_write",
-}
-_LITELLM_MODES: Final = frozenset({"chat", "completion", "responses", "embedding"})
-_LITELLM_MARKERS: Final = frozenset({"litellm_provider", "input_cost_per_token", "mode"})
-_PER_MILLION: Final = Decimal(1_000_000)
-# No real price comes near $1 per token; a bigger value is a typo (a per-token price pasted as a
-# per-1M one, a stray exponent) and would make every request unaffordable, so it is refused.
-_MAX_PRICE: Final = Decimal(1_000_000)
-
 _RESOLVED_MAX: Final = 1024  # names kept resolved; beyond, the memo starts over
+_NOTED_MAX: Final = 1000  # names logged once each; beyond, no more lines (clients pick names)
+
 _DATE_SUFFIX: Final = re.compile(r"(?:-\d{4}-\d{2}-\d{2}|-\d{8}|@\d{8})$")
-# Bedrock-style ids put the vendor (and an optional region group) in front with dots:
-# ``anthropic.claude-...`` / ``us.anthropic.claude-...``. Anchored and specific, so the dots in
-# ``gpt-3.5-turbo`` or ``gpt-4.1`` are never mistaken for one.
-_VENDOR_DOT_PREFIX: Final = re.compile(r"^(?:[a-z]{2,6}\.)?(?:anthropic|openai)\.")
+# Cloud ids put a region group and the vendor in front with dots and a version behind:
+# ``us.anthropic.claude-...-v1:0``, ``amazon.nova-pro-v1:0``. Anchored on known vendors, so the
+# dots in ``gpt-3.5-turbo`` or ``gpt-4.1`` are never mistaken for one.
+_VENDOR_DOT_PREFIX: Final = re.compile(
+    r"^(?:[a-z]{2,6}\.)?(?:anthropic|openai|amazon|meta|cohere|mistral|deepseek|ai21|writer)\."
+)
+_CLOUD_VERSION: Final = re.compile(r"-v\d+(?::\d+)?$")
+# OpenAI's fine-tuned ids: ``ft:<base>:<org>:<suffix>:<id>``; the table prices ``ft:<base>``.
+_FINE_TUNE: Final = re.compile(r"^(ft:[^:]+):.+$")
+
+
+class Resolution(StrEnum):
+    """How a name found its entry (``spendguard prices show`` says it)."""
+
+    EXACT = "exact name"
+    ALIAS = "alias"
+    ROUTING_PREFIX = "routing prefix removed"
+    VENDOR_FORM = "cloud vendor form"
+    FINE_TUNE = "fine-tune of its base"
+    SNAPSHOT = "dated snapshot of its family"
+
+
+# --------------------------------------------------------------------------------- prices
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +89,10 @@ class Price:
     """Cache reads; equal to ``input`` for models without a cache discount."""
     cache_write: Decimal
     """Cache writes (Anthropic's 5-minute TTL price); equal to ``input`` where not billed apart."""
+    tiers: tuple[Tier, ...] = ()
+    """Long-context prices, by threshold ascending: a request whose prompt (input, cache reads
+    and cache writes) is above a tier's threshold is billed at that tier's prices, all of it,
+    as Anthropic, Google and OpenAI bill them."""
     # The four prices above as integers over one common denominator, so a charge is an exact
     # integer sum divided and rounded up once: Decimal arithmetic made pricing several times
     # dearer (a settlement prices every record).
@@ -139,6 +108,15 @@ class Price:
                 raise TypeError(f"Price.{name} must be a Decimal, not {type(value).__name__}")
             if not value.is_finite() or value < 0:
                 raise ValueError(f"Price.{name} must be a finite, non-negative number: {value}")
+        previous = 0
+        for tier in self.tiers:
+            if not isinstance(tier, Tier):
+                raise TypeError("Price.tiers must hold Tier values")
+            if tier.above <= previous:
+                raise ValueError("Price.tiers: thresholds must be positive and ascending")
+            if tier.price.tiers:
+                raise ValueError("Price.tiers: a tier's price has no tiers of its own")
+            previous = tier.above
         ratios = [getattr(self, name).as_integer_ratio() for name in _PRICE_FIELDS]
         denominator = math.lcm(*(d for _, d in ratios))
         numerators = tuple(n * (denominator // d) for n, d in ratios)
@@ -152,6 +130,8 @@ class Price:
         output: Decimal | str | int,
         cached_input: Decimal | str | int | None = None,
         cache_write: Decimal | str | int | None = None,
+        *,
+        tiers: Iterable[Tier] = (),
     ) -> Price:
         """Build a price from exact values; cache prices default to the input price."""
         inp = Decimal(input)
@@ -160,6 +140,7 @@ class Price:
             output=Decimal(output),
             cached_input=inp if cached_input is None else Decimal(cached_input),
             cache_write=inp if cache_write is None else Decimal(cache_write),
+            tiers=tuple(tiers),
         )
 
     def cost(self, usage: Usage) -> MicroUSD:
@@ -170,27 +151,112 @@ class Price:
             # A negative count can only come from a parsing bug; charging it would credit the
             # budget, so refuse loudly instead.
             raise ValueError(f"negative token count in {usage!r}")
-        pi, po, pc, pw = self._numerators
-        return MicroUSD(-(-(pi * i + po * o + pc * c + pw * w) // self._denominator))
+        price = self
+        if self.tiers:
+            prompt = i + c + w
+            for tier in self.tiers:
+                if prompt > tier.above:
+                    price = tier.price
+        pi, po, pc, pw = price._numerators
+        return MicroUSD(-(-(pi * i + po * o + pc * c + pw * w) // price._denominator))
+
+    def encode(self) -> str:
+        """This price as one short exact string (what a record carries; see :meth:`decode`):
+        ``input,output,cached_input,cache_write`` then ``|above:...`` per tier."""
+        parts = [_flat_text(self)]
+        parts.extend(f"{tier.above}:{_flat_text(tier.price)}" for tier in self.tiers)
+        return "|".join(parts)
+
+    @classmethod
+    def decode(cls, text: str) -> Price:
+        """The price :meth:`encode` wrote; ValueError for anything else."""
+        if not isinstance(text, str) or len(text) > 512:
+            raise ValueError("not an encoded price")
+        head, *rest = text.split("|")
+        tiers = []
+        for part in rest:
+            above, sep, flat = part.partition(":")
+            if not sep or not above.isdigit():
+                raise ValueError(f"not an encoded price tier: {part!r}")
+            tiers.append(Tier(int(above), cls(*_flat_values(flat))))
+        return cls(*_flat_values(head), tiers=tuple(tiers))
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    """The prices of a request whose prompt is above ``above`` tokens."""
+
+    above: int
+    price: Price
+
+    def __post_init__(self) -> None:
+        if isinstance(self.above, bool) or not isinstance(self.above, int) or self.above <= 0:
+            raise ValueError("Tier.above must be a positive number of tokens")
+
+
+def _plain(value: Decimal) -> str:
+    text = format(value.normalize(), "f")
+    return "0" if text in ("-0", "0") else text
+
+
+def _flat_text(price: Price) -> str:
+    return ",".join(_plain(getattr(price, name)) for name in _PRICE_FIELDS)
+
+
+def _flat_values(text: str) -> tuple[Decimal, Decimal, Decimal, Decimal]:
+    fields = text.split(",")
+    if len(fields) != 4:
+        raise ValueError(f"not an encoded price: {text!r}")
+    try:
+        values = [Decimal(f) for f in fields]
+    except InvalidOperation as exc:
+        raise ValueError(f"not an encoded price: {text!r}") from exc
+    return values[0], values[1], values[2], values[3]
+
+
+# ---------------------------------------------------------------------------------- table
 
 
 @dataclass(frozen=True, slots=True)
 class PriceMatch:
-    """Which table entry prices a model name, and where the entry came from."""
+    """Which table entry prices a model name, how it was found, and where it came from."""
 
     entry: str
     price: Price
     from_file: bool
-    """The operator's price file set this entry (else it is the shipped one)."""
+    """The operator's price file (or the gateway's aliases) set this entry."""
     provider: str | None = None
+    how: Resolution = Resolution.EXACT
+    via: str | None = None
+    """The name the entry was found under, where it is not the entry (an alias, the name
+    without its prefix, the snapshot's family)."""
+    max_output_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TableParts:
+    """What a price table is made of (what :mod:`.price_files` reads from a file)."""
+
+    prices: Mapping[str, Price]
+    as_of: str | None = None
+    providers: Mapping[str, str] = dataclass_field(default_factory=dict)
+    aliases: Mapping[str, str] = dataclass_field(default_factory=dict)
+    """Name → entry: names answered by another entry (LiteLLM's provider-prefixed entries
+    answer their bare names; a file's own ``aliases``)."""
+    max_output: Mapping[str, int] = dataclass_field(default_factory=dict)
+    ambiguous: Mapping[str, tuple[str, ...]] = dataclass_field(default_factory=dict)
+    """Bare names several differently priced entries could answer: priced by none."""
 
 
 class PriceTable:
-    """Immutable model → :class:`Price` table with forgiving name lookup."""
+    """Immutable model → :class:`Price` table, looked up by the rules in the module docstring."""
 
     __slots__ = (
+        "_aliases",
+        "_ambiguous",
         "_from_file",
-        "_longest",
+        "_max_output",
+        "_noted",
         "_prices",
         "_providers",
         "_resolved",
@@ -199,7 +265,7 @@ class PriceTable:
     )
 
     as_of: str
-    """Date (``YYYY-MM-DD``) the shipped prices were taken from the providers' pages."""
+    """Date (``YYYY-MM-DD``) of the shipped prices."""
     user_as_of: str | None
     """The ``as_of`` of the operator's file, when it has one."""
 
@@ -211,92 +277,167 @@ class PriceTable:
         user_as_of: str | None = None,
         providers: Mapping[str, str] | None = None,
         from_file: Iterable[str] = (),
+        aliases: Mapping[str, str] | None = None,
+        max_output: Mapping[str, int] | None = None,
+        ambiguous: Mapping[str, tuple[str, ...]] | None = None,
     ) -> None:
         normalised: dict[str, Price] = {}
         for name, price in prices.items():
-            key = name.strip().lower()
+            key = _key(name)
             if not key:
                 raise ValueError("empty model name in price table")
             normalised[key] = price
         self._prices: Mapping[str, Price] = MappingProxyType(normalised)
-        # No entry is longer than this: the prefix search needs to look no further.
-        self._longest = max(map(len, normalised), default=0)
+        resolved_aliases: dict[str, str] = {}
+        for name, target in (aliases or {}).items():
+            key, entry = _key(name), _key(target)
+            if key in normalised:
+                continue  # an entry of its own beats an alias
+            if entry not in normalised:
+                raise ValueError(f"alias {name!r} names {target!r}, which has no price")
+            resolved_aliases[key] = entry
+        self._aliases: Mapping[str, str] = MappingProxyType(resolved_aliases)
         self._providers: Mapping[str, str] = MappingProxyType(
-            {name.strip().lower(): who for name, who in (providers or {}).items()}
+            {_key(name): who for name, who in (providers or {}).items()}
         )
-        self._from_file = frozenset(name.strip().lower() for name in from_file)
-        # Names already resolved: every request prices its model two or three times, and a
-        # served name (``gpt-4o-mini-2024-07-18``) takes the regex steps below. Bounded, since
-        # the names come from clients.
-        self._resolved: dict[str, str | None] = {}
+        self._max_output: Mapping[str, int] = MappingProxyType(
+            {_key(name): n for name, n in (max_output or {}).items()}
+        )
+        self._ambiguous: Mapping[str, tuple[str, ...]] = MappingProxyType(
+            {_key(name): keys for name, keys in (ambiguous or {}).items()}
+        )
+        self._from_file = frozenset(_key(name) for name in from_file)
+        # Names already resolved: every request prices its model two or three times. Bounded,
+        # since the names come from clients.
+        self._resolved: dict[str, tuple[str, Resolution, str] | None] = {}
+        self._noted: set[str] = set()
         self.as_of = as_of
         self.user_as_of = user_as_of
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None) -> PriceTable:
-        """The shipped table, with the operator's file at ``path`` laid over it: JSON or YAML
-        in spendguard's format, or LiteLLM's JSON price file."""
-        shipped = _shipped_document()
+        """The shipped table, with the operator's file at ``path`` laid over it: spendguard's
+        format (JSON or YAML), LiteLLM's JSON price file, or ``litellm`` for the price file of
+        the installed ``litellm`` package."""
+        from .price_files import read_prices, shipped_prices
+
+        shipped = shipped_prices()
+        as_of = shipped.as_of or ""
         if path is None:
-            return cls(shipped.prices, as_of=shipped.as_of, providers=shipped.providers)
-        user = _read_document(path)
+            return cls.of_parts(shipped, as_of=as_of)
+        return cls.of_parts(shipped, read_prices(path), as_of=as_of)
+
+    @classmethod
+    def of_parts(
+        cls, base: TableParts, over: TableParts | None = None, *, as_of: str
+    ) -> PriceTable:
+        """A table of ``base`` with ``over``'s entries and aliases laid over it: a name
+        ``over`` prices (as an entry or an alias) is priced by ``over``."""
+        if over is None:
+            return cls(
+                base.prices,
+                as_of=as_of,
+                providers=base.providers,
+                aliases=base.aliases,
+                max_output=base.max_output,
+                ambiguous=base.ambiguous,
+            )
+        mine = {_key(n) for n in over.prices} | {_key(n) for n in over.aliases}
+        prices = {n: p for n, p in base.prices.items() if _key(n) not in mine or n in over.prices}
+        prices.update(over.prices)
+        # An alias of the base whose name ``over`` prices yields; one whose target ``over``
+        # replaced now follows the new price, which is what laying a file over means.
+        aliases = {n: t for n, t in base.aliases.items() if _key(n) not in mine}
+        aliases.update(over.aliases)
+        priced = {_key(k) for k in prices}
+        aliases = {n: t for n, t in aliases.items() if _key(t) in priced}
         return cls(
-            {**shipped.prices, **user.prices},
-            as_of=shipped.as_of,
-            user_as_of=user.as_of,
-            providers={**shipped.providers, **user.providers},
-            from_file=user.prices,
+            prices,
+            as_of=as_of,
+            user_as_of=over.as_of,
+            providers={**base.providers, **over.providers},
+            from_file=[*over.prices, *over.aliases],
+            aliases=aliases,
+            max_output={**base.max_output, **over.max_output},
+            ambiguous={
+                **{n: k for n, k in base.ambiguous.items() if _key(n) not in mine},
+                **over.ambiguous,
+            },
         )
 
+    def with_aliases(self, aliases: Mapping[str, str | Price]) -> PriceTable:
+        """This table plus a gateway's own model names: each priced as the model it routes to
+        (a name this table resolves) or at a price of its own. An alias whose target has no
+        price is left out (and logged): it is then an unknown model like any other."""
+        prices = dict(self._prices)
+        names = dict(self._aliases)
+        from_file = set(self._from_file)
+        for name, target in aliases.items():
+            key = _key(name)
+            if isinstance(target, Price):
+                prices[key] = target
+                names.pop(key, None)
+            else:
+                found = self.match(target)
+                if found is None:
+                    log.warning(
+                        "spendguard: model alias %r routes to %r, which has no price: the alias "
+                        "is an unknown model",
+                        name,
+                        target,
+                    )
+                    continue
+                if key == found.entry:
+                    continue
+                prices.pop(key, None)
+                names[key] = found.entry
+            from_file.add(key)
+        table = PriceTable(
+            prices,
+            as_of=self.as_of,
+            user_as_of=self.user_as_of,
+            providers=self._providers,
+            from_file=from_file,
+            aliases=names,
+            max_output=self._max_output,
+            ambiguous=self._ambiguous,
+        )
+        return table
+
     def match(self, model: str) -> PriceMatch | None:
-        """The entry that prices ``model``, with its price and origin; None if none does."""
-        key = self.resolve(model)
-        if key is None:
+        """The entry that prices ``model``, with its price, rule and origin; None if none."""
+        found = self._found(model)
+        if found is None:
             return None
-        return PriceMatch(key, self._prices[key], key in self._from_file, self._providers.get(key))
+        key, how, via = found
+        return PriceMatch(
+            key,
+            self._prices[key],
+            key in self._from_file or (how is Resolution.ALIAS and via in self._from_file),
+            self._providers.get(key),
+            how,
+            via if via != key else None,
+            self._max_output.get(key),
+        )
 
     def resolve(self, model: str) -> str | None:
         """The table entry that prices ``model``, or None: for logs and 'priced as' answers."""
-        if not isinstance(model, str):
-            return None
-        resolved = self._resolved
-        try:
-            return resolved[model]
-        except KeyError:
-            pass
-        key = self._resolve(model)
-        if len(resolved) >= _RESOLVED_MAX:
-            resolved.clear()
-        resolved[model] = key
-        return key
+        found = self._found(model)
+        return None if found is None else found[0]
 
-    def _resolve(self, model: str) -> str | None:
-        name = model.strip().lower()
-        if not name:
-            return None
-        prices = self._prices
-        if name in prices:
-            return name
-        # Provider prefixes: ``openai/``, ``azure/``, ``openrouter/anthropic/``...
-        bare = _VENDOR_DOT_PREFIX.sub("", name.rpartition("/")[2])
-        if bare in prices:
-            return bare
-        undated = _DATE_SUFFIX.sub("", bare)
-        if undated in prices:
-            return undated
-        # The name's own '-'-bounded prefixes, longest first, each one dict lookup: the cost
-        # depends on the longest entry, not on the table's size (LiteLLM's file has thousands).
-        for end in range(min(len(undated) - 1, self._longest), 0, -1):
-            if undated[end] == "-" and (key := undated[:end]) in prices:
-                if _crosses_a_variant(key, undated):
-                    return None  # the longest prefix is the family: no shorter one may do
-                return key
-        return None
+    def ambiguous(self, model: str) -> tuple[str, ...]:
+        """The entries a name could mean when it is ambiguous (empty otherwise)."""
+        return self._ambiguous.get(_key(model), ()) if isinstance(model, str) else ()
 
     def lookup(self, model: str) -> Price | None:
-        """The price for ``model`` (see the module docstring for the matching rules)."""
-        key = self.resolve(model)  # memoised by name
-        return None if key is None else self._prices[key]
+        """The price for ``model`` (see the module docstring for the rules)."""
+        found = self._found(model)  # memoised by name
+        return None if found is None else self._prices[found[0]]
+
+    def max_output_tokens(self, model: str) -> int | None:
+        """The most output tokens the model can produce per completion, where the table knows."""
+        found = self._found(model)
+        return None if found is None else self._max_output.get(found[0])
 
     def cost(self, model: str, usage: Usage) -> MicroUSD | None:
         """Charge for ``usage`` on ``model`` in micro-USD; None when the model is not priced."""
@@ -307,8 +448,12 @@ class PriceTable:
         """Every configured model name (lower case), sorted."""
         return sorted(self._prices)
 
+    def aliases(self) -> Mapping[str, str]:
+        """Every alias: name → the entry that prices it."""
+        return self._aliases
+
     def __contains__(self, model: object) -> bool:
-        return isinstance(model, str) and self.resolve(model) is not None
+        return isinstance(model, str) and self._found(model) is not None
 
     def __len__(self) -> int:
         return len(self._prices)
@@ -316,270 +461,71 @@ class PriceTable:
     def __repr__(self) -> str:
         return f"PriceTable({len(self._prices)} models, as_of={self.as_of!r})"
 
-
-def _crosses_a_variant(key: str, name: str) -> bool:
-    """Whether ``name``'s words past the entry ``key`` name a variant ``key`` does not."""
-    own = set(key.split("-"))
-    return any(word in _VARIANT_WORDS and word not in own for word in name[len(key) :].split("-"))
-
-
-# ---------------------------------------------------------------------------------------------
-# File parsing
-
-
-@dataclass(frozen=True, slots=True)
-class _Document:
-    prices: Mapping[str, Price]
-    as_of: str | None
-    providers: Mapping[str, str] = dataclass_field(default_factory=dict)
-
-
-@lru_cache(maxsize=1)
-def _shipped_document() -> _ShippedDocument:
-    # The shipped file never changes at run time: parse it once per process.
-    resource = resources.files("spendguard").joinpath(_SHIPPED_FILE)
-    label = f"spendguard/{_SHIPPED_FILE}"
-    try:
-        text = resource.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigurationError(f"{label}: cannot read the shipped price table: {exc}") from exc
-    document = _parse_document(_parse_json(text, label), label)
-    if document.as_of is None:
-        raise ConfigurationError(f"{label}: as_of: required in the shipped price table")
-    return _ShippedDocument(document.prices, document.as_of, document.providers)
-
-
-@dataclass(frozen=True, slots=True)
-class _ShippedDocument:
-    prices: Mapping[str, Price]
-    as_of: str
-    providers: Mapping[str, str]
-
-
-def _read_document(path: str | os.PathLike[str]) -> _Document:
-    label = os.fspath(path)
-    file = Path(path)
-    suffix = file.suffix.lower()
-    if suffix not in (".json", ".yaml", ".yml"):
-        raise ConfigurationError(
-            f"{label}: unsupported price-file extension {suffix or '(none)'!r}; "
-            "use .json, .yaml or .yml"
-        )
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise ConfigurationError(f"{label}: price file not found") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigurationError(f"{label}: cannot read price file: {exc}") from exc
-    data = _parse_json(text, label) if suffix == ".json" else _parse_yaml(text, label)
-    return _parse_document(data, label)
-
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            # json would silently keep the last one; a duplicated model is an editing mistake.
-            raise _DuplicateKey(key)
-        result[key] = value
-    return result
-
-
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _parse_json(text: str, label: str) -> Any:
-    try:
-        # parse_float=Decimal keeps "0.1" exactly 0.1. NaN/Infinity literals stay floats and
-        # are rejected by the field check, which names the field.
-        return json.loads(text, parse_float=Decimal, object_pairs_hook=_reject_duplicates)
-    except _DuplicateKey as exc:
-        raise ConfigurationError(f"{label}: duplicate key {exc.key!r}") from exc
-    except ValueError as exc:
-        raise ConfigurationError(f"{label}: invalid JSON: {exc}") from exc
-
-
-def _parse_yaml(text: str, label: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigurationError(f"{label}: invalid YAML: {exc}") from exc
-
-
-def _parse_document(data: Any, label: str) -> _Document:
-    if _is_litellm(data):
-        return _parse_litellm(data, label)
-    if not isinstance(data, Mapping):
-        raise ConfigurationError(
-            f"{label}: the top level must be a mapping with 'as_of' and 'models'"
-        )
-    for key in data:
-        if key not in _TOP_LEVEL_FIELDS:
-            raise ConfigurationError(
-                f"{label}: {key}: unknown field (allowed: {', '.join(_TOP_LEVEL_FIELDS)})"
-            )
-    as_of = _parse_as_of(data.get("as_of"), label)
-    source = data.get("source")
-    if source is not None and not isinstance(source, str):
-        raise ConfigurationError(f"{label}: source: must be a string")
-    sources = data.get("sources")
-    if sources is not None and not (
-        isinstance(sources, Mapping)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in sources.items())
-    ):
-        raise ConfigurationError(f"{label}: sources: must map providers to strings")
-    if "models" not in data:
-        raise ConfigurationError(f"{label}: models: required")
-    models = data["models"]
-    if not isinstance(models, Mapping):
-        raise ConfigurationError(f"{label}: models: must be a mapping of model name to prices")
-    prices, providers = _parse_models(models.items(), label)
-    return _Document(prices=prices, as_of=as_of, providers=providers)
-
-
-def _parse_as_of(value: Any, label: str) -> str | None:
-    if value is None:
-        return None
-    # YAML reads an unquoted 2026-06-21 as a date; accept it (but not a datetime).
-    if isinstance(value, dt.date) and not isinstance(value, dt.datetime):
-        return value.isoformat()
-    if isinstance(value, str) and re.fullmatch(r"\d{4}-\d{2}-\d{2}", value):
+    # -- resolution -----------------------------------------------------------------------
+    def _found(self, model: str) -> tuple[str, Resolution, str] | None:
+        if not isinstance(model, str):
+            return None
+        resolved = self._resolved
         try:
-            dt.date.fromisoformat(value)
-        except ValueError:
+            return resolved[model]
+        except KeyError:
             pass
+        found = self._resolve(model)
+        if len(resolved) >= _RESOLVED_MAX:
+            resolved.clear()
+        resolved[model] = found
+        if found is not None and found[1] is not Resolution.EXACT:
+            self._note(model, found)
+        return found
+
+    def _direct(self, name: str) -> tuple[str, Resolution, str] | None:
+        if name in self._prices:
+            return name, Resolution.EXACT, name
+        target = self._aliases.get(name)
+        if target is not None:
+            return target, Resolution.ALIAS, name
+        return None
+
+    def _resolve(self, model: str) -> tuple[str, Resolution, str] | None:
+        name = _key(model)
+        if not name:
+            return None
+        if (found := self._direct(name)) is not None:
+            return found
+        if (tuned := _FINE_TUNE.match(name)) is not None:
+            if (found := self._direct(tuned.group(1))) is not None:
+                return found[0], Resolution.FINE_TUNE, found[2]
+        segments = name.split("/")
+        for start in range(1, len(segments)):
+            if (found := self._direct("/".join(segments[start:]))) is not None:
+                how = Resolution.ROUTING_PREFIX if found[1] is Resolution.EXACT else found[1]
+                return found[0], how, found[2]
+        last = segments[-1]
+        vendor = _CLOUD_VERSION.sub("", _VENDOR_DOT_PREFIX.sub("", last))
+        if vendor != last and (found := self._direct(vendor)) is not None:
+            return found[0], Resolution.VENDOR_FORM, found[2]
+        family = _DATE_SUFFIX.sub("", vendor)
+        if family != vendor and (found := self._direct(family)) is not None:
+            return found[0], Resolution.SNAPSHOT, found[2]
+        return None
+
+    def _note(self, model: str, found: tuple[str, Resolution, str]) -> None:
+        if model in self._noted or len(self._noted) >= _NOTED_MAX:
+            return
+        self._noted.add(model)
+        key, how, _ = found
+        if how is Resolution.SNAPSHOT:
+            # Snapshots of one family are not always priced alike (gpt-4o-2024-05-13 is dearer
+            # than gpt-4o): say so where an operator looks.
+            log.warning(
+                "spendguard: model %r is not in the price table: priced as %s, its family (a "
+                "dated snapshot); give it an entry in a price file if its price differs",
+                model,
+                key,
+            )
         else:
-            return value
-    raise ConfigurationError(f"{label}: as_of: must be a date written YYYY-MM-DD")
+            log.info("spendguard: model %r priced as %s (%s)", model, key, how.value)
 
 
-def _parse_models(
-    items: Iterable[tuple[Any, Any]], label: str
-) -> tuple[dict[str, Price], dict[str, str]]:
-    prices: dict[str, Price] = {}
-    providers: dict[str, str] = {}
-    spelled: dict[str, str] = {}
-    for name, entry in items:
-        if not isinstance(name, str) or not name.strip():
-            raise ConfigurationError(f"{label}: models.{name!r}: model name must be a string")
-        where = f"{label}: models.{name}"
-        key = name.strip().lower()
-        if key in spelled:
-            # Lookup is case-insensitive, so "GPT-4o" and "gpt-4o" would fight over one entry.
-            raise ConfigurationError(
-                f"{where}: same model as models.{spelled[key]} (names are case-insensitive)"
-            )
-        spelled[key] = name
-        prices[key] = _parse_price_entry(entry, where)
-        provider = entry.get("provider")
-        if provider is not None:
-            if not isinstance(provider, str):
-                raise ConfigurationError(f"{where}.provider: must be a string")
-            providers[key] = provider
-    return prices, providers
-
-
-def _parse_price_entry(entry: Any, where: str) -> Price:
-    if not isinstance(entry, Mapping):
-        raise ConfigurationError(f"{where}: must be a mapping with input and output prices")
-    for field in entry:
-        if field not in _ENTRY_FIELDS:
-            raise ConfigurationError(
-                f"{where}.{field}: unknown field (allowed: {', '.join(_ENTRY_FIELDS)})"
-            )
-    for field in _REQUIRED_PRICE_FIELDS:
-        if field not in entry:
-            raise ConfigurationError(f"{where}.{field}: required")
-    values: dict[str, Decimal] = {}
-    for field in _PRICE_FIELDS:
-        if field in entry:
-            values[field] = _parse_amount(entry[field], f"{where}.{field}")
-    return Price.of(**values)
-
-
-def _parse_amount(value: Any, where: str, *, scale: Decimal = Decimal(1)) -> Decimal:
-    """A non-negative price, exact, times ``scale`` (a per-token price to a per-1M one)."""
-    amount: Decimal | None = None
-    # bool is an int subclass: `input: true` is a mistake, not a price of 1.
-    if isinstance(value, Decimal):
-        amount = value
-    elif isinstance(value, int) and not isinstance(value, bool):
-        amount = Decimal(value)
-    elif isinstance(value, float):
-        # YAML numbers arrive as floats; their repr is the shortest that round-trips, so 0.1
-        # stays 0.1 rather than 0.1000000000000000055511151231257827.
-        amount = Decimal(repr(value))
-    elif isinstance(value, str):
-        try:
-            amount = Decimal(value.strip())
-        except InvalidOperation:
-            amount = None
-    if amount is None or not amount.is_finite() or amount < 0:
-        raise ConfigurationError(f"{where}: must be a non-negative number")
-    # Exact: a Decimal product carries every digit (up to the context's 28, far more than any
-    # price has), so 1.5e-07 per token is exactly 0.15 per 1M.
-    amount = amount * scale
-    if amount > _MAX_PRICE:
-        raise ConfigurationError(
-            f"{where}: {amount} USD per 1M tokens is implausible (more than {_MAX_PRICE})"
-        )
-    # "-0" passes the sign check; store it as plain 0 so it never shows up as "-0" anywhere.
-    return amount if amount else Decimal(0)
-
-
-# ---------------------------------------------------------------------------------------------
-# LiteLLM's price file
-
-
-def _is_litellm(data: Any) -> bool:
-    """LiteLLM's shape: no ``models`` key, and entries carrying LiteLLM's own fields."""
-    if not isinstance(data, Mapping) or not data or "models" in data:
-        return False
-    entries = [v for k, v in data.items() if k != "sample_spec"]
-    return all(isinstance(v, Mapping) for v in data.values()) and any(
-        _LITELLM_MARKERS.intersection(v) for v in entries
-    )
-
-
-def _parse_litellm(data: Mapping[str, Any], label: str) -> _Document:
-    prices: dict[str, Price] = {}
-    providers: dict[str, str] = {}
-    skipped: list[str] = []
-    for name, entry in data.items():
-        if name == "sample_spec" or not isinstance(name, str) or not name.strip():
-            continue
-        key = name.strip().lower()
-        mode = entry.get("mode", "chat")
-        if mode not in _LITELLM_MODES or "input_cost_per_token" not in entry:
-            continue  # priced per image, second, call or character, or not priced at all
-        if "output_cost_per_token" not in entry and mode != "embedding":
-            continue  # half a price is no price
-        where = f"{label}: {name}"
-        try:
-            values = {
-                ours: _parse_amount(entry[theirs], f"{where}.{theirs}", scale=_PER_MILLION)
-                for theirs, ours in _LITELLM_PRICE_FIELDS.items()
-                if entry.get(theirs) is not None
-            }
-        except ConfigurationError as exc:
-            # One odd entry of a third-party file of thousands must not refuse them all.
-            skipped.append(str(exc))
-            continue
-        values.setdefault("output", Decimal(0))
-        if key in prices:
-            continue  # the same name in another case: LiteLLM's first spelling wins
-        prices[key] = Price.of(**values)
-        provider = entry.get("litellm_provider")
-        if isinstance(provider, str):
-            providers[key] = provider
-    if skipped:
-        log.warning(
-            "%s: %d LiteLLM entries skipped for invalid prices, e.g. %s",
-            label,
-            len(skipped),
-            skipped[0],
-        )
-    return _Document(prices=prices, as_of=None, providers=providers)
+def _key(name: str) -> str:
+    return name.strip().lower()
