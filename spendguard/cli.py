@@ -8,13 +8,15 @@ Reads the same ``SPENDGUARD_*`` settings as the middleware. Readable output by d
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -24,6 +26,8 @@ from .describe import ledger_description, store_description
 from .doctor import DoctorContext, run_checks
 from .engine.admin import Admin, BalanceReport, LimitUsage
 from .engine.costing import DEFAULT_ENTRY, Coster
+from .engine.price_files import LITELLM, litellm_file
+from .engine.price_refresh import shipped_document
 from .engine.pricing import Price, PriceTable
 from .engine.recovery import Recovery
 from .engine.views import model_lists_json, policy_json, usd_text
@@ -314,38 +318,87 @@ async def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_prices_show(args: argparse.Namespace, settings: Settings) -> int:
-    """Which price a model name gets: its table entry, or the unknown-model rule (no database)."""
+    """Which price a model name gets and by which rule, or the unknown-model rule (no
+    database). Exit 0 when the table prices the name, 1 when it is unknown."""
     table = PriceTable.load(settings.prices)
     found = table.match(args.model)
     rule = settings.unknown_model
     data: dict[str, Any] = {
         "model": args.model,
         "match": None,
+        "rule": None,
+        "via": None,
         "from_file": False,
         "provider": None,
         "price": None,
+        "max_output_tokens": None,
         "unknown_model": rule.value,
+        "ambiguous": list(table.ambiguous(args.model)),
         "as_of": table.as_of,
         "file_as_of": table.user_as_of,
     }
     if found is not None:
         origin = "your price file" if found.from_file else f"shipped table as of {table.as_of}"
         who = f"{found.provider}; " if found.provider else ""
-        data |= {"match": found.entry, "from_file": found.from_file, "provider": found.provider}
+        how = found.how.value + (f" {found.via}" if found.via else "")
+        data |= {
+            "match": found.entry,
+            "rule": found.how.name.lower(),
+            "via": found.via,
+            "from_file": found.from_file,
+            "provider": found.provider,
+            "max_output_tokens": found.max_output_tokens,
+        }
         data["price"] = _price_json(found.price)
-        head = f"{args.model}: priced as {found.entry} ({who}{origin})"
-        _emit(args, data, "\n".join([head, *_price_lines(found.price)]))
+        head = f"{args.model}: priced as {found.entry} by {how} ({who}{origin})"
+        lines = [head, *_price_lines(found.price)]
+        if found.max_output_tokens is not None:
+            lines.append(f"  {'max output':<13} {found.max_output_tokens:,} tokens")
+        _emit(args, data, "\n".join(lines))
         return 0
+    why = "not in the price table"
+    if data["ambiguous"]:
+        why = f"ambiguous: priced differently by {', '.join(data['ambiguous'])}"
     fallback = table.lookup(DEFAULT_ENTRY) if rule is UnknownModel.DEFAULT_PRICE else None
     if fallback is not None:
-        data |= {"match": DEFAULT_ENTRY, "price": _price_json(fallback)}
-        head = f"{args.model}: priced as {DEFAULT_ENTRY} (not in the price table)"
+        data |= {"match": DEFAULT_ENTRY, "rule": "unknown", "price": _price_json(fallback)}
+        head = f"{args.model}: unknown ({why}); charged the {DEFAULT_ENTRY} price"
         _emit(args, data, "\n".join([head, *_price_lines(fallback)]))
     elif rule is UnknownModel.REJECT:
-        _emit(args, data, f"{args.model}: not in the price table; refused with a 400")
+        data["rule"] = "unknown"
+        _emit(args, data, f"{args.model}: unknown ({why}); refused with a 400")
     else:
-        _emit(args, data, f"{args.model}: not in the price table; charged nothing")
+        data["rule"] = "unknown"
+        _emit(args, data, f"{args.model}: unknown ({why}); charged nothing")
     return 1
+
+
+def cmd_prices_refresh(args: argparse.Namespace, settings: Settings) -> int:
+    """Write the shipped price table made from a LiteLLM price file (maintainers: see
+    :mod:`spendguard.engine.price_refresh`)."""
+    source = litellm_file() if args.source == LITELLM else Path(args.source)
+    version = args.source_version
+    if version is None and args.source == LITELLM:
+        version = importlib.metadata.version(LITELLM)
+    try:
+        data = json.loads(source.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError(f"{source}: cannot read a LiteLLM price file: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigurationError(f"{source}: not a LiteLLM price file")
+    as_of = args.as_of or datetime.now(UTC).date().isoformat()
+    document, left_out = shipped_document(data, as_of=as_of, version=version or "unknown")
+    text = json.dumps(document, indent=2, ensure_ascii=False) + "\n"
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text, encoding="utf-8")
+    print(
+        f"{len(document['models'])} models from {source} (LiteLLM {version or 'unknown'}); "
+        f"{len(left_out)} left out as ambiguous" + (f": {', '.join(left_out)}" if left_out else ""),
+        file=sys.stderr,
+    )
+    return 0
 
 
 _PRICE_LABELS = {
@@ -474,6 +527,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr_show.add_argument("model", help="a model name as clients send it, e.g. openai/gpt-4o")
     pr_show.set_defaults(offline=cmd_prices_show)
+    pr_refresh = prices.add_parser(
+        "refresh", parents=[common], help="make the shipped price table from LiteLLM's file"
+    )
+    pr_refresh.add_argument(
+        "--from",
+        dest="source",
+        default=LITELLM,
+        help="LiteLLM's model_prices_and_context_window.json (default: the installed litellm's)",
+    )
+    pr_refresh.add_argument("--source-version", default=None, help="the LiteLLM release it is of")
+    pr_refresh.add_argument("--as-of", default=None, help="the table's date (default: today)")
+    pr_refresh.add_argument("--out", default=None, help="file to write (default: stdout)")
+    pr_refresh.set_defaults(offline=cmd_prices_refresh)
 
     sub.add_parser("settle", parents=[common], help="run one settlement pass").set_defaults(
         handler=cmd_settle

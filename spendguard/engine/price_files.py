@@ -22,7 +22,7 @@ billed per text token (images, speech, transcription, rerank, search... by ``mod
 Its provider-prefixed entries (``xai/grok-4.3``) also answer their bare names (``grok-4.3``)
 and every shorter ``/``-suffix, unless the file has an entry of that name: of the entries that
 could answer a bare name, those of the model's maker (``litellm_provider`` one of
-:data:`FIRST_PARTY`) come first; if the first group disagrees on the price, the name is
+:data:`FIRST_PARTY`; not ``codestral``, Mistral's free Codestral endpoint) come first; if the first group disagrees on the price, the name is
 ambiguous and priced by none of them (``spendguard prices show`` lists them).
 """
 
@@ -63,7 +63,6 @@ FIRST_PARTY: Final = frozenset(
         "gemini",
         "vertex_ai-language-models",
         "mistral",
-        "codestral",
         "deepseek",
         "xai",
         "cohere",

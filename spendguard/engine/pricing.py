@@ -53,7 +53,7 @@ _PRICE_FIELDS: Final = ("input", "output", "cached_input", "cache_write")
 _RESOLVED_MAX: Final = 1024  # names kept resolved; beyond, the memo starts over
 _NOTED_MAX: Final = 1000  # names logged once each; beyond, no more lines (clients pick names)
 
-_DATE_SUFFIX: Final = re.compile(r"(?:-\d{4}-\d{2}-\d{2}|-\d{8}|@\d{8})$")
+DATE_SUFFIX: Final = re.compile(r"(?:-\d{4}-\d{2}-\d{2}|-\d{8}|@\d{8})$")
 # Cloud ids put a region group and the vendor in front with dots and a version behind:
 # ``us.anthropic.claude-...-v1:0``, ``amazon.nova-pro-v1:0``. Anchored on known vendors, so the
 # dots in ``gpt-3.5-turbo`` or ``gpt-4.1`` are never mistaken for one.
@@ -504,7 +504,7 @@ class PriceTable:
         vendor = _CLOUD_VERSION.sub("", _VENDOR_DOT_PREFIX.sub("", last))
         if vendor != last and (found := self._direct(vendor)) is not None:
             return found[0], Resolution.VENDOR_FORM, found[2]
-        family = _DATE_SUFFIX.sub("", vendor)
+        family = DATE_SUFFIX.sub("", vendor)
         if family != vendor and (found := self._direct(family)) is not None:
             return found[0], Resolution.SNAPSHOT, found[2]
         return None
