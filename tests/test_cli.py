@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from decimal import Decimal
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -159,40 +161,56 @@ def no_db(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SPENDGUARD_DATABASE_URL", f"sqlite:///{tmp_path}/missing/dir/x.db")
 
 
-def test_prices_show_names_the_entry_and_its_price(
+def test_prices_show_names_the_entry_the_rule_and_the_price(
     no_db: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out = run(capsys, "prices", "show", "openai/gpt-4o-mini-2024-07-18")
+    as_of = json.loads(run(capsys, "prices", "show", "gpt-4o", "--json")[1])["as_of"]
     assert code == 0
-    assert out.splitlines() == [
-        "openai/gpt-4o-mini-2024-07-18: priced as gpt-4o-mini (openai; shipped table as of "
-        + json.loads(run(capsys, "prices", "show", "gpt-4o", "--json")[1])["as_of"]
-        + ")",
+    assert out.splitlines()[:5] == [
+        "openai/gpt-4o-mini-2024-07-18: priced as gpt-4o-mini-2024-07-18 by routing prefix "
+        f"removed (openai; shipped table as of {as_of})",
         "  input         $0.15 per 1M tokens",
         "  output        $0.60 per 1M tokens",
         "  cached input  $0.075 per 1M tokens",
         "  cache write   $0.15 per 1M tokens",
     ]
+    assert out.splitlines()[5].startswith("  max output ")
     data = run_json(capsys, "prices", "show", "gemini/gemini-2.5-flash")
     assert data["match"] == "gemini-2.5-flash" and data["provider"] == "google"
+    assert data["rule"] == "routing_prefix"
     assert data["from_file"] is False and data["unknown_model"] == "default_price"
-    assert data["price"] == {
-        "input": "0.30",
-        "output": "2.50",
-        "cached_input": "0.075",
-        "cache_write": "0.30",
-    }
+    shipped = json.loads(
+        resources.files("spendguard").joinpath("prices.json").read_text(encoding="utf-8")
+    )["models"]["gemini-2.5-flash"]
+    assert Decimal(data["price"]["input"]) == Decimal(shipped["input"])
+    assert Decimal(data["price"]["cached_input"]) == Decimal(shipped["cached_input"])
 
 
-def test_prices_show_an_unpriced_variant_is_the_default(
+def test_prices_show_a_dated_snapshot_says_it_is_priced_as_its_family(
     no_db: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out = run(capsys, "prices", "show", "gpt-4o-audio-preview")
+    code, out = run(capsys, "prices", "show", "claude-sonnet-4-5@20250929")
+    assert code == 0
+    assert out.splitlines()[0].startswith(
+        "claude-sonnet-4-5@20250929: priced as claude-sonnet-4-5 by dated snapshot of its family"
+    )
+
+
+@pytest.mark.parametrize("model", ["gpt-4o-mni", "gpt-5.5-turbo", "gpt-4o-mini-preview"])
+def test_prices_show_an_unknown_name_is_unknown_and_exits_1(
+    no_db: None, capsys: pytest.CaptureFixture[str], model: str
+) -> None:
+    # A typo or a variant is never priced as the model its name starts with.
+    code, out = run(capsys, "prices", "show", model)
     assert code == 1
-    assert out.splitlines()[0] == "gpt-4o-audio-preview: priced as default (not in the price table)"
+    assert out.splitlines()[0] == (
+        f"{model}: unknown (not in the price table); charged the default price"
+    )
     assert "  input         $15.00 per 1M tokens" in out.splitlines()
-    code, out = run(capsys, "prices", "show", "gpt-4o-audio-preview", "--json")
-    assert code == 1 and json.loads(out)["match"] == "default"
+    code, out = run(capsys, "prices", "show", model, "--json")
+    data = json.loads(out)
+    assert code == 1 and data["match"] == "default" and data["rule"] == "unknown"
 
 
 @pytest.mark.parametrize(
@@ -207,7 +225,7 @@ def test_prices_show_follows_the_unknown_model_rule(
 ) -> None:
     monkeypatch.setenv("SPENDGUARD_UNKNOWN_MODEL", rule)
     code, out = run(capsys, "prices", "show", "no-such-model")
-    assert code == 1 and out.strip() == f"no-such-model: not in the price table; {says}"
+    assert code == 1 and out.strip() == f"no-such-model: unknown (not in the price table); {says}"
     code, out = run(capsys, "prices", "show", "no-such-model", "--json")
     assert json.loads(out)["match"] is None and json.loads(out)["price"] is None
 

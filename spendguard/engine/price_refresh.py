@@ -55,6 +55,27 @@ _PREFIXES: Final = frozenset(
     }
 )
 
+# Who sells a model, by LiteLLM's provider: the ``provider`` of a shipped entry and the keys of
+# its ``sources``.
+_SELLERS: Final = {
+    "openai": "openai",
+    "text-completion-openai": "openai",
+    "anthropic": "anthropic",
+    "gemini": "google",
+    "vertex_ai-language-models": "google",
+    "vertex_ai-embedding-models": "google",
+    "mistral": "mistral",
+    "deepseek": "deepseek",
+    "xai": "xai",
+    "cohere": "cohere",
+    "cohere_chat": "cohere",
+    "meta_llama": "meta",
+    "groq": "groq",
+    "together_ai": "together",
+    "bedrock": "amazon",
+    "bedrock_converse": "amazon",
+}
+
 _SOURCE: Final = (
     "USD per 1M tokens, from LiteLLM's model_prices_and_context_window.json ({version}): its "
     "chat, responses, completion and embedding entries of the providers in 'sources', under the "
@@ -75,11 +96,14 @@ _SOURCES: Final = {
     "deepseek": "LiteLLM litellm_provider deepseek (api-docs.deepseek.com pricing).",
     "xai": "LiteLLM litellm_provider xai (docs.x.ai/docs/models).",
     "cohere": "LiteLLM litellm_provider cohere and cohere_chat (cohere.com/pricing).",
-    "meta": "Meta's own Llama API (meta_llama), and Llama and other open models as Groq and "
-    "Together sell them (LiteLLM groq, together_ai; their own model names).",
+    "meta": "Meta's own Llama API (LiteLLM meta_llama).",
+    "groq": "Llama and other open models as Groq sells them (LiteLLM groq, and hand-kept "
+    "entries for its Llama names: groq.com/pricing).",
+    "together": "Llama and other open models as Together sells them (LiteLLM together_ai; "
+    "its own model names, such as meta-llama/Llama-3.3-70B-Instruct-Turbo).",
     "amazon": "Amazon's models on Bedrock (LiteLLM bedrock, bedrock_converse: amazon.*).",
-    "spendguard": "Hand-kept entries for what LiteLLM's file lacks (see SUPPLEMENT in "
-    "spendguard/engine/price_refresh.py).",
+    "spendguard": "The default entry (see SUPPLEMENT in spendguard/engine/price_refresh.py, "
+    "which also keeps the few entries LiteLLM's file lacks).",
 }
 
 _ANTHROPIC_SONNET: Final = {
@@ -109,16 +133,6 @@ SUPPLEMENT: Final[Mapping[str, Mapping[str, Any]]] = {
     # gateways forward; LiteLLM's file no longer lists them.
     "llama-3.3-70b-versatile": {"input": "0.59", "output": "0.79", "provider": "groq"},
     "llama-3.1-8b-instant": {"input": "0.05", "output": "0.08", "provider": "groq"},
-    "meta-llama/llama-4-scout-17b-16e-instruct": {
-        "input": "0.11",
-        "output": "0.34",
-        "provider": "groq",
-    },
-    "meta-llama/llama-4-maverick-17b-128e-instruct": {
-        "input": "0.20",
-        "output": "0.60",
-        "provider": "groq",
-    },
     # Anthropic's list prices (docs.anthropic.com) for models LiteLLM's file dropped that
     # Bedrock and Vertex AI still serve and gateways still route to.
     "claude-sonnet-4": _ANTHROPIC_SONNET,
@@ -140,6 +154,7 @@ SUPPLEMENT: Final[Mapping[str, Mapping[str, Any]]] = {
         "provider": "anthropic",
     },
 }
+# Every seller above has a line in the table's ``sources``.
 SUPPLEMENT_ALIASES: Final[Mapping[str, str]] = {
     # The API's own names for the entries above.
     "claude-sonnet-4-20250514": "claude-sonnet-4",
@@ -203,10 +218,11 @@ def shipped_document(
             models[name] = _entry(price, provider, parts.max_output.get(key))
     for name, entry in SUPPLEMENT.items():
         models.setdefault(name, dict(entry))
+    sellers = {entry.get("provider") for entry in models.values()}
     document = {
         "as_of": as_of,
         "source": _SOURCE.format(version=f"LiteLLM {version}"),
-        "sources": dict(_SOURCES),
+        "sources": {k: v for k, v in _SOURCES.items() if k in sellers},
         "aliases": _aliases(models),
         "models": dict(sorted(models.items())),
     }
@@ -248,7 +264,7 @@ def _entry(price: Price, provider: str | None, max_output: int | None) -> dict[s
     if price.tiers:
         entry["tiers"] = [{"above": tier.above, **_flat(tier.price)} for tier in price.tiers]
     if provider is not None:
-        entry["provider"] = provider
+        entry["provider"] = _SELLERS.get(provider, provider)
     if max_output is not None:
         entry["max_output_tokens"] = max_output
     return entry

@@ -343,11 +343,26 @@ class PriceTable:
                 ambiguous=base.ambiguous,
             )
         mine = {_key(n) for n in over.prices} | {_key(n) for n in over.aliases}
-        prices = {n: p for n, p in base.prices.items() if _key(n) not in mine or n in over.prices}
+        prices = {n: p for n, p in base.prices.items() if _key(n) not in mine}
+        # A base snapshot priced as its family follows the family's new price: an operator who
+        # prices gpt-4o-mini means the gpt-4o-mini-2024-07-18 the API answers with, too. A
+        # snapshot with a price of its own (gpt-4o-2024-05-13) keeps it.
+        followers: dict[str, str] = {}
+        for name, price in base.prices.items():
+            family = DATE_SUFFIX.sub("", name)
+            if (
+                family != name
+                and _key(name) not in mine
+                and family in over.prices
+                and base.prices.get(family) == price
+            ):
+                followers[name] = family
+                del prices[name]
         prices.update(over.prices)
         # An alias of the base whose name ``over`` prices yields; one whose target ``over``
         # replaced now follows the new price, which is what laying a file over means.
         aliases = {n: t for n, t in base.aliases.items() if _key(n) not in mine}
+        aliases.update(followers)
         aliases.update(over.aliases)
         priced = {_key(k) for k in prices}
         aliases = {n: t for n, t in aliases.items() if _key(t) in priced}

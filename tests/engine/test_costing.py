@@ -53,12 +53,36 @@ def test_the_counter_has_only_the_stage_label() -> None:
     assert labels == {("stage",)}
 
 
+def unknown(rule: UnknownModel, stage: str) -> float:
+    sample = REGISTRY.get_sample_value(
+        "spendguard_unknown_model_total", {"rule": rule.value, "stage": stage}
+    )
+    return sample or 0.0
+
+
 @pytest.mark.parametrize("rule", [UnknownModel.FREE, UnknownModel.REJECT])
-def test_other_rules_charge_nothing_and_count_nothing(
+def test_other_rules_charge_nothing_but_warn_once_and_count_the_unknown_model(
     rule: UnknownModel, caplog: pytest.LogCaptureFixture
 ) -> None:
-    before = counted("estimate")
+    before, unknown_before = counted("estimate"), unknown(rule, "estimate")
+    coster = Coster(TABLE, rule)
     with caplog.at_level(logging.WARNING, logger="spendguard"):
-        assert Coster(TABLE, rule).cost("mystery", USAGE) == 0
-    assert counted("estimate") == before
-    assert not caplog.records
+        assert coster.cost("mystery", USAGE) == 0
+        assert coster.cost("mystery", USAGE) == 0
+        assert coster.price("mystery") is None
+    assert counted("estimate") == before  # no default price was charged
+    assert unknown(rule, "estimate") - unknown_before == 3
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "'mystery'" in warnings[0]
+    assert ("refused" if rule is UnknownModel.REJECT else "charged nothing") in warnings[0]
+
+
+def test_every_rule_counts_unknown_models_by_rule_and_stage() -> None:
+    coster = Coster(TABLE, UnknownModel.DEFAULT_PRICE)
+    before = unknown(UnknownModel.DEFAULT_PRICE, "settlement")
+    assert coster.price("mystery-s", stage=Stage.SETTLEMENT) == TABLE.lookup("default")
+    assert unknown(UnknownModel.DEFAULT_PRICE, "settlement") - before == 1
+    refusals = unknown(UnknownModel.REJECT, "admission")
+    Coster(TABLE, UnknownModel.REJECT).refused("mystery-r")
+    assert unknown(UnknownModel.REJECT, "admission") - refusals == 1
+    assert coster.price("known") == Price.of("1", "1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import math
 import re
 import time
@@ -17,9 +18,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spendguard.engine.pricing import Price, PriceTable
+from spendguard.engine.pricing import Price, PriceTable, Resolution, Tier
 from spendguard.errors import ConfigurationError
 from spendguard.usage import Usage
+
+
+PRICE_FIELDS = ("input", "output", "cached_input", "cache_write")
 
 
 def shipped_entries() -> dict[str, dict[str, Any]]:
@@ -168,18 +172,83 @@ def table() -> PriceTable:
         ("claude-sonnet-4-5-20250929", "claude-sonnet-4-5"),
         ("claude-sonnet-4@20250514", "claude-sonnet-4"),
         ("us.anthropic.claude-sonnet-4-20250514-v1:0", "claude-sonnet-4"),
+        ("anthropic.claude-sonnet-4-5-v1:0", "claude-sonnet-4-5"),
         ("o3-pro-2025-06-10", "o3-pro"),
         ("o3-2025-04-16", "o3"),
-        # Longest prefix at a '-' boundary.
-        ("gpt-4o-mini-preview", "gpt-4o-mini"),
-        ("claude-sonnet-4-5-latest", "claude-sonnet-4-5"),
-        ("claude-sonnet-4-7", "claude-sonnet-4"),
     ],
 )
 def test_lookup_rules(table: PriceTable, model: str, entry: str) -> None:
     assert table.resolve(model) == entry
     assert table.lookup(model) is table.lookup(entry)
     assert table.lookup(model) is not None
+
+
+@pytest.mark.parametrize(
+    ("model", "how"),
+    [
+        ("gpt-4o-mini", Resolution.EXACT),
+        ("GPT-4o-Mini ", Resolution.EXACT),
+        ("openrouter/openai/gpt-4o", Resolution.ROUTING_PREFIX),
+        ("us.anthropic.claude-sonnet-4-5-v1:0", Resolution.VENDOR_FORM),
+        ("claude-sonnet-4-5-20250929", Resolution.SNAPSHOT),
+        ("openai/o3-2025-04-16", Resolution.SNAPSHOT),
+    ],
+)
+def test_a_match_says_by_which_rule(table: PriceTable, model: str, how: Resolution) -> None:
+    match = table.match(model)
+    assert match is not None and match.how is how
+
+
+def test_non_exact_names_are_logged_once_and_a_snapshot_warns(
+    table: PriceTable, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="spendguard")
+    for _ in range(3):
+        table.lookup("claude-sonnet-4-5-20250929")
+        table.lookup("openai/gpt-4o")
+        table.lookup("gpt-4o")
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    snapshot = [m for level, m in lines if "claude-sonnet-4-5-20250929" in m]
+    prefixed = [m for level, m in lines if "'openai/gpt-4o'" in m]
+    assert len(snapshot) == 1 and len(prefixed) == 1
+    assert (logging.WARNING, snapshot[0]) in lines and "family" in snapshot[0]
+    assert not any("'gpt-4o'" in m for _, m in lines)  # an exact name says nothing
+
+
+def test_aliases_price_as_their_entry_and_lose_to_an_entry_of_their_own() -> None:
+    price, other = Price.of("1", "2"), Price.of("5", "6")
+    table = PriceTable(
+        {"real-model": price, "shadow": other},
+        as_of="2026-01-01",
+        aliases={"nick": "real-model", "shadow": "real-model"},
+    )
+    match = table.match("Nick")
+    assert match is not None and (match.entry, match.how, match.via) == (
+        "real-model",
+        Resolution.ALIAS,
+        "nick",
+    )
+    assert table.lookup("shadow") == other
+    assert table.lookup("acme/nick") == price
+    with pytest.raises(ValueError, match="no price"):
+        PriceTable({"a": price}, as_of="2026-01-01", aliases={"b": "missing"})
+
+
+def test_with_aliases_prices_gateway_names_as_their_target_or_their_own_price(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    shipped = PriceTable.load()
+    own = Price.of("0.5", "1")
+    table = shipped.with_aliases(
+        {"team-gpt": "openai/gpt-4o-mini", "house-model": own, "broken": "no-such-model-at-all"}
+    )
+    assert table.lookup("team-gpt") == shipped.lookup("gpt-4o-mini")
+    match = table.match("team-gpt")
+    assert match is not None and match.entry == "gpt-4o-mini" and match.from_file
+    assert table.lookup("house-model") == own
+    assert table.lookup("broken") is None
+    assert any("'broken'" in r.getMessage() for r in caplog.records)
+    assert shipped.lookup("team-gpt") is None  # the original table is unchanged
 
 
 @pytest.mark.parametrize(
@@ -192,6 +261,12 @@ def test_lookup_rules(table: PriceTable, model: str, entry: str) -> None:
         "o",
         "mini",
         "ft:gpt-4o-mini-2024-07-18:org::abc",  # fine-tunes are priced differently
+        # No shared prefix prices a name: a typo, a variant, a newer sibling are unknown.
+        "gpt-4o-mni",
+        "gpt-4o-mini-preview",
+        "claude-sonnet-4-5-latest",
+        "claude-sonnet-4-7",
+        "gpt-4o-mini-2024-07",
         "",
         "   ",
         "/",
@@ -217,20 +292,24 @@ def test_lookup_misses(table: PriceTable, model: str) -> None:
 
 def test_lookup_of_dated_shipped_models() -> None:
     shipped = PriceTable.load()
+    # The names the APIs answer with are entries (or aliases) of their own: no rule needed.
     for model, entry in [
-        ("gpt-4o-mini-2024-07-18", "gpt-4o-mini"),
+        ("gpt-4o-mini-2024-07-18", "gpt-4o-mini-2024-07-18"),
         ("claude-sonnet-4-20250514", "claude-sonnet-4"),
-        ("gpt-5-nano-2025-08-07", "gpt-5-nano"),
-        ("gpt-4.1-nano-2025-04-14", "gpt-4.1-nano"),
-        ("text-embedding-ada-002-v2", "text-embedding-ada-002"),
-        ("claude-opus-4-5-20251101", "claude-opus-4-5"),
+        ("gpt-5-nano-2025-08-07", "gpt-5-nano-2025-08-07"),
+        ("gpt-4.1-nano-2025-04-14", "gpt-4.1-nano-2025-04-14"),
+        ("text-embedding-ada-002-v2", "text-embedding-ada-002-v2"),
+        ("claude-opus-4-5-20251101", "claude-opus-4-5-20251101"),
     ]:
-        assert shipped.resolve(model) == entry, model
+        match = shipped.match(model)
+        assert match is not None and match.entry == entry, model
+        assert match.how in (Resolution.EXACT, Resolution.ALIAS), model
     # An old snapshot with its own price is matched exactly, before the date is stripped.
     assert shipped.resolve("gpt-4o-2024-05-13") == "gpt-4o-2024-05-13"
+    assert shipped.lookup("gpt-4o-2024-05-13") != shipped.lookup("gpt-4o")
     # A pricier sibling never falls back to the cheaper family entry.
     assert shipped.resolve("o3-pro") == "o3-pro"
-    assert shipped.resolve("gpt-5-pro-2025-10-06") == "gpt-5-pro"
+    assert shipped.lookup("o3-pro") != shipped.lookup("o3")
 
 
 @given(st.text(max_size=300))
@@ -246,7 +325,7 @@ def test_lookup_never_crashes(model: str) -> None:
     ("model", "entry"),
     [
         ("-" * 50_000, None),
-        ("gpt-4o-" * 20_000, "gpt-4o"),  # a dated-suffix shape: the family's price, no more
+        ("gpt-4o-" * 20_000, None),  # no rule strips a run of words
         ("a" * 200_000, None),
         ("\x00\ud800", None),
         ("gpt-4o-mini\n", "gpt-4o-mini"),  # surrounding whitespace is not part of a name
@@ -311,7 +390,22 @@ def test_shipped_table_loads_with_as_of_and_source() -> None:
         "claude-haiku-4-5",
         "claude-3-5-haiku",
         "claude-3-7-sonnet",
-        "claude-3-5-sonnet",
+        # The current models an earlier table charged the default.
+        "gpt-5.6",
+        "claude-sonnet-5",
+        "claude-opus-5",
+        "claude-haiku-5-5",
+        "gemini-3-flash-preview",
+        "gemini-3.1-pro-preview",
+        "gemini-3.5-flash",
+        "deepseek-v4-pro",
+        "deepseek-v4-flash",
+        "grok-4.3",
+        "deepseek-v3.2",
+        "deepseek-r1",
+        "mistral-large-latest",
+        "mistral-medium-latest",
+        "codestral-latest",
     ],
 )
 def test_shipped_table_has_the_common_models(model: str) -> None:
@@ -333,13 +427,16 @@ def test_shipped_prices_are_internally_consistent() -> None:
                 # Anthropic's published multipliers: 5-minute writes 1.25x, reads 0.1x of
                 # input (Claude 3 Haiku predates them: $0.30 writes on $0.25 input).
                 assert price.cache_write == price.input * Decimal("1.25"), name
-                assert price.cached_input == price.input * Decimal("0.1"), name
+                assert price.cached_input <= price.input * Decimal("0.1"), name
         elif name.startswith("text-embedding-"):
             assert price.output == 0, name
-        else:
-            assert price.cache_write == price.input, name  # OpenAI bills no cache writes
         # Prices are written as strings so the file itself carries exact decimals.
-        assert all(isinstance(v, str) for v in entry.values()), name
+        prices = [entry, *entry.get("tiers", [])]
+        assert all(isinstance(v, str) for e in prices for k, v in e.items() if k in PRICE_FIELDS), (
+            name
+        )
+        for tier in price.tiers:  # long context costs more, never less
+            assert tier.price.input >= price.input and tier.price.output >= price.output, name
 
 
 def test_default_fallback_price_is_not_cheaper_than_common_models() -> None:
@@ -378,9 +475,17 @@ def test_user_json_overrides_and_extends(tmp_path: Path) -> None:
     assert table.lookup("gpt-4o-mini") != shipped.lookup("gpt-4o-mini")
     # Extension: a new model, stored case-insensitively, JSON numbers exact (0.1 not 0.1000...).
     assert table.lookup("my-model") == Price(Decimal(3), Decimal("0.1"), Decimal("0.1"), Decimal(3))
+    # The snapshot the API answers with, priced as its family in the shipped table, follows
+    # the new family price; a snapshot with a price of its own keeps it.
+    assert table.lookup("gpt-4o-mini-2024-07-18") == Price.of("0.2", "0.9")
+    assert shipped.lookup("gpt-4o-2024-05-13") != shipped.lookup("gpt-4o")
+    gpt4o = PriceTable.load(
+        write(tmp_path / "o.json", '{"models": {"gpt-4o": {"input": "1", "output": "1"}}}')
+    )
+    assert gpt4o.lookup("gpt-4o-2024-05-13") == shipped.lookup("gpt-4o-2024-05-13")
     # Everything else shipped is still there.
     assert table.lookup("claude-sonnet-4") == shipped.lookup("claude-sonnet-4")
-    assert set(table.models()) == set(shipped.models()) | {"my-model"}
+    assert set(table.models()) == set(shipped.models()) - {"gpt-4o-mini-2024-07-18"} | {"my-model"}
     assert table.as_of == shipped.as_of
     assert table.user_as_of == "2026-09-01"
 
@@ -609,7 +714,12 @@ def test_a_litellm_price_file_is_read_per_token_to_per_million_exactly(
     table = PriceTable.load(write(tmp_path / "model_prices_and_context_window.json", LITELLM))
     flash = table.match("gemini/gemini-2.5-flash")
     assert flash is not None and flash.from_file and flash.provider == "gemini"
-    assert flash.price == Price.of("0.3", "2.5", cached_input="0.075")
+    # The long-context price is a tier: above 200K prompt tokens, all of it at 0.6 per 1M.
+    assert flash.price == Price.of(
+        "0.3", "2.5", cached_input="0.075", tiers=[Tier(200_000, Price.of("0.6", "2.5", "0.075"))]
+    )
+    assert flash.price.cost(Usage(input_tokens=200_000)) == 60_000
+    assert flash.price.cost(Usage(input_tokens=200_001)) == math.ceil(Fraction("0.6") * 200_001)
     assert table.lookup("claude-sonnet-4-5-20250929") == Price.of(
         "3", "15", cached_input="0.3", cache_write="3.75"
     )
@@ -664,20 +774,26 @@ def test_a_spendguard_file_is_not_mistaken_for_litellm(tmp_path: Path) -> None:
     [
         ("gemini-2.5-flash", "gemini-2.5-flash", "google"),
         ("models/gemini-2.5-pro", "gemini-2.5-pro", "google"),
-        ("gemini-2.5-flash-lite-preview-09-2025", "gemini-2.5-flash-lite", "google"),
-        ("mistral-large-latest", "mistral-large", "mistral"),
-        ("mistral/mistral-small-2506", "mistral-small", "mistral"),
+        ("gemini/gemini-3.5-flash", "gemini-3.5-flash", "google"),
+        ("mistral-large-latest", "mistral-large-latest", "mistral"),
+        ("mistral/mistral-medium-latest", "mistral-medium-latest", "mistral"),
         ("deepseek-chat", "deepseek-chat", "deepseek"),
         ("deepseek/deepseek-reasoner", "deepseek-reasoner", "deepseek"),
-        ("meta-llama/llama-4-scout-17b-16e-instruct", "llama-4-scout", "meta"),
-        ("groq/llama-3.3-70b-versatile", "llama-3.3-70b-versatile", "meta"),
-        ("xai/grok-4-0709", "grok-4", "xai"),
-        ("grok-4-fast-reasoning", "grok-4-fast", "xai"),
-        ("gpt-5.4-2026-03-05", "gpt-5.4", "openai"),
+        (
+            "meta-llama/Llama-3.3-70B-Instruct-Turbo",
+            "meta-llama/llama-3.3-70b-instruct-turbo",
+            "together",
+        ),
+        ("groq/llama-3.3-70b-versatile", "llama-3.3-70b-versatile", "groq"),
+        ("xai/grok-4.3", "grok-4.3", "xai"),
+        ("grok-code-fast-1", "grok-code-fast-1", "xai"),
+        ("gpt-5.4-2026-03-05", "gpt-5.4-2026-03-05", "openai"),
         ("gpt-5.4-mini", "gpt-5.4-mini", "openai"),
         ("gpt-5.5", "gpt-5.5", "openai"),
         ("gpt-5.3-codex", "gpt-5.3-codex", "openai"),
         ("claude-sonnet-4-6", "claude-sonnet-4-6", "anthropic"),
+        ("us.amazon.nova-pro-v1:0", "us.amazon.nova-pro-v1:0", "amazon"),
+        ("command-a-03-2025", "command-a-03-2025", "cohere"),
     ],
 )
 def test_shipped_table_prices_every_major_provider(model: str, entry: str, provider: str) -> None:
@@ -694,10 +810,12 @@ def test_gemini_flash_is_no_longer_charged_the_default() -> None:
 
 def test_shipped_table_says_where_each_providers_prices_come_from() -> None:
     raw = json.loads(resources.files("spendguard").joinpath("prices.json").read_text())
-    providers = {e["provider"] for n, e in raw["models"].items() if n != "default"}
-    assert providers == {"openai", "anthropic", "google", "mistral", "deepseek", "meta", "xai"}
+    providers = {e["provider"] for e in raw["models"].values()}
+    assert {"openai", "anthropic", "google", "mistral", "deepseek", "xai"} <= providers
+    assert {"amazon", "cohere", "groq", "together"} <= providers
     assert set(raw["sources"]) == providers
     assert all(raw["sources"].values())
+    assert "LiteLLM" in raw["source"]
 
 
 def test_a_miss_costs_the_same_in_a_table_of_thousands(tmp_path: Path) -> None:
@@ -729,7 +847,8 @@ def test_resolved_names_are_remembered_boundedly_and_answer_as_before() -> None:
         "",
     ]
     first = [table.resolve(name) for name in names]
-    assert first[0] == first[1] == first[2] == first[3] == "gpt-4o-mini"
+    assert first[0] == first[2] == first[3] == "gpt-4o-mini"
+    assert first[1] == "gpt-4o-mini-2024-07-18"
     assert first[5] is None and first[6] is None
     assert [table.resolve(name) for name in names] == first  # remembered: the same answers
     for i in range(5_000):
