@@ -22,8 +22,9 @@ billed per text token (images, speech, transcription, rerank, search... by ``mod
 Its provider-prefixed entries (``xai/grok-4.3``) also answer their bare names (``grok-4.3``)
 and every shorter ``/``-suffix, unless the file has an entry of that name: of the entries that
 could answer a bare name, those of the model's maker (``litellm_provider`` one of
-:data:`FIRST_PARTY`; not ``codestral``, Mistral's free Codestral endpoint) come first; if the first group disagrees on the price, the name is
-ambiguous and priced by none of them (``spendguard prices show`` lists them).
+:data:`FIRST_PARTY`; not ``codestral``, Mistral's free Codestral endpoint) come first; if the
+first group disagrees on the price, the name is ambiguous and priced by none of them
+(``spendguard prices show`` lists them).
 """
 
 from __future__ import annotations
@@ -279,8 +280,18 @@ def _parse_price_entry(entry: Any, where: str) -> Price:
         above = _parse_count(tier["above"], f"{at}.above")
         if parsed and above <= parsed[-1].above:
             raise ConfigurationError(f"{at}.above: tiers must be in ascending order")
-        parsed.append(Tier(above, Price.of(**_flat_prices(tier, at))))
-    return Price.of(**values, tiers=parsed)
+        parsed.append(Tier(above, _price_of(_flat_prices(tier, at))))
+    return _price_of(values, parsed)
+
+
+def _price_of(values: Mapping[str, Decimal], tiers: Iterable[Tier] = ()) -> Price:
+    return Price.of(
+        values["input"],
+        values["output"],
+        values.get("cached_input"),
+        values.get("cache_write"),
+        tiers=tiers,
+    )
 
 
 def _flat_prices(entry: Mapping[str, Any], where: str) -> dict[str, Decimal]:
@@ -396,16 +407,8 @@ def litellm_price(entry: Mapping[str, Any], where: str) -> Price | None:
     tiers = []
     for threshold in sorted(above):
         # A tier names only the prices that change; the others stay the base's.
-        tier = values | above[threshold]
-        tiers.append(
-            Tier(
-                threshold,
-                Price.of(
-                    tier["input"], tier["output"], tier.get("cached_input"), tier.get("cache_write")
-                ),
-            )
-        )
-    return Price.of(**values, tiers=tiers)
+        tiers.append(Tier(threshold, _price_of(values | above[threshold])))
+    return _price_of(values, tiers)
 
 
 def parse_litellm(data: Mapping[str, Any], label: str) -> TableParts:

@@ -39,7 +39,6 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final
 
-from ..errors import ConfigurationError
 from ..money import MicroUSD
 
 if TYPE_CHECKING:
@@ -507,9 +506,9 @@ class PriceTable:
             return None
         if (found := self._direct(name)) is not None:
             return found
-        if (tuned := _FINE_TUNE.match(name)) is not None:
-            if (found := self._direct(tuned.group(1))) is not None:
-                return found[0], Resolution.FINE_TUNE, found[2]
+        tuned = _FINE_TUNE.match(name)
+        if tuned is not None and (found := self._direct(tuned.group(1))) is not None:
+            return found[0], Resolution.FINE_TUNE, found[2]
         segments = name.split("/")
         for start in range(1, len(segments)):
             if (found := self._direct("/".join(segments[start:]))) is not None:

@@ -22,7 +22,6 @@ from spendguard.engine.pricing import Price, PriceTable, Resolution, Tier
 from spendguard.errors import ConfigurationError
 from spendguard.usage import Usage
 
-
 PRICE_FIELDS = ("input", "output", "cached_input", "cache_write")
 
 
@@ -855,3 +854,48 @@ def test_resolved_names_are_remembered_boundedly_and_answer_as_before() -> None:
         assert table.resolve(f"flood-{i}") is None
     assert len(table._resolved) <= 1024
     assert [table.resolve(name) for name in names] == first
+
+
+# --------------------------------------------------------------------------- tiers, encoding
+
+prices = st.decimals(min_value=0, max_value=1000, places=6, allow_nan=False, allow_infinity=False)
+
+
+@given(prices, prices, prices, prices, st.integers(1, 10**6), prices, prices)
+def test_an_encoded_price_decodes_to_the_same_price(
+    i: Decimal, o: Decimal, c: Decimal, w: Decimal, above: int, ti: Decimal, to: Decimal
+) -> None:
+    for price in (
+        Price.of(i, o, c, w),
+        Price.of(i, o, c, w, tiers=[Tier(above, Price.of(ti, to))]),
+    ):
+        text = price.encode()
+        assert Price.decode(text) == price
+        assert "e" not in text.lower()  # plain decimals: the string is its own record
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "1,2,3", "1,2,3,x", "1,2,3,4|", "1,2,3,4|x:1,2,3,4", "1,2,3,-4", "1,2,3,4|0:1,1,1,1"],
+)
+def test_a_price_string_that_is_not_one_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        Price.decode(text)
+
+
+def test_a_tier_bills_the_whole_request_once_the_prompt_passes_its_threshold() -> None:
+    price = Price.of(
+        "1", "2", "0.1", "1.25", tiers=[Tier(200_000, Price.of("2", "3", "0.2", "2.5"))]
+    )
+    # The prompt is input, cache reads and cache writes together.
+    at = Usage(input_tokens=100_000, cached_input_tokens=60_000, cache_write_tokens=40_000)
+    assert price.cost(at) == 100_000 + 6_000 + 50_000
+    above = Usage(
+        input_tokens=100_001,
+        cached_input_tokens=60_000,
+        cache_write_tokens=40_000,
+        output_tokens=10,
+    )
+    assert price.cost(above) == 200_002 + 12_000 + 100_000 + 30
+    with pytest.raises(ValueError):
+        Price.of("1", "1", tiers=[Tier(10, Price.of("1", "1")), Tier(5, Price.of("1", "1"))])
