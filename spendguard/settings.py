@@ -150,9 +150,26 @@ class Settings(BaseSettings):
         description="A POST whose JSON body looks like an inference on a route in neither "
         "list: refuse (403) or warn (passed, logged once per route, counted).",
     )
-    prices: Path | None = Field(None, description="Price-table file (JSON or YAML).")
+    prices: Path | None = Field(
+        None,
+        description="Price file laid over the shipped table: spendguard's format (JSON or YAML), "
+        "LiteLLM's JSON, or 'litellm' for the installed litellm package's file.",
+    )
     unknown_model: UnknownModel = Field(
         UnknownModel.DEFAULT_PRICE, description="What a model missing from the price table costs."
+    )
+    default_output_tokens: int = Field(
+        4096,
+        ge=1,
+        le=10_000_000,
+        description="Output tokens a hard limit, a TPM rate and a token budget reserve for a "
+        "request that sets no max_tokens (or max_completion_tokens, max_output_tokens), capped "
+        "at the model's maximum output where the price table knows it.",
+    )
+    default_output_tokens_by_model: dict[str, int] = Field(
+        default_factory=dict,
+        description="The same per model, as JSON: {\"gpt-4o-mini\": 1024}; a name as clients "
+        "send it or as its price-table entry, case-insensitive.",
     )
     remaining_headers: bool = Field(
         False,
@@ -229,6 +246,18 @@ class Settings(BaseSettings):
     @classmethod
     def _check_pass_routes(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return _checked_routes(value, DEFAULT_PASS_ROUTES)
+
+    @field_validator("default_output_tokens_by_model")
+    @classmethod
+    def _check_output_by_model(cls, value: dict[str, int]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, tokens in value.items():
+            if not name.strip():
+                raise ValueError("empty model name")
+            if not 1 <= tokens <= 10_000_000:
+                raise ValueError(f"{name!r}: output tokens must be 1..10000000, got {tokens}")
+            out[name.strip().lower()] = tokens
+        return out
 
     @field_validator("key_prefix")
     @classmethod

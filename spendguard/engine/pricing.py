@@ -254,6 +254,7 @@ class PriceTable:
         "_aliases",
         "_ambiguous",
         "_from_file",
+        "_looked_up",
         "_max_output",
         "_noted",
         "_prices",
@@ -309,6 +310,7 @@ class PriceTable:
         # Names already resolved: every request prices its model two or three times. Bounded,
         # since the names come from clients.
         self._resolved: dict[str, tuple[str, Resolution, str] | None] = {}
+        self._looked_up: dict[str, Price | None] = {}
         self._noted: set[str] = set()
         self.as_of = as_of
         self.user_as_of = user_as_of
@@ -445,8 +447,18 @@ class PriceTable:
 
     def lookup(self, model: str) -> Price | None:
         """The price for ``model`` (see the module docstring for the rules)."""
-        found = self._found(model)  # memoised by name
-        return None if found is None else self._prices[found[0]]
+        try:  # every request prices its model two or three times: one dict lookup then
+            return self._looked_up[model]
+        except (KeyError, TypeError):
+            pass
+        found = self._found(model)
+        price = None if found is None else self._prices[found[0]]
+        if isinstance(model, str):
+            looked_up = self._looked_up
+            if len(looked_up) >= _RESOLVED_MAX:
+                looked_up.clear()
+            looked_up[model] = price
+        return price
 
     def max_output_tokens(self, model: str) -> int | None:
         """The most output tokens the model can produce per completion, where the table knows."""
