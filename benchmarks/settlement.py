@@ -60,6 +60,9 @@ def _identities(teams: int) -> list[Identity]:
 
 
 def _records(n: int, identities: list[Identity], now: datetime) -> list[InferenceRecord]:
+    # Each carries its model's price, as the gateway writes it: settlement reads that.
+    found = PriceTable.load(None).lookup(MODEL)
+    price = "" if found is None else found.encode()
     out = []
     for i in range(n):
         rid = new_record_id()  # as the gateway draws them
@@ -75,6 +78,7 @@ def _records(n: int, identities: list[Identity], now: datetime) -> list[Inferenc
                 usage=Usage(input_tokens=40 + i % 50, output_tokens=5 + i % 20),
                 estimate_micros=30,
                 postflight=PostflightStatus.APPLIED,
+                price=price,
             )
         )
     return out

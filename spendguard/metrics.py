@@ -63,7 +63,8 @@ UNKNOWN_MODEL = Counter(
 DEFAULT_PRICED = Counter(
     "spendguard_default_priced_total",
     "Costs computed at the price table's 'default' entry, for models the table does not price "
-    "(stage: estimate = postflight's estimate, settlement = the exact charge).",
+    "(stage: estimate = postflight's estimate, settlement = the charge of a record without a "
+    "price of its own).",
     ["stage"],
 )
 

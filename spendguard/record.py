@@ -31,3 +31,7 @@ class InferenceRecord:
     usage: Usage
     estimate_micros: int  # what postflight added to the cache
     postflight: PostflightStatus
+    # The unit prices the estimate was computed at (``Price.encode``), which settlement
+    # charges whatever table the settling process has: '' = charged nothing (an unpriced
+    # model), None = not known (an admission entry of an earlier release).
+    price: str | None

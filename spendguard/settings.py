@@ -168,7 +168,7 @@ class Settings(BaseSettings):
     )
     default_output_tokens_by_model: dict[str, int] = Field(
         default_factory=dict,
-        description="The same per model, as JSON: {\"gpt-4o-mini\": 1024}; a name as clients "
+        description='The same per model, as JSON: {"gpt-4o-mini": 1024}; a name as clients '
         "send it or as its price-table entry, case-insensitive.",
     )
     remaining_headers: bool = Field(

@@ -20,6 +20,12 @@ from spendguard.settings import Settings, load_settings
         ("SPENDGUARD_REDIS_URL", "http://127.0.0.1:6379", "SPENDGUARD_REDIS_URL"),
         ("SPENDGUARD_PRICES", "/nonexistent/prices.json", "SPENDGUARD_PRICES"),
         ("SPENDGUARD_UNKNOWN_MODEL", "guess", "SPENDGUARD_UNKNOWN_MODEL"),
+        ("SPENDGUARD_DEFAULT_OUTPUT_TOKENS", "0", "SPENDGUARD_DEFAULT_OUTPUT_TOKENS"),
+        (
+            "SPENDGUARD_DEFAULT_OUTPUT_TOKENS_BY_MODEL",
+            '{"gpt-4o": 0}',
+            "SPENDGUARD_DEFAULT_OUTPUT_TOKENS_BY_MODEL",
+        ),
     ],
 )
 def test_invalid_settings_fail_naming_the_field(
@@ -43,6 +49,14 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPENDGUARD_ENABLED", "false")
     s = load_settings()
     assert s.routes == ("/v1/chat/completions", "/custom/infer") and not s.enabled
+
+
+def test_the_default_output_reservation_per_model_is_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPENDGUARD_DEFAULT_OUTPUT_TOKENS", "2048")
+    monkeypatch.setenv("SPENDGUARD_DEFAULT_OUTPUT_TOKENS_BY_MODEL", '{" GPT-4o-mini ": 1024}')
+    settings = load_settings()
+    assert settings.default_output_tokens == 2048
+    assert settings.default_output_tokens_by_model == {"gpt-4o-mini": 1024}
 
 
 def test_bad_redis_url_fails_at_start(monkeypatch: pytest.MonkeyPatch) -> None:

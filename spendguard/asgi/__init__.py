@@ -6,11 +6,12 @@ from .admin import admin_app
 from .dependency import spendguard_guard
 from .identity import IdentityResolver, from_auth_state, from_user
 from .keys import KEY_HEADERS, api_key_from_headers, from_api_key, hashed_key
-from .middleware import HEADER_INFERENCE_ID, SpendGuardMiddleware
+from .middleware import HEADER_INFERENCE_ID, STATE_MODEL, SpendGuardMiddleware
 
 __all__ = [
     "HEADER_INFERENCE_ID",
     "KEY_HEADERS",
+    "STATE_MODEL",
     "IdentityResolver",
     "SpendGuardMiddleware",
     "admin_app",

@@ -1,7 +1,8 @@
 """The one admission sequence of an inference, for the middleware's own path and for the
 ``Depends(spendguard_guard)`` path alike: parse the body, hold budgets, admit spend limits
-(returning the budget hold when they refuse), and on success the response headers and the
-:class:`Exchange` that observes and finishes the response.
+(returning the budget hold when they refuse; asking them anyway when a budget refuses, so the
+longer refusal is named), and on success the response headers and the :class:`Exchange` that
+observes and finishes the response.
 
 Both paths call :func:`admit_inference` and get the same three outcomes: ``None`` (pass
 through unobserved), a :data:`Refusal` to send, or an :class:`Exchange`. So they cannot
@@ -17,7 +18,7 @@ from typing import Any
 
 from starlette.types import Message, Send
 
-from ..budgets import BudgetAdmission, BudgetGate
+from ..budgets import BudgetAdmission, BudgetGate, BudgetVerdict
 from ..budgets.responses import send_budget_refusal
 from ..engine.decision import Admission, InferenceRequest, Verdict
 from ..engine.guard import SpendGuard
@@ -32,6 +33,9 @@ from .request import BadRequest, parse_request
 STATE_INFERENCE_ID = "spendguard_inference_id"
 STATE_T0 = "spendguard_t0"
 STATE_RECORD_ID = "spendguard_record_id"
+STATE_MODEL = "spendguard_model"
+"""Set by the app (``request.state.spendguard_model``) before its response ends: the model it
+routed the inference to, charged instead of the request's (when the price table prices it)."""
 HEADER_INFERENCE_ID = "x-spendguard-inference-id"
 _INFERENCE_ID_HEADER = HEADER_INFERENCE_ID.encode()
 
@@ -42,6 +46,8 @@ class Disconnected(Exception):
 
 # A response to send instead of calling the app's endpoint.
 Refusal = Callable[[Send], Awaitable[None]]
+# The model a response's headers say its gateway routed to (a known gateway's, or None).
+RoutedBy = Callable[[list[tuple[bytes, bytes]]], str | None]
 
 
 def content_headers(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, str | None]:
@@ -74,7 +80,18 @@ class Exchange:
     them are promoted to the oldest generation before they die.
     """
 
-    __slots__ = ("_added", "_guard", "_send", "admission", "budget", "observer", "status")
+    __slots__ = (
+        "_added",
+        "_guard",
+        "_routed_by",
+        "_send",
+        "_state",
+        "admission",
+        "budget",
+        "observer",
+        "routed",
+        "status",
+    )
 
     def __init__(
         self,
@@ -83,11 +100,14 @@ class Exchange:
         budget: BudgetAdmission | None,
         send: Send,
         added: list[tuple[bytes, bytes]],
+        state: dict[str, Any],
+        routed_by: RoutedBy | None = None,
     ) -> None:
         self._guard, self.admission, self.budget, self._added = guard, admission, budget, added
-        self._send = send
+        self._send, self._state, self._routed_by = send, state, routed_by
         self.status = 0  # no response started (yet)
         self.observer: BodyObserver | None = None
+        self.routed: str | None = None  # what the response's headers say was routed to
 
     def send(self, message: Message) -> Awaitable[None]:
         # Not a coroutine function: what it does is synchronous, and it hands back the server's
@@ -105,12 +125,20 @@ class Exchange:
             self.observer = self._guard.observe(
                 self.admission, status, content_type, content_encoding
             )
+            if self._routed_by is not None:
+                self.routed = self._routed_by(headers)
             headers.extend(self._added)
         return self._send(message)
 
     async def finish(self, budgets: BudgetGate | None) -> None:
-        """Charge the inference once, however the app ended (shielded)."""
-        await finish(self._guard, budgets, self.admission, self.status, self.observer, self.budget)
+        """Charge the inference once, however the app ended (shielded). The app's own word on
+        the model it routed to (``STATE_MODEL``) goes before its response's headers."""
+        routed = self._state.get(STATE_MODEL)
+        if not isinstance(routed, str) or not routed:
+            routed = self.routed
+        await finish(
+            self._guard, budgets, self.admission, self.status, self.observer, self.budget, routed
+        )
 
 
 async def admit_inference(
@@ -125,6 +153,7 @@ async def admit_inference(
     path_model: str | None,
     state: dict[str, Any],
     remaining: bool,
+    routed_by: RoutedBy | None = None,
 ) -> Exchange | Refusal | None:
     """Admit one inference: ``None`` to pass it through unobserved, a refusal to send, or the
     exchange to hand the app as its ``send`` (its ``finish`` must then run, in ``finally``).
@@ -141,7 +170,9 @@ async def admit_inference(
     if budgets is not None and identity is not None and request is not None:
         budget = await budgets.admit(identity, request)
         if budget is not None and not budget.allowed:
-            return partial(send_budget_refusal, dialect=dialect, admission=budget)
+            return await _budget_refused(
+                guard, budget, identity, request, route, dialect, state, remaining
+            )
     t0, inference_id = retry_of(state)
     admission = await guard.admit(
         identity, request, route=route, dialect=dialect, t0=t0, inference_id=inference_id
@@ -163,7 +194,33 @@ async def admit_inference(
     added.extend(rate_limit_headers(decision))
     if budget is not None:
         added.extend(budget.headers)
-    return Exchange(guard, admission, budget, send, added)
+    return Exchange(guard, admission, budget, send, added, state, routed_by)
+
+
+async def _budget_refused(
+    guard: SpendGuard,
+    budget: BudgetAdmission,
+    identity: Identity,
+    request: InferenceRequest,
+    route: str,
+    dialect: Dialect,
+    state: dict[str, Any],
+    remaining: bool,
+) -> Refusal:
+    """A budget refused: the spend limits are asked too (leaving nothing behind), and the
+    answer names whichever refusal lasts longer, the budget's on a tie (design.md, "Which
+    refusal is named"). A budget outage is answered as it is: its store is most likely the
+    spend limits' too, and asking it again would only double the wait for a 503."""
+    if budget.verdict is BudgetVerdict.DENY:
+        t0, inference_id = retry_of(state)
+        spend = await guard.refusal(
+            identity, request, route=route, dialect=dialect, t0=t0, inference_id=inference_id
+        )
+        if spend is not None and spend.lasts > budget.lasts:
+            decision = spend.decision
+            headers = remaining_headers(decision) if remaining and decision is not None else []
+            return partial(send_refusal, admission=spend, headers=headers)
+    return partial(send_budget_refusal, dialect=dialect, admission=budget)
 
 
 def retry_of(state: dict[str, Any]) -> tuple[datetime | None, str | None]:

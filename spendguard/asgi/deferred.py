@@ -17,7 +17,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..budgets import BudgetGate
 from ..engine.guard import SpendGuard
-from .admission import STATE_RECORD_ID, Disconnected, Exchange, admit_inference, bad_request
+from .admission import (
+    STATE_RECORD_ID,
+    Disconnected,
+    Exchange,
+    RoutedBy,
+    admit_inference,
+    bad_request,
+)
 from .dependency import STATE_ADMIT, Refused
 from .finishing import replay
 from .identity import IdentityResolver, resolve
@@ -38,6 +45,7 @@ async def deferred_inference(
     no_identity: Callable[[Scope], None],
     budgets: BudgetGate | None,
     remaining: bool,
+    routed_by: RoutedBy | None = None,
 ) -> None:
     """Read the body, call the app with the admission hook; observe and finish what it
     admitted."""
@@ -71,6 +79,7 @@ async def deferred_inference(
             path_model=match.model,
             state=state,
             remaining=remaining,
+            routed_by=routed_by,
         )
         if isinstance(outcome, Exchange):
             exchange = outcome

@@ -8,6 +8,10 @@ Anthropic SDKs honour it, so they raise at once instead of retrying a limit that
 tomorrow (or a balance that never resets by itself). A 503 is left to the SDKs' retries, and so
 is a rate's 429 (``rate_limit_exceeded``, with ``Retry-After`` and OpenAI's ``x-ratelimit-*``
 headers), unless the request alone is larger than a tokens-per-minute rate.
+
+A request whose hold alone exceeds a hard limit's whole amount can never pass as sent:
+``request_exceeds_spend_limit`` (Anthropic ``invalid_request_error``: the request must change,
+its message says how), ``x-should-retry: false`` and no ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import Final
 
 from starlette.types import Send
 
-from ..engine.decision import Admission, Verdict
+from ..engine.decision import Admission, Never, Verdict
+from ..engine.reservation import usd
 from ..limits import Limit, Period, SubjectKind
 from ..limits.rates import RateDenial, RateKind, Scope
 from ..usage import Dialect
@@ -49,10 +54,20 @@ _OPENAI_TYPES = {
 }
 
 
+# A request whose hold alone exceeds a hard limit: its code, and its Anthropic type (the
+# request must change; Anthropic's envelope has no code).
+REQUEST_EXCEEDS_SPEND_LIMIT: Final = "request_exceeds_spend_limit"
+AS_SENT_ANTHROPIC_TYPE: Final = "invalid_request_error"
+
+
+def limit_name(limit: Limit) -> str:
+    """``API Key daily spend limit`` and the like."""
+    return f"{_SUBJECT_NAMES[limit.subject.kind]} {_WINDOW_NAMES[limit.window]} spend limit"
+
+
 def limit_message(limit: Limit) -> str:
     """``API Key daily spend limit exceeded.`` and the like."""
-    subject = _SUBJECT_NAMES[limit.subject.kind]
-    return f"{subject} {_WINDOW_NAMES[limit.window]} spend limit exceeded."
+    return f"{limit_name(limit)} exceeded."
 
 
 _RATE_NAMES = {
@@ -62,28 +77,36 @@ _RATE_NAMES = {
 }
 
 
-def rate_message(denial: RateDenial) -> str:
-    """``Rate limit reached for API Key on requests per minute: limit 60.`` and the like."""
+def rate_message(denial: RateDenial, declared: bool = True) -> str:
+    """``Rate limit reached for API Key on requests per minute: limit 60.`` and the like;
+    ``declared``: whether the request set its output cap (else the default was reserved)."""
     subject = "API Key" if denial.state.scope is Scope.API_KEY else "Team"
     what = _RATE_NAMES[denial.kind][0]
     message = f"Rate limit reached for {subject} on {what}: limit {denial.limit}"
     if denial.kind is RateKind.TPM:
         message += f", requested {denial.cost}"
         if denial.cost > denial.limit:
+            fix = "Lower max_tokens or the prompt."
+            if not declared:
+                fix = "It sets no max_tokens, so the default output reservation counts: set "
+                fix += "max_tokens, or shorten the prompt."
             return f"Request too large for {subject} on {what}: limit {denial.limit}, " + (
-                f"requested {denial.cost}. Lower max_tokens or the prompt."
+                f"requested {denial.cost}. {fix}"
             )
     return message + "."
 
 
 def error_body(
-    dialect: Dialect, status: int, code: str, message: str, error_type: str | None = None
+    dialect: Dialect,
+    status: int,
+    code: str,
+    message: str,
+    error_type: str | None = None,
+    anthropic_type: str | None = None,
 ) -> bytes:
     if dialect is Dialect.ANTHROPIC:
-        body: dict[str, object] = {
-            "type": "error",
-            "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message},
-        }
+        kind = anthropic_type or _ANTHROPIC_TYPES.get(status, "api_error")
+        body: dict[str, object] = {"type": "error", "error": {"type": kind, "message": message}}
     else:
         body = {
             "error": {
@@ -105,8 +128,9 @@ async def send_error(
     retry_after: int | None = None,
     headers: Sequence[tuple[bytes, bytes]] = (),
     error_type: str | None = None,
+    anthropic_type: str | None = None,
 ) -> None:
-    body = error_body(dialect, status, code, message, error_type)
+    body = error_body(dialect, status, code, message, error_type, anthropic_type)
     start_headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -135,6 +159,7 @@ async def send_refusal(
         await send_error(send, dialect, 403, "model_not_allowed", message)
     elif admission.verdict is Verdict.RATE_LIMITED and decision and decision.rate_denied:
         rated = decision.rate_denied
+        declared = admission.request is None or admission.request.max_tokens is not None
         rate_headers = rate_limit_headers(decision)
         retry = decision.retry_after
         if retry is None:  # larger than the rate itself: no retry can succeed
@@ -144,7 +169,7 @@ async def send_refusal(
             dialect,
             429,
             "rate_limit_exceeded",
-            rate_message(rated),
+            rate_message(rated, declared),
             retry_after=retry,
             headers=rate_headers,
             error_type=_RATE_NAMES[rated.kind][1],  # OpenAI's: "requests" or "tokens"
@@ -155,6 +180,21 @@ async def send_refusal(
         if limit is None:  # the prepaid balance is used up: it never resets by itself
             message = "Account balance exhausted."
             await send_error(send, dialect, 429, "insufficient_quota", message, headers=denial)
+        elif admission.never is Never.AS_SENT:
+            amount = usd(decision.denied.limit)
+            message = f"This request can never pass the {limit_name(limit)} of {amount} as "
+            message += f"sent: {admission.message}"
+            code = REQUEST_EXCEEDS_SPEND_LIMIT
+            await send_error(
+                send,
+                dialect,
+                429,
+                code,
+                message,
+                headers=denial,
+                error_type=code,
+                anthropic_type=AS_SENT_ANTHROPIC_TYPE,
+            )
         else:
             message, retry = limit_message(limit), decision.retry_after
             code = "spend_limit_exceeded"

@@ -50,19 +50,21 @@ async def finish(
     status_code: int,
     observer: BodyObserver | None,
     budget: BudgetAdmission | None,
+    routed: str | None = None,
 ) -> None:
     """Charge an admitted inference, however the app ended: return, exception, disconnect or
     cancellation. Shielded, so a cancelled request still settles its charge; bounded by the
     store's own timeouts, so no deadline of ours is needed. Its budget hold becomes what was
-    charged, or is returned when nothing was."""
+    charged, or is returned when nothing was. ``routed``: the model the app or its router
+    says it routed to (``SpendGuard.finish``)."""
     if budget is None and guard.finishes_in_place:
         # The embedded store's charge does not suspend, and a cancellation can only land
         # where a coroutine suspends: no cancel scope is needed (it cost a few µs on every
         # request). shielded() still covers it should it ever suspend.
-        await shielded(guard.finish(admission, status_code, observer))
+        await shielded(guard.finish(admission, status_code, observer, routed=routed))
         return
     with anyio.CancelScope(shield=True):
-        record = await guard.finish(admission, status_code, observer)
+        record = await guard.finish(admission, status_code, observer, routed=routed)
         if budget is not None and budgets is not None:
             if record is None:
                 await budgets.finish(budget, None, budget.model)

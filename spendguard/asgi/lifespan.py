@@ -28,7 +28,9 @@ async def run_lifespan(
     send: Send,
     started: Callable[[], None] | None = None,
 ) -> None:
-    """``started`` runs once the app's own startup is done (its routes may have changed)."""
+    """``started`` runs once the app's own startup is done (its routes may have changed), and
+    before the guard starts: what it reads from the app (a router's model names) then prices
+    the settlement worker's first pass too."""
     seen = {"startup": False, "answered": False}
     async with anyio.create_task_group() as tg:
 
@@ -41,10 +43,10 @@ async def run_lifespan(
         async def lifespan_send(message: Message) -> None:
             if message["type"] == "lifespan.startup.complete":
                 seen["answered"] = True
-                if not await _start(guard, tg, send):
-                    return
                 if started is not None:
                     started()
+                if not await _start(guard, tg, send):
+                    return
             elif message["type"] == "lifespan.startup.failed":
                 seen["answered"] = True
             elif message["type"] == "lifespan.shutdown.complete":
@@ -85,10 +87,10 @@ async def _own_lifespan(
 ) -> None:
     if not got_startup:
         await receive()  # lifespan.startup
-    if not await _start(guard, tg, send):
-        return
     if started is not None:
         started()
+    if not await _start(guard, tg, send):
+        return
     await send({"type": "lifespan.startup.complete"})
     while (await receive())["type"] != "lifespan.shutdown":
         pass

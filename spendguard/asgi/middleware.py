@@ -20,12 +20,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..budgets import BudgetGate, gate_for
 from ..engine.guard import SpendGuard
+from ..integrations.litellm import LiteLLMRouting, litellm_routing
 from ..ledger import Ledger
 from ..settings import Settings, load_settings
 from ..store import Store
 from .admission import (
     HEADER_INFERENCE_ID,
     STATE_INFERENCE_ID,
+    STATE_MODEL,
     STATE_RECORD_ID,
     STATE_T0,
     Disconnected,
@@ -46,6 +48,7 @@ from .wiring import Wiring
 __all__ = [
     "HEADER_INFERENCE_ID",
     "STATE_INFERENCE_ID",
+    "STATE_MODEL",
     "STATE_RECORD_ID",
     "STATE_T0",
     "SpendGuardMiddleware",
@@ -94,6 +97,10 @@ class SpendGuardMiddleware:
         self.budgets = budgets
         if budgets is None and self.guard is not None:
             self.budgets = gate_for(self.guard)
+        # The LiteLLM proxy's router, when the app is LiteLLM's (integrations/litellm.py):
+        # looked for once the app started, since its router is made by its startup.
+        self.litellm: LiteLLMRouting | None = None
+        self._looked_for_router = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.guard is None:
@@ -102,6 +109,7 @@ class SpendGuardMiddleware:
         if scope["type"] == "http":
             if self.wiring.pending:  # the first request: checks made once (asgi/wiring.py)
                 self.wiring.first_request(scope, self.app)
+                self._find_router(self.guard, scope)
             match = self.routes.match(scope)
             if match is not None:
                 if match is AMBIGUOUS:
@@ -118,15 +126,40 @@ class SpendGuardMiddleware:
                 return
         elif scope["type"] == "lifespan":
             self.wiring.lifespan(scope, self.app)
-            started = partial(self.wiring.started, scope, self.app)
+            started = partial(self._started, self.guard, scope)
             await run_lifespan(self.app, self.guard, scope, receive, send, started)
             return
         await self.app(scope, receive, send)
+
+    def _started(self, guard: SpendGuard, scope: Scope) -> None:
+        self.wiring.started(scope, self.app)
+        self._find_router(guard, scope)
+
+    def _find_router(self, guard: SpendGuard, scope: Scope) -> None:
+        if self._looked_for_router:
+            return
+        self._looked_for_router = True
+        self.litellm = litellm_routing((scope.get("app"), self.app), guard.prices)
+        if self.litellm is not None:
+            self._read_router(guard, self.litellm)
+
+    def _read_router(self, guard: SpendGuard, router: LiteLLMRouting) -> None:
+        """The router's model names into the price table, when they changed (no await: a
+        request sees the old table or the new one, whole)."""
+        table = router.prices()
+        if table is None:
+            return
+        guard.use_prices(table)
+        if self.budgets is not None:
+            self.budgets.prices = table  # budgets price by the same names
 
     async def _inference(
         self, guard: SpendGuard, scope: Scope, receive: Receive, send: Send, match: RouteMatch
     ) -> None:
         route, dialect, path_model = match
+        router = self.litellm
+        if router is not None:
+            self._read_router(guard, router)  # at most every few seconds, in integrations/
         state: dict[str, Any] = scope.setdefault("state", {})
         identity = await resolve(self.resolve_identity, HTTPConnection(scope))
         body: bytes | None = None
@@ -151,6 +184,7 @@ class SpendGuardMiddleware:
                 no_identity=self.wiring.no_identity,
                 budgets=self.budgets,
                 remaining=self.settings.remaining_headers,
+                routed_by=router.routed if router is not None else None,
             )
             return
         else:
@@ -166,6 +200,7 @@ class SpendGuardMiddleware:
             path_model=path_model,
             state=state,
             remaining=self.settings.remaining_headers,
+            routed_by=router.routed if router is not None else None,
         )
         if outcome is None:  # passed through, unobserved
             await self.app(scope, receive if body is None else replay(body, receive), send)

@@ -52,6 +52,7 @@ def gate_for(guard: SpendGuard) -> BudgetGate | None:
         # The guard connects its ledger at start; without a lifespan, on first use.
         ensure_connected=guard._ensure_connected,
         clock=guard.clock,
+        output=guard.output,  # the spend limits' reservation rule: the two engines agree
     )
 
 

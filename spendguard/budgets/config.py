@@ -42,8 +42,6 @@ MAX_PERIOD_SECONDS = 400 * 86_400
 # The most tokens one limit may name: far above any real quota, far below 2^53 (Lua numbers).
 MAX_TOKENS = 10**15
 DEFAULT_HOLD_SECONDS = 900
-# The output a request without max_tokens (or an equivalent) is assumed to ask for.
-DEFAULT_OUTPUT_TOKENS = 4096
 
 _UNITS = {"m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
 _PERIOD = re.compile(r"([1-9][0-9]{0,5})([mhdw])")
@@ -142,7 +140,9 @@ class BudgetsConfig:
     per_model: Mapping[str, BudgetLimit] = field(default_factory=dict)
     global_: BudgetLimit | None = None
     hold_seconds: int = DEFAULT_HOLD_SECONDS
-    default_output_tokens: int = DEFAULT_OUTPUT_TOKENS
+    # The output a request without max_tokens reserves here; None: the gateway's setting
+    # (SPENDGUARD_DEFAULT_OUTPUT_TOKENS), the one the spend limits reserve too.
+    default_output_tokens: int | None = None
 
     @property
     def active(self) -> bool:
@@ -166,6 +166,7 @@ class BudgetsConfig:
             "storage": self.storage.value,
             "fail_open": self.fail_open,
             "hold_seconds": self.hold_seconds,
+            # null: the gateway's SPENDGUARD_DEFAULT_OUTPUT_TOKENS
             "default_output_tokens": self.default_output_tokens,
             "windows": [
                 {"id": w.id, "period": w.period, "seconds": w.seconds} for w in self.windows
@@ -356,12 +357,12 @@ def parse_budgets(document: object) -> BudgetsConfig:
     if type(hold) is not int or not 10 <= hold <= 86_400:
         problems.add("budgets.hold_seconds", f"must be a whole number 10..86400, got {hold!r}")
         hold = DEFAULT_HOLD_SECONDS
-    output = data.get("default_output_tokens", DEFAULT_OUTPUT_TOKENS)
-    if type(output) is not int or not 1 <= output <= 10_000_000:
+    output = data.get("default_output_tokens")
+    if output is not None and (type(output) is not int or not 1 <= output <= 10_000_000):
         problems.add(
             "budgets.default_output_tokens", f"must be a whole number 1..10000000, got {output!r}"
         )
-        output = DEFAULT_OUTPUT_TOKENS
+        output = None
     windows = _windows(data.get("windows"), problems)
     per_key = model_limits = global_ = None
     scopes = data.get("scopes")

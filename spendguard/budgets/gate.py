@@ -5,9 +5,12 @@ Per request: the buckets that apply (the key's own budget or the fleet's per-key
 model's, the fleet's) each get the admission estimate reserved in one atomic call; the calls go
 out together. If any bucket can't afford the request, the others' holds are returned and the
 denial names the first failing window in config order, and within it the first scope in the
-order key → model → global. The estimate is the prompt estimate plus the output limit
-(``max_tokens``, or the section's ``default_output_tokens``), priced at the price table; a model
-without a price reserves and counts tokens only, so cost limits don't apply to it.
+order key → model → global, unless the request's estimate alone exceeds some bucket's whole
+limit: that denial, which no wait ends, is named first. The estimate is the prompt estimate
+plus the output the spend limits reserve too (:mod:`spendguard.engine.reservation`: the
+declared cap or the default, capped at the model's maximum; the section's
+``default_output_tokens`` replaces the default), priced at the price table; a model without a
+price reserves and counts tokens only, so cost limits don't apply to it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,15 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ..clock import from_micros, to_micros, utcnow
+from ..engine.decision import Lasting
+from ..engine.reservation import (
+    DEFAULT_RESERVATION,
+    OutputReservation,
+    advice,
+    describe_output,
+    largest_fitting,
+    usd,
+)
 from ..errors import LedgerUnavailable, StoreFull, StoreUnavailable
 from ..identity import Identity, encode_id
 from ..ledger import BudgetOverride, Ledger
@@ -72,18 +84,26 @@ class Denial:
     unit: Unit
     limit: int
     model: str | None  # only for a per-model denial
-    retry_after: int
+    retry_after: int | None  # None: the request never fits as sent
+    # The request's estimate (in ``unit``) when it alone exceeds the whole limit, and what it
+    # is made of and what would fit.
+    reserved: int | None = None
+    explained: str = ""
 
     def details(self) -> dict[str, object]:
-        """What the 429 tells: the configured limit, never anyone's usage."""
+        """What the 429 tells: the configured limit (and this request's own estimate), never
+        anyone's usage."""
         out: dict[str, object] = {
             "scope": self.scope.value,
             "window": self.window,
             "unit": self.unit.value,
         }
-        out["limit" if self.unit is Unit.TOKENS else "limit_micro_usd"] = self.limit
+        tokens = self.unit is Unit.TOKENS
+        out["limit" if tokens else "limit_micro_usd"] = self.limit
         if self.model is not None:
             out["model"] = self.model
+        if self.reserved is not None:
+            out["reserved" if tokens else "reserved_micro_usd"] = self.reserved
         return out
 
     @property
@@ -94,6 +114,12 @@ class Denial:
             Scope.GLOBAL: "Global",
         }[self.scope]
         unit = "token" if self.unit is Unit.TOKENS else "cost"
+        if self.reserved is not None:
+            limit = f"{self.limit:,} tokens" if self.unit is Unit.TOKENS else usd(self.limit)
+            return (
+                f"This request can never pass the {what} {unit} budget of {limit} for window "
+                f"{self.window!r} as sent: {self.explained}"
+            )
         return f"{what} {unit} budget exceeded for window {self.window!r}."
 
 
@@ -116,6 +142,16 @@ class BudgetAdmission:
     def allowed(self) -> bool:
         return self.verdict is BudgetVerdict.ADMIT
 
+    @property
+    def lasts(self) -> tuple[Lasting, int]:
+        """How long this refusal lasts (see :class:`~spendguard.engine.decision.Lasting`)."""
+        denial = self.denial
+        if self.verdict is not BudgetVerdict.DENY or denial is None:
+            return Lasting.OUTAGE, OUTAGE_RETRY_AFTER
+        if denial.retry_after is None:
+            return Lasting.AS_SENT, 0
+        return Lasting.WAIT, denial.retry_after
+
 
 def new_hold_id() -> str:
     return f"{random.getrandbits(96):024x}"
@@ -136,8 +172,10 @@ class BudgetGate:
         ledger: Ledger | None = None,
         ensure_connected: EnsureConnected | None = None,
         clock: Callable[[], datetime] = utcnow,
+        output: OutputReservation = DEFAULT_RESERVATION,
     ) -> None:
         self.source = source
+        self.output = output  # the spend limits' own rule (the guard's), so the two agree
         self.ledger = ledger  # where a bucket Redis lost is rebuilt from
         # One rebuild per lost bucket at a time in this process; the others wait for it.
         self._rebuilding: dict[Bucket, anyio.Event] = {}
@@ -206,9 +244,7 @@ class BudgetGate:
         calls, default_key = await self.plan(config, identity, model)
         if not calls:
             return None
-        output = request.max_tokens
-        if output is None:
-            output = config.default_output_tokens
+        output = self.output.tokens(request, self.prices, config.default_output_tokens)
         estimate = Usage(input_tokens=request.estimated_input_tokens, output_tokens=output)
         price = self.prices.lookup(model)
         cost = 0 if price is None else int(price.cost(estimate))
@@ -250,7 +286,7 @@ class BudgetGate:
             taken = [calls[i].bucket for i, a in enumerate(answers) if a.ok]
             if taken:
                 await self._release(store, taken, hold.id)
-            return self._deny(admission, denied, model)
+            return self._deny(admission, denied, request, estimate)
         if default_key:
             admission.headers = _key_headers(calls[0], answers[0], now_ms)
         return admission
@@ -330,30 +366,95 @@ class BudgetGate:
         return out
 
     def _deny(
-        self, admission: BudgetAdmission, denied: list[tuple[int, Reserved]], model: str
+        self,
+        admission: BudgetAdmission,
+        denied: list[tuple[int, Reserved]],
+        request: InferenceRequest,
+        estimate: Usage,
     ) -> BudgetAdmission:
-        # The first failing window in config order; within it, the first scope.
-        i, answer = min(
-            denied, key=lambda d: (d[1].window, _SCOPE_RANK[admission.calls[d[0]].bucket.scope])
-        )
-        call = admission.calls[i]
-        check = call.checks[answer.window]
-        limit = check.limit.tokens if answer.unit is Unit.TOKENS else check.limit.cost_micros
-        assert limit is not None  # a unit is only denied where it has a limit
-        scope = call.bucket.scope
-        denial = Denial(
-            scope=scope,
-            window=check.window.id,
-            unit=answer.unit,
-            limit=limit,
-            model=model if scope is Scope.PER_MODEL else None,
-            retry_after=max(1, -(-answer.retry_ms // 1000)),
-        )
-        metrics.REJECTIONS.labels(scope.value, check.window.id).inc()
+        model = request.model
+        never = self._never_fits(admission, request, estimate)
+        if never is not None:
+            denial = never
+            scope, window = denial.scope, denial.window
+        else:
+            # The first failing window in config order; within it, the first scope.
+            i, answer = min(
+                denied,
+                key=lambda d: (d[1].window, _SCOPE_RANK[admission.calls[d[0]].bucket.scope]),
+            )
+            call = admission.calls[i]
+            check = call.checks[answer.window]
+            limit = check.limit.tokens if answer.unit is Unit.TOKENS else check.limit.cost_micros
+            assert limit is not None  # a unit is only denied where it has a limit
+            scope, window = call.bucket.scope, check.window.id
+            denial = Denial(
+                scope=scope,
+                window=window,
+                unit=answer.unit,
+                limit=limit,
+                model=model if scope is Scope.PER_MODEL else None,
+                retry_after=max(1, -(-answer.retry_ms // 1000)),
+            )
+        metrics.REJECTIONS.labels(scope.value, window).inc()
         admission.verdict = BudgetVerdict.DENY
         admission.denial = denial
         admission.done = True
         return admission
+
+    def _never_fits(
+        self, admission: BudgetAdmission, request: InferenceRequest, estimate: Usage
+    ) -> Denial | None:
+        """The denial of a bucket whose whole limit the estimate alone exceeds (no wait ends
+        it), in the order of the others: window, then scope. Only a refused request gets
+        here, so an admitted one pays nothing for it."""
+        hold = admission.hold
+        assert hold is not None
+        found: tuple[tuple[int, int], BucketCheck, WindowCheck, Unit, int] | None = None
+        for call in admission.calls:
+            for w, check in enumerate(call.checks):
+                tokens, cost = check.limit.tokens, check.limit.cost_micros
+                if tokens is not None and hold.tokens > tokens:
+                    unit, limit = Unit.TOKENS, tokens
+                elif hold.count_cost and cost is not None and hold.cost > cost:
+                    unit, limit = Unit.COST, cost
+                else:
+                    continue
+                order = (w, _SCOPE_RANK[call.bucket.scope])
+                if found is None or order < found[0]:
+                    found = (order, call, check, unit, limit)
+        if found is None:
+            return None
+        _, call, check, unit, limit = found
+        tokens_in, output = estimate.input_tokens, estimate.output_tokens
+        choices = request.choices
+        made_of = f"{tokens_in:,} input and {describe_output(request, output, self.prices)}"
+        if unit is Unit.TOKENS:
+            reserved = hold.tokens
+            explained = f"it reserves {reserved:,} tokens: {made_of}. "
+            explained += advice(request, (limit - tokens_in) // choices)
+        else:
+            reserved = hold.cost
+            price = self.prices.lookup(request.model)
+            assert price is not None  # a cost is only counted for a priced model
+
+            def cost_of(out: int) -> int:
+                usage = Usage(input_tokens=tokens_in, output_tokens=out * choices)
+                return int(price.cost(usage))
+
+            explained = f"it reserves {usd(reserved)}: {made_of}. "
+            explained += advice(request, largest_fitting(cost_of, limit, output // choices))
+        scope = call.bucket.scope
+        return Denial(
+            scope=scope,
+            window=check.window.id,
+            unit=unit,
+            limit=limit,
+            model=request.model if scope is Scope.PER_MODEL else None,
+            retry_after=None,
+            reserved=reserved,
+            explained=explained,
+        )
 
     def _tracker_full(self, calls: tuple[BucketCheck, ...], model: str) -> BudgetAdmission:
         """A bounded tracker that can't take another bucket refuses like a budget would:
@@ -477,6 +578,7 @@ def make_gate(
     memory_max_buckets: int,
     ensure_connected: EnsureConnected | None = None,
     clock: Callable[[], datetime] = utcnow,
+    output: OutputReservation = DEFAULT_RESERVATION,
 ) -> BudgetGate:
     """A gate with the stores the settings allow: Redis when a URL is set (used whenever the
     section says ``storage: redis``, also after a reload), memory always."""
@@ -502,4 +604,5 @@ def make_gate(
         ledger=ledger,
         ensure_connected=ensure_connected,
         clock=clock,
+        output=output,
     )

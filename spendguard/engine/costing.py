@@ -52,6 +52,19 @@ class Coster:
                     "unknown_model=default_price needs a 'default' entry in the price table"
                 )
 
+    def use(self, table: PriceTable) -> None:
+        """Price from ``table`` from now on (a gateway's own model names, read after start).
+        The settlement worker and recovery share this coster, so they price alike; the swap
+        is two plain assignments, done after every check, so no caller sees half of it."""
+        fallback = self._fallback
+        if self._unknown is UnknownModel.DEFAULT_PRICE:
+            fallback = table.lookup(DEFAULT_ENTRY)
+            if fallback is None:
+                raise ConfigurationError(
+                    "unknown_model=default_price needs a 'default' entry in the price table"
+                )
+        self._table, self._fallback = table, fallback
+
     @property
     def rejects_unknown(self) -> bool:
         return self._unknown is UnknownModel.REJECT

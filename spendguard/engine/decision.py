@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 
 from ..identity import Identity
 from ..limits import Limit
@@ -38,6 +38,23 @@ class Unavailable(StrEnum):
     STORE_FULL = "store_full"  # the embedded store is at its bound
     LEDGER = "ledger"  # a cache miss needed the ledger, which did not answer
     VANISHED = "vanished"  # cache keys kept disappearing while being filled
+
+
+class Never(StrEnum):
+    """Why a spend-limit refusal can never pass, however long the client waits."""
+
+    ANY = "any"  # the limit is $0: no request passes until it is raised
+    AS_SENT = "as_sent"  # the request's hold alone exceeds the hard limit's whole amount
+
+
+class Lasting(IntEnum):
+    """How long a refusal lasts: when several checks refuse one request, the answer names the
+    one that lasts longest (the highest kind, then the longest wait)."""
+
+    OUTAGE = 0  # a check could not answer: it is retried shortly
+    WAIT = 1  # it passes once a window resets or drains (Retry-After)
+    AS_SENT = 2  # it never passes as sent (a smaller max_tokens or prompt may)
+    NEVER = 3  # no request passes: a $0 limit, an exhausted balance, a model refused
 
 
 # Made on every request: not frozen, since a frozen dataclass's __init__ sets each field
@@ -165,8 +182,26 @@ class Admission:
     dialect: Dialect
     request: InferenceRequest | None = None
     decision: Decision | None = None
-    message: str = ""  # for UNPRICED: what to tell the client
+    message: str = ""  # for UNPRICED, and a DENY that never passes: what to tell the client
+    never: Never | None = None  # a DENY that no wait ends
 
     @property
     def allowed(self) -> bool:
         return self.verdict is Verdict.ALLOW
+
+    @property
+    def lasts(self) -> tuple[Lasting, int]:
+        """How long this refusal lasts, and the seconds of a wait."""
+        verdict, decision = self.verdict, self.decision
+        if verdict is Verdict.DENY:
+            if self.never is Never.AS_SENT:
+                return Lasting.AS_SENT, 0
+            if self.never is Never.ANY or decision is None or decision.denied_limit is None:
+                return Lasting.NEVER, 0  # a $0 limit, or the balance: it never resets
+            return Lasting.WAIT, decision.retry_after or 0
+        if verdict is Verdict.RATE_LIMITED:
+            retry = None if decision is None else decision.retry_after
+            return (Lasting.AS_SENT, 0) if retry is None else (Lasting.WAIT, retry)
+        if verdict in (Verdict.UNPRICED, Verdict.MODEL_NOT_ALLOWED, Verdict.UNAUTHENTICATED):
+            return Lasting.NEVER, 0
+        return Lasting.OUTAGE, 0

@@ -3,14 +3,15 @@ provider, so a gateway killed while it runs loses no record (design.md, "Durable
 
 The preflight script writes an *open* entry in the same call that allows the request: who
 owns it (the gateway process), when it started, who pays and what its admission estimate is.
-Postflight replaces it with the whole *closed* record (or removes it: an inference that is not
-charged). Once the record is in the ledger the owner removes the entry.
+Postflight replaces it with the whole *closed* record, its price included (or removes it: an
+inference that is not charged). Once the record is in the ledger the owner removes the entry.
 
 An owner that stops heartbeating is dead; a settling worker then writes every entry it left:
 a closed entry as the record it holds, an open one (a stream cut by the crash, or an inference
-that never got its answer) as a record of its admission estimate. The ledger keeps a record
-id once, so the same entry recovered twice, or recovered and also written by a recorder that
-got there first, is charged once.
+that never got its answer) as a record of its admission estimate, priced by the recovering
+process and carrying the price it used. The ledger keeps a record id once, so the same entry
+recovered twice, or recovered and also written by a recorder that got there first, is charged
+once.
 
 Values are compact JSON arrays: written on every request, read only on recovery.
 """
@@ -28,33 +29,43 @@ from ..usage import Usage
 from ..usage.types import chars_to_tokens
 from .costing import Coster, Stage
 from .decision import InferenceRequest
+from .pricing import PriceTable
+from .reservation import DEFAULT_OUTPUT_TOKENS, DEFAULT_RESERVATION, OutputReservation
 
-# The output an open entry is charged when the request set no output cap: a crashed stream's
-# real output is unknown, and this is about one long answer.
-RECOVERED_OUTPUT_TOKENS: Final = 4096
+# The output an open entry is charged when the request set no output cap and nothing else was
+# configured: a crashed stream's real output is unknown (the entry carries what was reserved).
+RECOVERED_OUTPUT_TOKENS: Final = DEFAULT_OUTPUT_TOKENS
 # The status of a record recovered from an open entry: no response status is known.
 RECOVERED_STATUS: Final = 0
 
 _OPEN, _CLOSED = 1, 2
 
 
-def admission_tokens(request: InferenceRequest) -> tuple[int, int]:
+def admission_tokens(
+    request: InferenceRequest,
+    table: PriceTable | None = None,
+    output: OutputReservation = DEFAULT_RESERVATION,
+) -> tuple[int, int]:
     """What an inference may use at most, as far as admission knows without walking the
     prompt: the whole body's size in tokens (about 4 bytes each; the JSON around the prompt
-    only adds to it) and its output cap (or :data:`RECOVERED_OUTPUT_TOKENS`) for each of the
-    completions it asks for."""
-    output = request.max_tokens if request.max_tokens is not None else RECOVERED_OUTPUT_TOKENS
+    only adds to it) and the output ``output`` reserves for it (:mod:`.reservation`, capped
+    at the model's maximum where ``table`` knows it)."""
     size = request.size
     tokens_in = chars_to_tokens(size) if size else request.estimated_input_tokens
-    return tokens_in, output * request.choices  # each completion's output is billed
+    return tokens_in, output.tokens(request, table)
 
 
 def worst_case(
-    request: InferenceRequest, coster: Coster, tokens: tuple[int, int] | None = None
+    request: InferenceRequest,
+    coster: Coster,
+    tokens: tuple[int, int] | None = None,
+    output: OutputReservation = DEFAULT_RESERVATION,
 ) -> int:
     """What a hard limit holds for a request: its admission usage at the model's price, times
     the completions it asks for (the output of each is billed). ``tokens``: its
     :func:`admission_tokens`, when the caller has them already."""
+    if tokens is None:
+        tokens = admission_tokens(request, coster.table, output)
     return coster.cost(request.model, admission_usage(request, tokens), stage=Stage.HOLD)
 
 
@@ -74,9 +85,11 @@ def open_entry(
     inference_id: str,
     request: InferenceRequest,
     route: str,
+    tokens: tuple[int, int] | None = None,
 ) -> str:
-    """The entry preflight writes (JSON, built by hand: it is on every request's path)."""
-    tokens_in, tokens_out = admission_tokens(request)
+    """The entry preflight writes (JSON, built by hand: it is on every request's path);
+    ``tokens``: the request's :func:`admission_tokens` (what a recovery charges)."""
+    tokens_in, tokens_out = admission_tokens(request) if tokens is None else tokens
     return (
         f"[{_OPEN},{_quote(owner)},{t0_us},{_quote(identity.team_id)},"
         f"{_text(identity.api_key_id)},{_quote(inference_id)},{_quote(request.model)},"
@@ -93,7 +106,7 @@ def closed_entry(owner: str, record: InferenceRecord, t0_us: int) -> str:
         f"{_text(identity.api_key_id)},{_quote(record.inference_id)},{_quote(record.model)},"
         f"{_quote(record.route)},{u.input_tokens},{u.output_tokens},{record.status_code},"
         f"{u.cached_input_tokens},{u.cache_write_tokens},{int(u.estimated)},"
-        f"{record.estimate_micros},{_quote(record.postflight.value)}]"
+        f"{record.estimate_micros},{_quote(record.postflight.value)},{_text(record.price)}]"
     )
 
 
@@ -110,7 +123,9 @@ def owner_of(value: str) -> str | None:
 
 def recovered_record(record_id: str, value: str, estimate: int) -> InferenceRecord:
     """The record an entry stands for. ``estimate`` prices an open entry's admission usage
-    (a closed entry carries its own). Raises ValueError for a value that is not an entry."""
+    (the caller that priced it sets the price it used); a closed entry carries its own
+    estimate and price (no price: written by an earlier release). Raises ValueError for a
+    value that is not an entry."""
     try:
         f = json.loads(value)
         kind, _owner, t0_us, team_id, key_id, inference_id, model, route, tin, tout = f[:10]
@@ -129,9 +144,13 @@ def recovered_record(record_id: str, value: str, estimate: int) -> InferenceReco
                 usage=usage,
                 estimate_micros=estimate,
                 postflight=PostflightStatus.SKIPPED,  # nothing of it reached the cache
+                price=None,
             )
-        if kind == _CLOSED and len(f) == 16:
-            status, cached, cache_write, estimated, amount, postflight = f[10:]
+        if kind == _CLOSED and len(f) in (16, 17):
+            status, cached, cache_write, estimated, amount, postflight = f[10:16]
+            charged_at = f[16] if len(f) == 17 else None
+            if charged_at is not None and not isinstance(charged_at, str):
+                raise TypeError("an entry's price is text")
             usage = Usage(
                 input_tokens=int(tin),
                 output_tokens=int(tout),
@@ -150,6 +169,7 @@ def recovered_record(record_id: str, value: str, estimate: int) -> InferenceReco
                 usage=usage,
                 estimate_micros=int(amount),
                 postflight=PostflightStatus(postflight),
+                price=charged_at,
             )
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise ValueError(f"not an admission entry: {value[:200]!r}") from exc

@@ -52,14 +52,15 @@ from ..store import (
 from ..usage import BodyObserver, Dialect, Usage, estimate_usage, observer_for
 from .admin import Admin
 from .costing import Coster
-from .decision import Admission, Decision, InferenceRequest, Unavailable, Verdict
+from .decision import Admission, Decision, InferenceRequest, Never, Unavailable, Verdict
 from .embedded import POSTGRES_WARNING, EmbeddedClaim, claim_sqlite
 from .entries import admission_tokens, closed_entry, open_entry, worst_case
 from .fill import CacheFiller
 from .outage import OutageTracker
-from .pricing import PriceTable
+from .pricing import Price, PriceTable
 from .recorder import Recorder
 from .recovery import Recovery
+from .reservation import OutputReservation, advice, describe_output, largest_fitting, usd
 from .singleflight import SingleFlight
 from .telemetry import admitted, decided, trace_guard
 from .telemetry import charged as count_charge
@@ -77,6 +78,9 @@ _SHARED_LINGER = 0.1  # seconds the record writer waits for a batch to form (see
 _EMBEDDED_LINGER = 0.025
 _MAX_UNCLOSED = 100_000  # entries whose removal failed, kept for a retry (beyond: recovered)
 _UNCLOSED_RETRY_SECONDS = 60.0
+_MAX_UNRATED = 1024  # plans kept without their rates (for probes); beyond, start over
+_CAP_FIELD = 10  # tokens an added `"max_completion_tokens": 10000000` is estimated at, at most
+_MAX_WARNED = 1000  # model names warned about once each; beyond, no more lines
 _PREFLIGHT_SECONDS = metrics.PREFLIGHT_SECONDS
 _POSTFLIGHT_SECONDS = metrics.POSTFLIGHT_SECONDS
 _RELEASE_SECONDS = metrics.RELEASE_SECONDS
@@ -101,6 +105,28 @@ def charged(status_code: int) -> bool:
     return 200 <= status_code < 300
 
 
+# Encoded prices by the Price object's id, the object kept beside its text so the id cannot
+# be reused while it is here. Every record carries its price, and encoding one (or hashing
+# it by value, its Decimals) costs a request far more than this lookup: a table hands out
+# the same few objects again and again.
+_PRICE_TEXTS: dict[int, tuple[Price, str]] = {}
+_PRICE_TEXTS_MAX = 4096  # tables swapped at run time leave their objects behind; start over
+
+
+def _price_text(price: Price | None) -> str:
+    """``price`` as a record carries it ('' for none: the model is charged nothing)."""
+    if price is None:
+        return ""
+    known = _PRICE_TEXTS.get(id(price))
+    if known is not None and known[0] is price:
+        return known[1]
+    text = price.encode()
+    if len(_PRICE_TEXTS) >= _PRICE_TEXTS_MAX:
+        _PRICE_TEXTS.clear()
+    _PRICE_TEXTS[id(price)] = (price, text)
+    return text
+
+
 class SpendGuard:
     def __init__(
         self,
@@ -121,6 +147,14 @@ class SpendGuard:
         self.ledger = ledger if ledger is not None else Ledger(s.database_url.get_secret_value())
         self.prices = prices if prices is not None else PriceTable.load(s.prices)
         self.coster = Coster(self.prices, s.unknown_model)
+        # What a request reserves for its output: the one rule of hard limits, rates and
+        # budgets (the budget gate is given the same object).
+        self.output = OutputReservation.of(
+            s.default_output_tokens, s.default_output_tokens_by_model
+        )
+        # Plans without their rates, for requests another check already refused (see
+        # ``refusal``): kept per plan, so the store's per-plan cache keeps its entries.
+        self._unrated: dict[int, tuple[KeyPlan, KeyPlan]] = {}
         self.recorder = Recorder(
             self.ledger,
             capacity=s.record_buffer,
@@ -136,6 +170,7 @@ class SpendGuard:
         # Entries to remove again: entries key -> record id -> since when (monotonic).
         self._unclosed: dict[str, dict[str, float]] = {}
         self._unreleased: list[Decision] = []  # uncharged admissions whose release failed
+        self._unpriced_routes: set[str] = set()  # routed models warned about (bounded)
         self.worker = SettlementWorker(
             self.ledger,
             self.store,
@@ -422,16 +457,96 @@ class SpendGuard:
         if request is None:
             raise TypeError("admit() needs the request of an identified inference")
         if self.coster.rejects_unknown and not self.coster.is_priced(request.model):
-            self.coster.refused(request.model)
-            message = f"Model {request.model!r} has no price."
-            admitted(Verdict.UNPRICED)
-            return Admission(Verdict.UNPRICED, route, dialect, request, message=message)
+            return self._unpriced(request, route, dialect)
         now = self.clock()
         t0, inference_id = self._continued(now, t0, inference_id)
         decision = await self.preflight(
             identity, t0, inference_id=inference_id, request=request, route=route, now=now
         )
-        return Admission(decision.verdict, route, dialect, request, decision)
+        if decision.verdict is not Verdict.DENY:
+            return Admission(decision.verdict, route, dialect, request, decision)
+        return self._denied(request, decision, route, dialect)
+
+    async def refusal(
+        self,
+        identity: Identity,
+        request: InferenceRequest,
+        *,
+        route: str,
+        dialect: Dialect,
+        t0: datetime | None = None,
+        inference_id: str | None = None,
+    ) -> Admission | None:
+        """What the spend limits (and model lists) refuse ``request`` with, or None when they
+        would admit it, leaving nothing behind: no admission entry, no rate counted, a hold
+        returned at once. For a request another check (a budget) refused already, so that
+        the answer can name whichever refusal lasts longer; it costs a store call or two,
+        which only refused requests pay."""
+        if self.coster.rejects_unknown and not self.coster.is_priced(request.model):
+            return self._unpriced(request, route, dialect)
+        now = self.clock()
+        t0, inference_id = self._continued(now, t0, inference_id)
+        decision = await self.preflight(
+            identity,
+            t0,
+            inference_id=inference_id,
+            request=request,
+            route=route,
+            now=now,
+            probe=True,
+        )
+        if decision.verdict is Verdict.ALLOW:
+            await self._release(decision)  # its holds: nothing else of it was written
+            return None
+        if decision.verdict is not Verdict.DENY:
+            return Admission(decision.verdict, route, dialect, request, decision)
+        return self._denied(request, decision, route, dialect)
+
+    def _unpriced(self, request: InferenceRequest, route: str, dialect: Dialect) -> Admission:
+        self.coster.refused(request.model)
+        message = f"Model {request.model!r} has no price."
+        admitted(Verdict.UNPRICED)
+        return Admission(Verdict.UNPRICED, route, dialect, request, message=message)
+
+    def _denied(
+        self, request: InferenceRequest, decision: Decision, route: str, dialect: Dialect
+    ) -> Admission:
+        """A spend-limit refusal, marked when no wait can end it: a $0 limit lets no request
+        pass, and a hard limit smaller than this request's hold alone never lets it pass as
+        sent (its message then says what the hold is made of and what would fit)."""
+        denied = decision.denied
+        if denied is None or decision.denied_limit is None:  # the balance: its own answer
+            return Admission(Verdict.DENY, route, dialect, request, decision)
+        if denied.limit <= 0:
+            return Admission(Verdict.DENY, route, dialect, request, decision, never=Never.ANY)
+        if not denied.hard:
+            return Admission(Verdict.DENY, route, dialect, request, decision)
+        coster, table = self.coster, self.coster.table
+        tokens_in, tokens_out = admission_tokens(request, table, self.output)
+        hold = worst_case(request, coster, (tokens_in, tokens_out))
+        if hold <= denied.limit:
+            return Admission(Verdict.DENY, route, dialect, request, decision)
+        price = table.lookup(request.model)  # None: the unknown-model rule's price, no hint
+        choices = request.choices
+        output = describe_output(request, tokens_out, table)
+        message = f"it reserves {usd(hold)} for {tokens_in:,} input and {output}."
+        if price is not None:
+            # The input is estimated from the body's size, and setting max_tokens adds its
+            # field to the body (under 40 bytes): the advice leaves room for it.
+            grown = tokens_in if request.max_tokens is not None else tokens_in + _CAP_FIELD
+
+            def cost_of(out: int) -> int:
+                usage = Usage(input_tokens=grown, output_tokens=out * choices)
+                return int(price.cost(usage))
+
+            fitting = largest_fitting(cost_of, denied.limit, tokens_out // choices)
+            message += " " + advice(request, fitting)
+        else:
+            verb = "Set" if request.max_tokens is None else "Lower"
+            message += f" {verb} max_tokens, or shorten the prompt."
+        return Admission(
+            Verdict.DENY, route, dialect, request, decision, message, never=Never.AS_SENT
+        )
 
     def _continued(
         self, now: datetime, t0: datetime | None, inference_id: str | None
@@ -468,12 +583,30 @@ class SpendGuard:
             return None
         return observer_for(admission.dialect, content_type, content_encoding or "identity")
 
+    def use_prices(self, table: PriceTable) -> None:
+        """Price with ``table`` from now on, running or not (a gateway's model names, known
+        only once its app started). Admissions, finishes, settlement and recovery share the
+        coster, so all of them move at once; an inference admitted before is finished at
+        the new prices."""
+        self.coster.use(table)  # first: it refuses a table without the prices it needs
+        self.prices = table
+
     async def finish(
-        self, admission: Admission, status_code: int, observer: BodyObserver | None
+        self,
+        admission: Admission,
+        status_code: int,
+        observer: BodyObserver | None,
+        *,
+        routed: str | None = None,
     ) -> InferenceRecord | None:
         """Charge an admitted inference once, however it ended (``status_code`` 0: no
         response started; postflight applies the status rule). Never raises: the response
-        is already out."""
+        is already out.
+
+        The model charged, the first that applies: ``routed``, the model the gateway says it
+        routed to, when the table prices it; the model of a deployment path; the model the
+        response names, when the table prices it (a provider's own name for what it ran);
+        the model the request names."""
         decision, request = admission.decision, admission.request
         if not admission.allowed or decision is None or request is None:
             return None  # refused or not checked: nothing reached the provider through us
@@ -488,8 +621,13 @@ class SpendGuard:
             usage = estimate_usage(request.estimated_input_tokens, output)
         model = request.model
         served = observer.model if observer is not None else None
-        if served and not request.model_pinned and self.coster.is_priced(served):
-            model = served  # what was actually served (aliases, fallbacks)
+        if routed and self.coster.is_priced(routed):
+            model = routed  # the router knows which deployment ran; a response may not say
+        else:
+            if served and not request.model_pinned and self.coster.is_priced(served):
+                model = served  # what was actually served (aliases, fallbacks)
+            if routed:
+                self._unpriced_route(routed, model)
         try:
             return await self.postflight(
                 decision, model=model, route=admission.route, status_code=status_code, usage=usage
@@ -497,6 +635,20 @@ class SpendGuard:
         except Exception:  # a bug here must not turn a served response into a 500
             log.exception("spendguard postflight failed for record %s", decision.record_id)
             return None
+
+    def _unpriced_route(self, routed: str, instead: str) -> None:
+        # Not charged as unknown: the request's model passed admission priced (under
+        # unknown_model=reject the only price there is), and a router's name with a typo
+        # should not make an inference free or default-priced.
+        if routed in self._unpriced_routes or len(self._unpriced_routes) >= _MAX_WARNED:
+            return
+        self._unpriced_routes.add(routed)
+        log.warning(
+            "spendguard: the app routed an inference to %r, which has no price: charged as "
+            "%r instead (give it a price, or set the name the price table knows)",
+            routed,
+            instead,
+        )
 
     # -- preflight ------------------------------------------------------------------------
     async def preflight(
@@ -508,9 +660,12 @@ class SpendGuard:
         request: InferenceRequest | None = None,
         route: str = "",
         now: datetime | None = None,
+        probe: bool = False,
     ) -> Decision:
         """One store call when the cache is warm; on a miss, load from the ledger and retry.
         ``now``: the clock's time, when the caller just read it (rates count from it).
+        ``probe``: only ask (for :meth:`refusal`): no entry, no rates, never failing open,
+        an allowed decision not counted; its hold must be released.
 
         With ``request`` (and a shared store whose heartbeat runs), an allowed inference
         leaves its admission entry in the same store call (see :mod:`.entries`)."""
@@ -518,25 +673,27 @@ class SpendGuard:
         inference_id = inference_id or record_id
         plan = self.codec.plan(identity, t0)
         fail_open = self._fail_open
+        if probe:
+            plan, fail_open = self._without_rates(plan), False
         entry: EntryWrite | None = None
         hold = tokens = 0
         model = ""
         if request is not None:
             model = request.model
-            tokens_in, tokens_out = admission_tokens(request)
+            admitting = admission_tokens(request, self.coster.table, self.output)
             # What a hard limit holds for this request until it ends (soft limits ignore it),
             # and a TPM's reserve.
-            hold = worst_case(request, self.coster, (tokens_in, tokens_out))
-            tokens = tokens_in + tokens_out
-            if self._entries_on:
+            hold = worst_case(request, self.coster, admitting)
+            tokens = admitting[0] + admitting[1]
+            if self._entries_on and not probe:
                 entry_key = self.codec.entries_key(identity.team)
                 value = open_entry(
-                    self.owner, identity, to_micros(t0), inference_id, request, route
+                    self.owner, identity, to_micros(t0), inference_id, request, route, admitting
                 )
                 entry = EntryWrite(entry_key, record_id, value)
         # What every decision below is made of (a tuple, not a closure: nothing is allocated
         # per call beyond it).
-        made = (identity, t0, record_id, inference_id, plan, entry)
+        made = (identity, t0, record_id, inference_id, plan, entry, probe)
         conclude = self._conclude
         if self._refused:  # never fails open: this process's counts are not the limit's
             return conclude(made, Verdict.UNAVAILABLE, unavailable=Unavailable.STORE)
@@ -589,7 +746,7 @@ class SpendGuard:
                 log.warning("spendguard store unavailable, allowing (fail open): %s", exc)
                 metrics.STORE_UNAVAILABLE.labels("allow").inc()
                 # The store did not answer: no entry was written.
-                made = (identity, t0, record_id, inference_id, plan, None)
+                made = (identity, t0, record_id, inference_id, plan, None, probe)
                 return conclude(made, Verdict.ALLOW, fail_open=True)
             log.warning("spendguard store unavailable, refusing: %s", exc)
             metrics.STORE_UNAVAILABLE.labels("deny").inc()
@@ -614,7 +771,7 @@ class SpendGuard:
 
     def _conclude(
         self,
-        made: tuple[Identity, datetime, str, str, KeyPlan, EntryWrite | None],
+        made: tuple[Identity, datetime, str, str, KeyPlan, EntryWrite | None, bool],
         verdict: Verdict,
         pf: Preflight | None = None,
         *,
@@ -622,7 +779,7 @@ class SpendGuard:
         unavailable: Unavailable | None = None,
     ) -> Decision:
         """The decision of one preflight (``made``: what ``preflight`` made it of)."""
-        identity, t0, record_id, inference_id, plan, entry = made
+        identity, t0, record_id, inference_id, plan, entry, probe = made
         if entry is not None and verdict is Verdict.UNAVAILABLE:
             # The store may have run the script before the failure: remove the entry with
             # the next records written, so it never stands for an inference not served.
@@ -642,8 +799,9 @@ class SpendGuard:
             retry_after = target.window.seconds_to_reset(self.clock())
         else:  # a balance never resets by itself; an outage is retried shortly
             retry_after = 1 if verdict is Verdict.UNAVAILABLE else None
-        decided(verdict, bool(limits), target, fail_open, unavailable)
         allowed = verdict is Verdict.ALLOW
+        if not (probe and allowed):  # a probe admits nothing
+            decided(verdict, bool(limits), target, fail_open, unavailable)
         return Decision(
             verdict,
             identity,
@@ -661,6 +819,18 @@ class SpendGuard:
             if rates and allowed
             else (),
         )
+
+    def _without_rates(self, plan: KeyPlan) -> KeyPlan:
+        """``plan`` without its rates: a probe neither checks nor counts them (a rate's refusal
+        lasts a minute or two, and a refused request must not use up the client's rate)."""
+        known = self._unrated.get(id(plan))
+        if known is not None and known[0] is plan:
+            return known[1]
+        unrated = dataclasses.replace(plan, rate_fields=("", ""))
+        if len(self._unrated) >= _MAX_UNRATED:
+            self._unrated.clear()
+        self._unrated[id(plan)] = (plan, unrated)  # the plan held: its id is not reused
+        return unrated
 
     async def _release(self, decision: Decision) -> None:
         """An admitted inference that is not charged (an upstream error, no response): its
@@ -705,7 +875,10 @@ class SpendGuard:
         """
         if not charged(status_code):
             return None
-        estimate = self.coster.cost(model, usage)
+        # The one price lookup: the estimate and the record's price come from it, so
+        # settlement charges what was estimated whatever table the settling process has.
+        price = self.coster.price(model)
+        estimate = 0 if price is None else int(price.cost(usage))
         count_charge(estimate, usage)
         if decision.fail_open:
             plan = self.codec.plan(decision.identity, decision.t0)
@@ -728,6 +901,7 @@ class SpendGuard:
             usage,
             estimate,
             expected,
+            _price_text(price),
         )
         if entry_key is not None:
             closed = closed_entry(self.owner, record, to_micros(decision.t0))

@@ -59,6 +59,7 @@ DATE_SUFFIX: Final = re.compile(r"(?:-\d{4}-\d{2}-\d{2}|-\d{8}|@\d{8})$")
 _VENDOR_DOT_PREFIX: Final = re.compile(
     r"^(?:[a-z]{2,6}\.)?(?:anthropic|openai|amazon|meta|cohere|mistral|deepseek|ai21|writer)\."
 )
+_ENCODED: Final = re.compile(r"[0-9.,:|]+")
 _CLOUD_VERSION: Final = re.compile(r"-v\d+(?::\d+)?$")
 # OpenAI's fine-tuned ids: ``ft:<base>:<org>:<suffix>:<id>``; the table prices ``ft:<base>``.
 _FINE_TUNE: Final = re.compile(r"^(ft:[^:]+):.+$")
@@ -169,7 +170,9 @@ class Price:
     @classmethod
     def decode(cls, text: str) -> Price:
         """The price :meth:`encode` wrote; ValueError for anything else."""
-        if not isinstance(text, str) or len(text) > 512:
+        # Plain decimals only: an exponent (1e999999999) would decode to a number whose exact
+        # arithmetic takes a settlement pass hours.
+        if not isinstance(text, str) or len(text) > 512 or _ENCODED.fullmatch(text) is None:
             raise ValueError("not an encoded price")
         head, *rest = text.split("|")
         tiers = []

@@ -73,9 +73,12 @@ class Recovery:
                 done.append(rid)
                 continue
             if is_open(value):
-                # Never finished: charged what admission allowed it to use.
-                estimate = self._coster.cost(record.model, record.usage)
-                record = dataclasses.replace(record, estimate_micros=estimate)
+                # Never finished: charged what admission allowed it to use, at this process's
+                # price, which the record keeps (settlement charges it, not its own table's).
+                price = self._coster.price(record.model)
+                estimate = 0 if price is None else int(price.cost(record.usage))
+                text = "" if price is None else price.encode()
+                record = dataclasses.replace(record, estimate_micros=estimate, price=text)
                 cut.append(record)
             records.append(record)
         if not records and not done:

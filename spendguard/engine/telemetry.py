@@ -172,10 +172,17 @@ def trace_guard(guard: SpendGuard, enabled: bool) -> bool:
         request: Any = None,
         route: str = "",
         now: datetime | None = None,
+        probe: bool = False,
     ) -> Decision:
         with tracer.start_as_current_span("spendguard.preflight") as span:
             decision = await preflight(
-                identity, t0, inference_id=inference_id, request=request, route=route, now=now
+                identity,
+                t0,
+                inference_id=inference_id,
+                request=request,
+                route=route,
+                now=now,
+                probe=probe,
             )
             outcome, kind, period = labels_of(decision)
             span.set_attributes(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -27,6 +28,7 @@ from ..store import Store
 from ..usage import Usage
 from .cachesync import JOURNAL_KEEP_US, CacheSync
 from .costing import Coster, Stage
+from .pricing import Price
 from .recovery import Recovery
 
 log = logging.getLogger("spendguard.worker")
@@ -34,6 +36,8 @@ log = logging.getLogger("spendguard.worker")
 _MAX_BATCHES_PER_PASS = 100  # bound one pass; the next tick picks up the rest
 _PASS_TIMEOUT = 60.0
 _PRUNE_EVERY_US = 60_000_000  # how often a settling worker prunes the settlement journal
+_DECODED_MAX = 4096  # record prices kept read; beyond, the memo starts over
+_ENCODED_PRICE = re.compile(r"[0-9.,:|]{1,512}")
 
 
 @dataclass(slots=True)
@@ -70,6 +74,7 @@ class SettlementWorker:
         self.running = False  # run() is looping (for the admin status route)
         self._sync = None if store is None else CacheSync(ledger, store, codec, clock)
         self._pruned_at: int | None = None
+        self._decoded: dict[str, Price | None] = {}  # records' prices, by their text
 
     @property
     def settling(self) -> bool:
@@ -82,13 +87,52 @@ class SettlementWorker:
             self._sync.filled(team)
 
     def _price(self, rec: RecordRow) -> int:
+        """A record's charge: its usage at the price it was estimated at, so a worker or CLI
+        with another price table charges what the gateway estimated. A record without one
+        (written before records carried it), or whose price does not read, is priced by this
+        process's table."""
         usage = Usage(
             input_tokens=rec.input_tokens,
             output_tokens=rec.output_tokens,
             cached_input_tokens=rec.cached_input_tokens,
             cache_write_tokens=rec.cache_write_tokens,
         )
+        text = rec.price
+        if text is not None:
+            if not text:
+                return 0  # its model was charged nothing when it ran
+            try:
+                price = self._decoded[text]
+            except KeyError:
+                price = self._decode(rec, text)
+            if price is not None:
+                return int(price.cost(usage))
         return self._coster.cost(rec.model, usage, stage=Stage.SETTLEMENT)
+
+    def _decode(self, rec: RecordRow, text: str) -> Price | None:
+        """Read a record's price once per text (a batch repeats a few prices; decoding is
+        dear); one that does not read is logged once and left to the table."""
+        decoded = self._decoded
+        if len(decoded) >= _DECODED_MAX:
+            decoded.clear()
+        try:
+            if _ENCODED_PRICE.fullmatch(text) is None:
+                # What Price.encode writes is plain decimals: an exponent or a sign can only
+                # be a hand-edited row, and a huge exponent would stall the pass in decoding.
+                raise ValueError("not an encoded price")
+            price: Price | None = Price.decode(text)
+        except (ValueError, ArithmeticError) as exc:
+            price = None
+            log.error(
+                "spendguard cannot read the price %r of record %s (model %r): %s; records "
+                "carrying it are charged at this process's price table instead",
+                text[:100],
+                rec.id,
+                rec.model,
+                exc,
+            )
+        decoded[text] = price
+        return price
 
     async def run_once(self) -> PassResult:
         result = PassResult()

@@ -171,7 +171,10 @@ class LedgerDatabase:
 
     async def _add_missing_columns(self) -> None:
         """Columns added after a table was first created (a database from an earlier release):
-        each has a server default, so adding it to existing rows is safe and idempotent."""
+        each is nullable or has a server default, so adding it to existing rows is safe, and
+        it is added only where it is missing (idempotent; concurrent starts on PostgreSQL are
+        ordered by the schema lock ``init_schema`` holds, and on SQLite the one that loses the
+        race finds the column there)."""
         for table, name, ddl in _ADDED_COLUMNS:
             if self.is_postgres:
                 rows = await self._db.fetch_all(
@@ -184,7 +187,14 @@ class LedgerDatabase:
                 rows = await self._db.fetch_all(f"PRAGMA table_info({table})")
                 present = {str(r[1]) for r in rows}
             if name not in present:
-                await self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {ddl}")
+                try:
+                    await self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {ddl}")
+                except sqlite3.OperationalError as exc:
+                    # Another process starting on the same SQLite file added it between the
+                    # read and here (SQLite's schema steps are not under one lock as
+                    # PostgreSQL's are): it is there, which is all this wants.
+                    if "duplicate column" not in str(exc):
+                        raise
 
 
 def _classify(exc: BaseException) -> type[LedgerUnavailable]:
@@ -229,6 +239,7 @@ def _classify(exc: BaseException) -> type[LedgerUnavailable]:
 _ADDED_COLUMNS = (
     ("spendguard_policies", "hard", "BOOLEAN NOT NULL DEFAULT FALSE"),
     ("spendguard_balances", "hard", "BOOLEAN NOT NULL DEFAULT FALSE"),
+    ("spendguard_records", "price", "TEXT"),  # NULL: priced by the settling table
 )
 
 

@@ -186,6 +186,7 @@ def _record_row(r: InferenceRecord, now_us: int) -> tuple[Any, ...]:
         r.postflight.value,
         False,  # settled
         now_us,  # created_us
+        _text(r.price),
     )
 
 
@@ -211,5 +212,6 @@ if _COLUMNS != [
     "postflight",
     "settled",
     "created_us",
+    "price",
 ]:
     raise RuntimeError(f"spendguard_records columns changed: {_COLUMNS}")

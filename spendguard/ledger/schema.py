@@ -85,6 +85,11 @@ records = sa.Table(
     sa.Column("postflight", sa.String(16), nullable=False),
     sa.Column("settled", sa.Boolean, nullable=False, default=False),
     sa.Column("created_us", sa.BigInteger, nullable=False),
+    # The unit prices the record was estimated at (``Price.encode``; '' = charged nothing):
+    # settlement charges them, not the settling process's table. NULL in rows written before
+    # records carried it, which are priced by the table. Added after the first release (see
+    # LedgerDatabase._add_missing_columns).
+    sa.Column("price", sa.Text, nullable=True),
     # Settlement's queue: the unsettled records, in claim order. Partial, so marking a record
     # settled adds no entry here (a full index on the flag took one per record settled, a
     # fifth of a claim) and the index stays the size of the backlog, not of the history.

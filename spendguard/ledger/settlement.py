@@ -53,6 +53,7 @@ class RecordRow:
     cache_write_tokens: int
     estimate_micros: int
     postflight: str
+    price: str | None  # as the record carries it (None: a record of an earlier release)
 
     @property
     def t0(self) -> datetime:
@@ -145,7 +146,7 @@ def _price(rows: Sequence[Row], price: Callable[[RecordRow], int], skip: set[str
     for row in rows:
         rec = RecordRow(
             row[0], row[1], row[2] or None, row[3], row[4], row[5], row[6], row[7], row[8],
-            row[9], row[10],
+            row[9], row[10], row[11],
         )  # fmt: skip
         amount = price(rec)
         day = rec.t0_us // _DAY_US

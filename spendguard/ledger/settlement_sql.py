@@ -33,6 +33,7 @@ CLAIMED_COLUMNS = (
     "cache_write_tokens",
     "estimate_micros",
     "postflight",
+    "price",
 )
 _CLAIMED = ", ".join(f"r.{c}" for c in CLAIMED_COLUMNS)
 _CHARGE_COLUMNS = "record_id, team, api_key, model, day_id, month_id, amount_micros, settled_us"

@@ -70,9 +70,10 @@ async def test_key_budget_denies_with_details_and_retry_after(tmp_path: Path) ->
 
 
 async def test_anthropic_routes_get_the_rate_limit_envelope(tmp_path: Path) -> None:
-    budgets = section(scopes={"per_model": {"unit-model": {"cost_usd": 0.00005}}})
+    budgets = section(scopes={"per_model": {"unit-model": {"cost_usd": 0.00011}}})
     async with BudgetGateway(tmp_path, budgets=budgets) as gw, gw.client() as c:
-        denied = await c.post("/v1/messages", json=req())
+        assert (await c.post("/v1/chat/completions", json=req())).status_code == 200
+        denied = await c.post("/v1/messages", json=req())  # 15 used + 100 held > 110
     assert denied.status_code == 429
     body = denied.json()
     assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
@@ -80,10 +81,10 @@ async def test_anthropic_routes_get_the_rate_limit_envelope(tmp_path: Path) -> N
         "scope": "per_model",
         "window": "hourly",
         "unit": "cost_micro_usd",
-        "limit_micro_usd": 50,
+        "limit_micro_usd": 110,
         "model": "unit-model",
     }
-    # Larger than the limit itself: it never fits; the whole window.
+    # The 15 used a moment ago must leave the window: the whole hour.
     assert denied.headers["retry-after"] == "3600"
 
 
@@ -201,7 +202,7 @@ async def test_a_key_budget_replaces_the_fleet_default(tmp_path: Path) -> None:
         ok = await c.post("/v1/chat/completions", json=req())
         assert ok.status_code == 200
         assert "x-budget-api-key-limit" not in ok.headers  # the key's own budget: deny only
-        denied = await c.post("/v1/chat/completions", json=req(max_tokens=200))
+        denied = await c.post("/v1/chat/completions", json=req(max_tokens=148))  # 15 + 150
         assert denied.json()["error"]["details"] == {
             "scope": "per_api_key",
             "window": "2h",

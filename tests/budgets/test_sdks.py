@@ -38,8 +38,11 @@ async def test_openai_sdk_sees_headers_then_budget_exceeded(tmp_path: Path) -> N
         assert 0 < remaining < LIMIT - 100
         assert int(raw.headers["x-budget-api-key-reset"]) > 0
         with pytest.raises(openai.RateLimitError) as caught:
+            # A hold of the whole limit (its prompt's estimate, the rest output) would fit an
+            # empty window, but the first request's usage is in it.
+            prompt = LIMIT - 100 - remaining
             await client.chat.completions.create(
-                model=UNIT_MODEL, messages=messages, max_tokens=LIMIT
+                model=UNIT_MODEL, messages=messages, max_tokens=LIMIT - prompt
             )
     err = caught.value
     assert err.code == "budget_exceeded" and err.type == "budget_exceeded"
@@ -60,10 +63,13 @@ async def test_anthropic_sdk_sees_headers_then_rate_limit_error(tmp_path: Path) 
         )
         assert (await raw.parse()).usage.output_tokens > 0
         assert raw.headers["x-budget-api-key-limit"] == str(LIMIT)
-        assert int(raw.headers["x-budget-api-key-remaining"]) < LIMIT - 100
+        remaining = int(raw.headers["x-budget-api-key-remaining"])
+        assert remaining < LIMIT - 100
         with pytest.raises(anthropic.RateLimitError) as caught:
-            await client.messages.create(
-                model=UNIT_MODEL, max_tokens=LIMIT, messages=[{"role": "user", "content": "hi"}]
+            await client.messages.create(  # a hold of the whole limit, as above
+                model=UNIT_MODEL,
+                max_tokens=remaining + 100,
+                messages=[{"role": "user", "content": "hi"}],
             )
     err = caught.value
     assert isinstance(err.body, dict)

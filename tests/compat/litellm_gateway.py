@@ -1,20 +1,32 @@
-"""The LiteLLM proxy as the compat tests run it: a ``config.yaml`` with an alias, pointed at the
-fake provider, a master key and no database, and a page's code block as the gateway module."""
+"""The LiteLLM proxy as the compat tests run it: a ``config.yaml`` with aliases (one routed to a
+listed model, one with prices of its own in ``model_info``, one with two deployments priced
+apart), pointed at the fake provider, a master key and no database, no price file, and a page's
+code block as the gateway module."""
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass
+from decimal import ROUND_CEILING, Decimal
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from spendguard.engine.pricing import PriceTable
+from spendguard.usage import Usage
+from tests.support import ROOT
 
 from .support import Launch, Provider, Server, gateway_env, write_snippet
 
 PAGE = "litellm.md"
 ALIAS, MODEL, EMBEDDING = "team-gpt", "gpt-4o-mini", "text-embedding-3-small"
+CHEAP = "team-cheap"  # gpt-4o-mini at prices of its own, in model_info
+MIXED = "team-mixed"  # two deployments: gpt-4o-mini at its list price, and at CHEAP's
+# LiteLLM's per-token USD (as its docs write them) and, by hand, the same per 1M tokens.
+CHEAP_INFO = {"input_cost_per_token": 1e-07, "output_cost_per_token": 4e-07}
+CHEAP_PER_1M = {"input": Decimal("0.1"), "output": Decimal("0.4")}
+MIXED_IDS = ("mixed-list", "mixed-cheap")
 # Everything LiteLLM would fetch from the internet when it starts, read from its own package.
 _LOCAL = (
     "LITELLM_LOCAL_MODEL_COST_MAP",
@@ -45,23 +57,35 @@ class LiteLLM:
 
 
 def _config(provider: Provider) -> dict[str, object]:
-    def deployment(name: str, model: str) -> dict[str, object]:
+    def deployment(name: str, model: str, **info: Any) -> dict[str, object]:
         params = {"model": f"openai/{model}", "api_base": f"{provider.server.base}/v1"}
-        return {"model_name": name, "litellm_params": {**params, "api_key": "sk-fake-upstream"}}
+        entry = {"model_name": name, "litellm_params": {**params, "api_key": "sk-fake-upstream"}}
+        return {**entry, "model_info": info} if info else entry
 
-    models = [deployment(MODEL, MODEL), deployment(ALIAS, MODEL), deployment(EMBEDDING, EMBEDDING)]
+    models = [
+        deployment(MODEL, MODEL),
+        deployment(ALIAS, MODEL),
+        deployment(EMBEDDING, EMBEDDING),
+        deployment(CHEAP, MODEL, **CHEAP_INFO),
+        deployment(MIXED, MODEL, id=MIXED_IDS[0]),
+        deployment(MIXED, MODEL, id=MIXED_IDS[1], **CHEAP_INFO),
+    ]
     return {"model_list": models}
 
 
-def alias_prices(into: Path) -> Path:
-    """The page's advice for aliases: a price entry of their own, here the shipped price of
-    the model behind the alias."""
-    price = PriceTable.load().lookup(MODEL)
-    assert price is not None
-    entry = {k: str(getattr(price, k)) for k in ("input", "output", "cached_input", "cache_write")}
-    path = into / "prices.yaml"
-    path.write_text(yaml.safe_dump({"models": {ALIAS: entry}}))
-    return path
+def shipped_per_1m(model: str) -> dict[str, Decimal]:
+    """The shipped list prices of ``model`` (USD per 1M tokens), read from the JSON file itself,
+    not through spendguard's price table."""
+    shipped = json.loads((ROOT / "spendguard" / "prices.json").read_text())
+    entry = shipped["models"][model]
+    return {"input": Decimal(entry["input"]), "output": Decimal(entry["output"])}
+
+
+def micro_usd(usage: Usage, per_1m: dict[str, Decimal]) -> int:
+    """What ``usage`` costs at prices per 1M tokens (= micro-USD per token), rounded up once."""
+    assert not usage.cached_input_tokens and not usage.cache_write_tokens  # (the fake's usage)
+    exact = usage.input_tokens * per_1m["input"] + usage.output_tokens * per_1m["output"]
+    return int(exact.to_integral_value(rounding=ROUND_CEILING))
 
 
 def new_master_key() -> str:

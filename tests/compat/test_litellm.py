@@ -21,22 +21,29 @@ import httpx2  # the SDKs' current majors speak httpx2 (anthropic accepts nothin
 import openai
 import pytest
 
+from spendguard.testing import expected_usage
 from tests.support.paths import CHAT_SPELLINGS
 
 from .litellm_gateway import (
     ALIAS,
+    CHEAP,
+    CHEAP_PER_1M,
     EMBEDDING,
+    MIXED,
+    MIXED_IDS,
     MODEL,
     LiteLLM,
-    alias_prices,
     litellm,
     litellm_launch,
+    micro_usd,
     new_master_key,
+    shipped_per_1m,
 )
 from .support import (
     Answer,
     Identity,
     Provider,
+    charges_of,
     is_spend_refusal,
     price,
     raw_post,
@@ -44,6 +51,7 @@ from .support import (
     served_once,
     set_limit,
     settled_charges,
+    wait_for,
     write_keys,
 )
 
@@ -95,10 +103,9 @@ def gateways(
     key = new_master_key()
     first, second = Path(tmp_path_factory.mktemp("litellm")), Path(tmp_path_factory.mktemp("dep"))
     write_keys(first, {key: (WHO.team, WHO.key_id)})  # the page's keys.json
-    # The page's advice for aliases (a price entry of their own); every other setting default.
-    prices = {"SPENDGUARD_PRICES": str(alias_prices(first))}
+    # Every setting default: no price file, the aliases are priced from LiteLLM's model_list.
     (resolver, env), (depends, denv) = (
-        litellm_launch(first, provider, "gateway.py", key, **prices),
+        litellm_launch(first, provider, "gateway.py", key),
         litellm_launch(second, provider, "gateway_depends.py", key),
     )
     servers = serve_all(resolver, depends)
@@ -174,7 +181,7 @@ def test_every_spelling_of_a_route_is_refused_at_zero(
 CHARGED: list[tuple[str, dict[str, Any], str]] = [
     ("/chat/completions", CHAT, MODEL),
     ("/v1/chat/completions", CHAT, MODEL),
-    ("/v1/chat/completions", {**CHAT, "model": ALIAS}, ALIAS),
+    ("/v1/chat/completions", {**CHAT, "model": ALIAS}, MODEL),  # charged as what it routes to
     ("/openai/v1/chat/completions", CHAT, MODEL),
     ("/v1/completions", COMPLETION, MODEL),
     ("/v1/embeddings", EMBED, EMBEDDING),
@@ -204,13 +211,13 @@ def assert_charged_once(
     gw: LiteLLM, provider: Provider, path: str, body: dict[str, Any], model: str
 ) -> None:
     """One request: served, one provider call, one charge of exactly the fake's usage at the
-    model's price (an alias at the price of the model behind it, from its price entry)."""
+    price of ``model``, the model LiteLLM called (an alias's too)."""
     before = provider.count()
     answer, upstream = served_once(provider, before, lambda: post(gw, path, body))
     inference = answer.headers.get("x-spendguard-inference-id")
     assert inference, f"spendguard did not see {path}: {answer.headers}"
     charges = settled_charges(gw.database, inference)
-    tokens_in, tokens_out, cost = price(MODEL if model == ALIAS else model, upstream)
+    tokens_in, tokens_out, cost = price(model, upstream)
     assert len(charges) == 1, charges
     (charge,) = charges
     assert not charge.usage_estimated, charge
@@ -220,6 +227,81 @@ def assert_charged_once(
         tokens_out,
     )
     assert charge.amount_micros == cost > 0
+
+
+# -- aliases: priced from LiteLLM's model_list, no price file --------------------------------
+
+
+@pytest.fixture(params=["resolver", "depends"])
+def either_at_a_limit(request: pytest.FixtureRequest, gateways: tuple[LiteLLM, LiteLLM]) -> LiteLLM:
+    gw, who = (gateways[0], WHO) if request.param == "resolver" else (gateways[1], DEPENDS_WHO)
+    if who.limit != 100:
+        set_limit(gw.env, who, 100, refused=lambda: refused(gw))
+    return gw
+
+
+def served_and_settled(gw: LiteLLM, provider: Provider, body: dict[str, Any]) -> Any:
+    """One chat completion of ``body``: its answer, what the provider got, its one charge."""
+    answer, upstream = served_once(
+        provider, provider.count(), lambda: post(gw, "/v1/chat/completions", body)
+    )
+    assert answer.json()["model"] == body["model"]  # LiteLLM answers with the alias
+    charges = settled_charges(gw.database, answer.headers["x-spendguard-inference-id"])
+    assert len(charges) == 1, charges
+    assert not charges[0].usage_estimated
+    return answer, upstream, charges[0]
+
+
+def test_an_alias_is_charged_the_shipped_price_of_the_model_it_routes_to(
+    either_at_a_limit: LiteLLM, provider: Provider
+) -> None:
+    _, upstream, charge = served_and_settled(either_at_a_limit, provider, {**CHAT, "model": ALIAS})
+    assert upstream["body"]["model"] == MODEL  # what LiteLLM called
+    usage = expected_usage(upstream["path"], upstream["body"])
+    assert (charge.model, charge.input_tokens, charge.output_tokens) == (
+        MODEL,
+        usage.input_tokens,
+        usage.output_tokens,
+    )
+    assert charge.amount_micros == micro_usd(usage, shipped_per_1m(MODEL)) > 0
+
+
+def test_an_alias_with_model_info_prices_is_charged_them(
+    either_at_a_limit: LiteLLM, provider: Provider
+) -> None:
+    body = {**CHAT, "model": CHEAP, "messages": [{"role": "user", "content": "x " * 400}]}
+    _, upstream, charge = served_and_settled(either_at_a_limit, provider, body)
+    usage = expected_usage(upstream["path"], upstream["body"])
+    assert charge.model == CHEAP
+    cheap, listed = micro_usd(usage, CHEAP_PER_1M), micro_usd(usage, shipped_per_1m(MODEL))
+    assert charge.amount_micros == cheap < listed  # its own price, not gpt-4o-mini's
+
+
+def test_an_alias_of_two_deployments_is_charged_as_the_one_that_served(
+    at_a_limit: LiteLLM, provider: Provider
+) -> None:
+    """LiteLLM picks a deployment per request; its x-litellm-model-id names it, and that
+    deployment's price is charged: gpt-4o-mini's list price, or the cheap one's own."""
+    body = {**CHAT, "model": MIXED, "messages": [{"role": "user", "content": "y " * 400}]}
+    served: dict[str, tuple[str, Any]] = {}
+    for _ in range(40):  # until both served (LiteLLM shuffles: both within 40, but for 2^-39)
+        answer, upstream = served_once(
+            provider, provider.count(), lambda: post(at_a_limit, "/v1/chat/completions", body)
+        )
+        deployment = answer.headers["x-litellm-model-id"]
+        served.setdefault(deployment, (answer.headers["x-spendguard-inference-id"], upstream))
+        if len(served) == 2:
+            break
+    assert set(served) == set(MIXED_IDS)
+    expected = {
+        MIXED_IDS[0]: (MODEL, shipped_per_1m(MODEL)),
+        MIXED_IDS[1]: (f"{MIXED}@{MIXED_IDS[1]}", CHEAP_PER_1M),
+    }
+    for deployment, (inference, upstream) in served.items():
+        charges = wait_for(lambda i=inference: charges_of(at_a_limit.database, i), "a charge")
+        usage = expected_usage(upstream["path"], upstream["body"])
+        model, per_1m = expected[deployment]
+        assert [(c.model, c.amount_micros) for c in charges] == [(model, micro_usd(usage, per_1m))]
 
 
 # -- the official SDKs ------------------------------------------------------------------------

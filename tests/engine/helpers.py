@@ -8,15 +8,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from spendguard import Identity, Settings, SpendGuard
-from spendguard.engine.costing import Coster
-from spendguard.engine.pricing import PriceTable
 from spendguard.engine.worker import SettlementWorker
-from spendguard.ledger import Ledger
+from spendguard.ledger import Ledger, RecordRow
 from spendguard.limits import Period, Policy, key_limit
-from spendguard.settings import UnknownModel
 from spendguard.store import Store
 from spendguard.store.memory import MemoryStore
 from spendguard.usage import Usage
@@ -63,15 +59,19 @@ async def cached(g: SpendGuard) -> int | None:
     return (await g.store.read_usage([day_key(g)]))[day_key(g)]
 
 
+class DoubledWorker(SettlementWorker):
+    """Charges twice what settlement would. A record is charged the price it was estimated
+    at, so charge and estimate agree; doubling makes them differ, as for a record priced by a
+    settling table unlike the gateway's (one without a price of its own)."""
+
+    def _price(self, rec: RecordRow) -> int:
+        return 2 * super()._price(rec)
+
+
 def doubled_worker(
     g: SpendGuard, store: Store | None = None, *, ledger: Ledger | None = None
 ) -> SettlementWorker:
-    """A worker pricing at twice the estimate's rate, so exact charges differ from estimates
-    and a test can tell "estimate replaced by charge" from "charge added on top". With
-    ``ledger`` (a connection of its own) it settles as another process would."""
-    doubled_path = Path(str(g.settings.prices))
-    text = doubled_path.read_text().replace('"1"', '"2"')
-    doubled_path.with_name("double.json").write_text(text)
-    doubled = PriceTable.load(doubled_path.with_name("double.json"))
-    coster = Coster(doubled, UnknownModel.DEFAULT_PRICE)
-    return SettlementWorker(ledger or g.ledger, store, coster, g.codec, clock=g.clock)
+    """A worker charging twice the estimate, so exact charges differ from estimates and a
+    test can tell "estimate replaced by charge" from "charge added on top". With ``ledger``
+    (a connection of its own) it settles as another process would."""
+    return DoubledWorker(ledger or g.ledger, store, g.coster, g.codec, clock=g.clock)

@@ -34,6 +34,7 @@ ALPHA = Identity("acme", "alpha")
 KEY_DAY = key_limit(ALPHA, Period.DAY)
 ROUTE = "/v1/chat/completions"
 SERVED = "served-model"  # priced at 2 micro-USD per token: "what was served" shows in the charge
+ROUTED = "routed-model"  # 3 micro-USD per token: the model the gateway says it routed to
 REQUEST = InferenceRequest(UNIT_MODEL, stream=False, max_tokens=None, estimated_input_tokens=7)
 CLOCK = Clock()  # 2026-09-30 12:00 UTC for every guard and store here (no test moves it)
 
@@ -47,6 +48,7 @@ def write_prices(directory: Path) -> Path:
     models = {
         UNIT_MODEL: {"input": "1", "output": "1"},
         SERVED: {"input": "2", "output": "2"},
+        ROUTED: {"input": "3", "output": "3"},
         "default": {"input": "1", "output": "1"},
     }
     path.write_text(json.dumps({"as_of": "2026-11-01", "models": models}))
@@ -344,6 +346,61 @@ async def test_finish_charges_the_model_that_was_served(build: Build) -> None:
     observer.feed(chat_response(10, 5, model=SERVED))
     record = await guard.finish(admission, 200, observer)
     assert record is not None and record.model == SERVED and record.estimate_micros == 30
+
+
+PINNED = InferenceRequest(UNIT_MODEL, False, None, 7, model_pinned=True)  # a deployment path's
+
+
+@pytest.mark.parametrize(
+    ("request_", "routed", "response", "charged"),
+    [
+        (REQUEST, ROUTED, SERVED, ROUTED),  # the router's word first
+        (PINNED, ROUTED, SERVED, ROUTED),  # even over a deployment path's model
+        (PINNED, None, SERVED, UNIT_MODEL),  # the path's model over the response's
+        (REQUEST, None, SERVED, SERVED),  # the response's, where it is priced
+        (REQUEST, None, "unpriced-echo", UNIT_MODEL),  # else the request's
+        (REQUEST, "unpriced-route", SERVED, SERVED),  # an unpriced route: the rest decides
+        (PINNED, "unpriced-route", SERVED, UNIT_MODEL),
+    ],
+    ids=["routed", "routed-over-path", "path", "response", "request", "unpriced", "unpriced-path"],
+)
+async def test_finish_charges_the_routed_then_the_path_then_the_served_then_the_requested_model(
+    build: Build, request_: InferenceRequest, routed: str | None, response: str, charged: str
+) -> None:
+    guard = await started(build())
+    admission = await admit(guard, request_)
+    observer = guard.observe(admission, 200, "application/json", None)
+    assert observer is not None
+    observer.feed(chat_response(10, 5, model=response))
+    record = await guard.finish(admission, 200, observer, routed=routed)
+    per_token = {UNIT_MODEL: 1, SERVED: 2, ROUTED: 3}[charged]
+    assert record is not None and (record.model, record.estimate_micros) == (
+        charged,
+        15 * per_token,
+    )
+
+
+async def test_an_unpriced_route_is_warned_about_once(
+    build: Build, caplog: pytest.LogCaptureFixture
+) -> None:
+    guard = await started(build())
+    for _ in range(2):
+        record = await guard.finish(await admit(guard), 200, None, routed="unpriced-route")
+        assert record is not None and record.model == UNIT_MODEL
+    warned = [r for r in caplog.records if "unpriced-route" in r.getMessage()]
+    assert len(warned) == 1 and "charged as 'unit-model'" in warned[0].getMessage()
+
+
+async def test_prices_swapped_while_running_reach_finish_and_settlement(build: Build) -> None:
+    guard = await started(build())
+    admission = await admit(guard, InferenceRequest("team-alias", False, None, 7))
+    guard.use_prices(guard.prices.with_aliases({"team-alias": ROUTED}))
+    record = await guard.finish(admission, 200, None)  # admitted before, finished after
+    assert record is not None and record.model == "team-alias"
+    assert record.estimate_micros == 3 * 7 and guard.coster.is_priced("team-alias")
+    await guard.recorder.flush()
+    await guard.worker.run_once()  # the worker shares the coster: the same price settles
+    assert await guard.ledger.charges_total() == 21
 
 
 def test_record_ids_are_unique_and_grow_with_time() -> None:

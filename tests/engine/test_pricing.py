@@ -876,7 +876,17 @@ def test_an_encoded_price_decodes_to_the_same_price(
 
 @pytest.mark.parametrize(
     "text",
-    ["", "1,2,3", "1,2,3,x", "1,2,3,4|", "1,2,3,4|x:1,2,3,4", "1,2,3,-4", "1,2,3,4|0:1,1,1,1"],
+    [
+        "1e999999999,1,1,1",
+        "1,2,3,4E+2",
+        "",
+        "1,2,3",
+        "1,2,3,x",
+        "1,2,3,4|",
+        "1,2,3,4|x:1,2,3,4",
+        "1,2,3,-4",
+        "1,2,3,4|0:1,1,1,1",
+    ],
 )
 def test_a_price_string_that_is_not_one_is_refused(text: str) -> None:
     with pytest.raises(ValueError):

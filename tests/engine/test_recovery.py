@@ -3,6 +3,7 @@ ledger, and written as records by a settling worker when their gateway died."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -24,11 +25,12 @@ from spendguard.engine.entries import (
     open_entry,
     recovered_record,
 )
-from spendguard.engine.pricing import PriceTable
+from spendguard.engine.pricing import Price, PriceTable
 from spendguard.engine.recovery import Recovery
+from spendguard.engine.worker import SettlementWorker
 from spendguard.errors import LedgerUnavailable
 from spendguard.ledger import Ledger
-from spendguard.ledger.schema import records
+from spendguard.ledger.schema import charges, records
 from spendguard.limits import KeyCodec
 from spendguard.limits.rates import Rates, rate_field
 from spendguard.record import PostflightStatus
@@ -244,3 +246,35 @@ def test_an_entry_round_trips_any_text_exactly() -> None:
     assert record.t0 == T0 and record.estimate_micros == 99
     again = recovered_record("rid", closed_entry("o", record, T0_US), 0)
     assert again == record
+    priced = dataclasses.replace(record, price="0.15,0.6,0.075,0.15|200000:0.3,1.2,0.15,0.3")
+    assert recovered_record("rid", closed_entry("o", priced, T0_US), 0) == priced
+
+
+async def test_recovered_records_carry_the_price_they_were_charged_at(
+    ledger: Ledger, database_url: str, store: RedisStore
+) -> None:
+    # The dead gateway's price for "m" (make_record's model) was one micro-USD per token; the
+    # recovering process prices gpt-4o-mini at its own table, and a third settles all of it.
+    recovering = PriceTable({"gpt-4o-mini": Price.of("0.3", "0.9")}, as_of="2026-11-01")
+    settling = PriceTable(
+        {"gpt-4o-mini": Price.of("5", "5"), "m": Price.of("2", "3")}, as_of="2026-11-01"
+    )
+    closed = closed_entry("dead", make_record("done", T0, 25), T0_US)
+    # A closed entry of an earlier release: the same record, without the price.
+    legacy = closed_entry("dead", make_record("legacy", T0, 25, price=None), T0_US)
+    assert legacy.endswith(",null]")
+    legacy = legacy.removesuffix(",null]") + "]"
+    cut = open_entry("dead", ALPHA, T0_US, "inf-1", request(), ROUTE)
+    await leave(store, "dead", {"done": closed, "legacy": legacy, "cut": cut}, alive=False)
+    recovery = Recovery(ledger, store, store, CODEC, Coster(recovering, UnknownModel.FREE), me="me")
+    assert await recovery.run_once() == 3
+    rows = await written(database_url)
+    assert rows["done"]["price"] == "1,1,1,1"  # as the gateway charged it
+    assert rows["legacy"]["price"] is None  # unknown: the settling table prices it
+    assert rows["cut"]["price"] == "0.3,0.9,0.3,0.3"  # the price recovery estimated it at
+    # 12 tokens in at 0.3 and 40 out at 0.9 per million tokens of each: 39.6, rounded up.
+    assert rows["cut"]["estimate_micros"] == 40
+    coster_of_settler = Coster(settling, UnknownModel.FREE)
+    assert (await SettlementWorker(ledger, None, coster_of_settler, CODEC).run_once()).settled == 3
+    charged = await sql_rows(database_url, sa.select(charges.c.record_id, charges.c.amount_micros))
+    assert dict(charged) == {"done": 25, "legacy": 25 * 2, "cut": 40}

@@ -24,6 +24,8 @@ from tests.support import make_record, sql_rows
 
 pytestmark = pytest.mark.anyio
 
+TIERED = "0.15,0.6,0.075,0.15|200000:0.3,1.2,0.15,0.3"  # a price as Price.encode writes it
+
 
 async def test_records_are_written_once(ledger: Ledger) -> None:
     rec = make_record("r1", SEP30_LATE, 10)
@@ -46,6 +48,7 @@ async def test_hostile_display_text_is_stored(ledger: Ledger) -> None:
         usage=Usage(input_tokens=1),
         estimate_micros=1,
         postflight=PostflightStatus.APPLIED,
+        price="1,1,1,1",
     )
     await ledger.insert_records([odd])
     assert await ledger.unsettled() == (1, 1)
@@ -68,6 +71,7 @@ async def test_display_text_that_needs_escaping_is_stored_exactly(ledger: Ledger
             usage=Usage(input_tokens=1),
             estimate_micros=1,
             postflight=PostflightStatus.APPLIED,
+            price="1,1,1,1",
         )
         for i, text in enumerate(texts)
     ]
@@ -99,6 +103,7 @@ async def test_every_column_is_written_as_given(ledger: Ledger) -> None:
         ),
         estimate_micros=big,
         postflight=PostflightStatus.UNKNOWN,
+        price=TIERED,
     )
     team_only = InferenceRecord(
         id="r-team",
@@ -111,6 +116,7 @@ async def test_every_column_is_written_as_given(ledger: Ledger) -> None:
         usage=Usage(),
         estimate_micros=0,
         postflight=PostflightStatus.APPLIED,
+        price=None,  # as a record of an earlier release's entry: NULL
     )
     await ledger.insert_records([with_key, team_only])
     columns = [
@@ -132,14 +138,15 @@ async def test_every_column_is_written_as_given(ledger: Ledger) -> None:
         records.c.estimate_micros,
         records.c.postflight,
         records.c.settled,
+        records.c.price,
     ]
     rows = await sql_rows(ledger.url, sa.select(*columns).order_by(records.c.id))
     t0_us = to_micros(t0)
-    assert [(r[0], *r[1:14], bool(r[14]), *r[15:17], bool(r[17])) for r in rows] == [
+    assert [(r[0], *r[1:14], bool(r[14]), *r[15:17], bool(r[17]), r[18]) for r in rows] == [
         ("r-key", "inf-1", "Team%20A", "key%3A1", "Team A", "key:1", "gpt-4o-mini",
-         "/v1/chat/completions", t0_us, 201, big, 2, 3, 4, True, big, "unknown", False),
+         "/v1/chat/completions", t0_us, 201, big, 2, 3, 4, True, big, "unknown", False, TIERED),
         ("r-team", "r-team", "acme", "", "acme", None, "m",
-         "/v1/messages", t0_us, 200, 0, 0, 0, 0, False, 0, "applied", False),
+         "/v1/messages", t0_us, 200, 0, 0, 0, 0, False, 0, "applied", False, None),
     ]  # fmt: skip
 
 

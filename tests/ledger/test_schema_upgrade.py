@@ -6,11 +6,17 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import anyio
 import pytest
 
+from spendguard.clock import to_micros
+from spendguard.engine.costing import Coster
+from spendguard.engine.pricing import Price, PriceTable
+from spendguard.engine.worker import SettlementWorker
 from spendguard.ledger import Aggregate, Ledger
-from spendguard.ledger.schema import RETIRED_INDEXES
-from spendguard.limits import Limit, Period
+from spendguard.ledger.schema import RETIRED_INDEXES, records
+from spendguard.limits import KeyCodec, Limit, Period
+from spendguard.settings import UnknownModel
 from tests.ledger.helpers import ACME, ALPHA, OCT1, SEP30_LATE, set_policy
 from tests.support import make_record, sql_execute, sql_rows, unit_price
 
@@ -85,3 +91,88 @@ async def test_an_earlier_release_indexes_are_replaced_and_nothing_is_read_diffe
         assert await led.charges_total("acme") == 23
     finally:
         await led.disconnect()
+
+
+# The records table as releases before records carried their price created it.
+RECORDS_BEFORE_PRICES = """CREATE TABLE spendguard_records (
+    id VARCHAR(64) NOT NULL PRIMARY KEY,
+    inference_id VARCHAR(64) NOT NULL,
+    team VARCHAR(100) NOT NULL,
+    api_key VARCHAR(100) NOT NULL,
+    team_id TEXT NOT NULL,
+    api_key_id TEXT,
+    model TEXT NOT NULL,
+    route TEXT NOT NULL,
+    t0_us BIGINT NOT NULL,
+    status_code INTEGER NOT NULL,
+    input_tokens BIGINT NOT NULL,
+    output_tokens BIGINT NOT NULL,
+    cached_input_tokens BIGINT NOT NULL,
+    cache_write_tokens BIGINT NOT NULL,
+    usage_estimated BOOLEAN NOT NULL,
+    estimate_micros BIGINT NOT NULL,
+    postflight VARCHAR(16) NOT NULL,
+    settled BOOLEAN NOT NULL,
+    created_us BIGINT NOT NULL
+)"""
+OLD_ROW = (
+    "INSERT INTO spendguard_records VALUES ('{id}', '{id}', 'acme', 'alpha', 'acme', 'alpha', "
+    "'m', '/v1/chat/completions', {t0}, 200, {tokens}, 0, 0, 0, FALSE, {tokens}, 'applied', "
+    "{settled}, {t0})"
+)
+
+
+async def _record_columns(url: str) -> list[str]:
+    if url.startswith("sqlite"):
+        return [str(r[1]) for r in await sql_rows(url, "PRAGMA table_info(spendguard_records)")]
+    query = (
+        "SELECT column_name FROM information_schema.columns WHERE table_schema = "
+        "current_schema() AND table_name = 'spendguard_records' ORDER BY ordinal_position"
+    )
+    return [str(r[0]) for r in await sql_rows(url, query)]
+
+
+async def test_a_records_table_from_before_prices_gets_the_column_and_keeps_its_rows(
+    database_url: str,
+) -> None:
+    first = Ledger(database_url)
+    await first.connect()
+    await first.init_schema()  # every other table, as the earlier release left them
+    await first.disconnect()
+    await sql_execute(database_url, "DROP TABLE spendguard_records")
+    await sql_execute(database_url, RECORDS_BEFORE_PRICES)
+    t0 = to_micros(OCT1)
+    for rid, tokens, settled in (("old-settled", 3, "TRUE"), ("old", 40, "FALSE")):
+        await sql_execute(
+            database_url, OLD_ROW.format(id=rid, t0=t0, tokens=tokens, settled=settled)
+        )
+    before = await sql_rows(database_url, "SELECT * FROM spendguard_records ORDER BY id")
+    assert "price" not in await _record_columns(database_url)
+
+    # Replicas starting together on the old database: each adds what is missing, once.
+    ledgers = [Ledger(database_url) for _ in range(3)]
+    for led in ledgers:
+        await led.connect()
+    try:
+        async with anyio.create_task_group() as tg:
+            for led in ledgers:
+                tg.start_soon(led.init_schema)
+        led = ledgers[0]
+        await led.init_schema()  # and again at the next start: nothing to do
+        assert await _record_columns(database_url) == [c.name for c in records.columns]
+        after = await sql_rows(database_url, "SELECT * FROM spendguard_records ORDER BY id")
+        assert after == [(*row, None) for row in before]  # kept as they were, no price
+        # The old unsettled record settles at the settling table; a new one at its own price.
+        await led.insert_records([make_record("new", OCT1, 40)])
+        table = PriceTable({"m": Price.of("2", "3")}, as_of="2026-11-01")
+        worker = SettlementWorker(
+            led, None, Coster(table, UnknownModel.FREE), KeyCodec("q", timedelta(days=2))
+        )
+        assert (await worker.run_once()).settled == 2
+        got = await sql_rows(
+            database_url, "SELECT record_id, amount_micros FROM spendguard_charges"
+        )
+        assert dict(got) == {"old": 80, "new": 40}
+    finally:
+        for led in ledgers:
+            await led.disconnect()

@@ -162,8 +162,9 @@ async def test_records_written_and_default_priced_charges(make_gateway: Any) -> 
         assert (await gw.post()).status_code == 200
         assert (await gw.post(model="not-in-the-table", x_in=7, x_out=3)).status_code == 200
         await gw.settle()
-        # The unit table's default entry is 1 micro-USD per token as well.
-        assert deltas() == [2, 1, 1, 25]
+        # The unit table's default entry is 1 micro-USD per token as well. Settlement charges
+        # the price the record carries: it asks the table for no default price.
+        assert deltas() == [2, 1, 0, 25]
 
 
 async def test_records_pending_counts_what_the_ledger_does_not_have_yet(tmp_path: Path) -> None:

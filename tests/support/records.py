@@ -9,6 +9,8 @@ from spendguard.ledger import RecordRow
 from spendguard.record import InferenceRecord, PostflightStatus
 from spendguard.usage import Usage
 
+UNIT_PRICE = "1,1,1,1"  # one micro-USD per token of every kind, as Price.encode writes it
+
 
 def make_record(
     rid: str,
@@ -17,8 +19,10 @@ def make_record(
     team: str = "acme",
     key: str | None = "alpha",
     postflight: PostflightStatus = PostflightStatus.APPLIED,
+    price: str | None = UNIT_PRICE,
 ) -> InferenceRecord:
-    """A 200 chat record of ``tokens`` input tokens, estimated at one micro-USD per token."""
+    """A 200 chat record of ``tokens`` input tokens, estimated at one micro-USD per token
+    (``price``: the price it carries; None for a record of an earlier release)."""
     return InferenceRecord(
         id=rid,
         inference_id=rid,
@@ -30,6 +34,7 @@ def make_record(
         usage=Usage(input_tokens=tokens),
         estimate_micros=tokens,
         postflight=postflight,
+        price=price,
     )
 
 
