@@ -253,14 +253,18 @@ def _parse_count(value: Any, where: str) -> int:
     return value
 
 
+def _known_fields(entry: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    for field in entry:
+        if field not in allowed:
+            raise ConfigurationError(
+                f"{where}.{field}: unknown field (allowed: {', '.join(allowed)})"
+            )
+
+
 def _parse_price_entry(entry: Any, where: str) -> Price:
     if not isinstance(entry, Mapping):
         raise ConfigurationError(f"{where}: must be a mapping with input and output prices")
-    for field in entry:
-        if field not in _ENTRY_FIELDS:
-            raise ConfigurationError(
-                f"{where}.{field}: unknown field (allowed: {', '.join(_ENTRY_FIELDS)})"
-            )
+    _known_fields(entry, _ENTRY_FIELDS, where)
     values = _flat_prices(entry, where)
     tiers = entry.get("tiers", [])
     if not isinstance(tiers, list):
@@ -270,11 +274,7 @@ def _parse_price_entry(entry: Any, where: str) -> Price:
         at = f"{where}.tiers[{n}]"
         if not isinstance(tier, Mapping):
             raise ConfigurationError(f"{at}: must be a mapping with above, input and output")
-        for field in tier:
-            if field not in _TIER_FIELDS:
-                raise ConfigurationError(
-                    f"{at}.{field}: unknown field (allowed: {', '.join(_TIER_FIELDS)})"
-                )
+        _known_fields(tier, _TIER_FIELDS, at)
         if "above" not in tier:
             raise ConfigurationError(f"{at}.above: required")
         above = _parse_count(tier["above"], f"{at}.above")
