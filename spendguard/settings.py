@@ -171,6 +171,13 @@ class Settings(BaseSettings):
         description='The same per model, as JSON: {"gpt-4o-mini": 1024}; a name as clients '
         "send it or as its price-table entry, case-insensitive.",
     )
+    provider_candidates: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="The provider keys (pool ids) an inference of a model may use, in "
+        'order, as JSON: {"gpt-4o*": ["openai-1", "openai-2"]}; the first glob that matches '
+        "the request's model decides. One is leased in the admission round and settled in "
+        "the finishing one; the app finds it in request.state.spendguard_provider_key.",
+    )
     remaining_headers: bool = Field(
         False,
         description="Tell callers their API key's remaining daily/monthly spend limits in "
@@ -258,6 +265,16 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name!r}: output tokens must be 1..10000000, got {tokens}")
             out[name.strip().lower()] = tokens
         return out
+
+    @field_validator("provider_candidates")
+    @classmethod
+    def _check_candidates(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for glob, ids in value.items():
+            if not glob.strip():
+                raise ValueError("empty model glob")
+            if not ids or not all(isinstance(i, str) and i for i in ids):
+                raise ValueError(f"{glob!r}: give a non-empty list of provider key ids")
+        return value
 
     @field_validator("key_prefix")
     @classmethod

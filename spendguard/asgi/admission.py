@@ -11,6 +11,7 @@ differ in checks, refusals or headers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from functools import partial
@@ -21,10 +22,13 @@ from starlette.types import Message, Send
 from ..budgets import BudgetAdmission, BudgetGate, BudgetVerdict
 from ..budgets.responses import send_budget_refusal
 from ..engine.decision import Admission, InferenceRequest, Verdict
+from ..engine.entries import admission_tokens
 from ..engine.guard import SpendGuard
 from ..identity import Identity
+from ..providers.model import Lease, NoCapacity
+from ..providers.routing import STATE_PROVIDER_KEY, ProviderRouting
 from ..usage import BodyObserver, Dialect
-from .errors import send_error, send_refusal
+from .errors import send_error, send_no_capacity, send_refusal
 from .finishing import finish
 from .ratelimit import rate_limit_headers
 from .remaining import remaining_headers
@@ -37,6 +41,7 @@ STATE_MODEL = "spendguard_model"
 """Set by the app (``request.state.spendguard_model``) before its response ends: the model it
 routed the inference to, charged instead of the request's (when the price table prices it)."""
 HEADER_INFERENCE_ID = "x-spendguard-inference-id"
+log = logging.getLogger("spendguard")
 _INFERENCE_ID_HEADER = HEADER_INFERENCE_ID.encode()
 
 
@@ -67,8 +72,16 @@ def bad_request(dialect: Dialect, exc: BadRequest) -> Refusal:
     return partial(_send_error, dialect, exc.status, code, exc.message)
 
 
-async def _send_error(dialect: Dialect, status: int, code: str, message: str, send: Send) -> None:
-    await send_error(send, dialect, status, code, message)
+async def _send_error(
+    dialect: Dialect,
+    status: int,
+    code: str,
+    message: str,
+    send: Send,
+    *,
+    retry_after: int | None = None,
+) -> None:
+    await send_error(send, dialect, status, code, message, retry_after=retry_after)
 
 
 class Exchange:
@@ -88,7 +101,9 @@ class Exchange:
         "_state",
         "admission",
         "budget",
+        "lease",
         "observer",
+        "providers",
         "routed",
         "status",
     )
@@ -102,8 +117,11 @@ class Exchange:
         added: list[tuple[bytes, bytes]],
         state: dict[str, Any],
         routed_by: RoutedBy | None = None,
+        lease: Lease | None = None,
+        providers: ProviderRouting | None = None,
     ) -> None:
         self._guard, self.admission, self.budget, self._added = guard, admission, budget, added
+        self.lease, self.providers = lease, providers
         self._send, self._state, self._routed_by = send, state, routed_by
         self.status = 0  # no response started (yet)
         self.observer: BodyObserver | None = None
@@ -137,7 +155,15 @@ class Exchange:
         if not isinstance(routed, str) or not routed:
             routed = self.routed
         await finish(
-            self._guard, budgets, self.admission, self.status, self.observer, self.budget, routed
+            self._guard,
+            budgets,
+            self.admission,
+            self.status,
+            self.observer,
+            self.budget,
+            routed,
+            self.lease,
+            self.providers,
         )
 
 
@@ -154,6 +180,7 @@ async def admit_inference(
     state: dict[str, Any],
     remaining: bool,
     routed_by: RoutedBy | None = None,
+    providers: ProviderRouting | None = None,
 ) -> Exchange | Refusal | None:
     """Admit one inference: ``None`` to pass it through unobserved, a refusal to send, or the
     exchange to hand the app as its ``send`` (its ``finish`` must then run, in ``finally``).
@@ -166,61 +193,132 @@ async def admit_inference(
             request = parse_request(body, path_model)
         except BadRequest as exc:
             return bad_request(dialect, exc)
-    budget: BudgetAdmission | None = None
-    if budgets is not None and identity is not None and request is not None:
-        budget = await budgets.admit(identity, request)
-        if budget is not None and not budget.allowed:
-            return await _budget_refused(
-                guard, budget, identity, request, route, dialect, state, remaining
-            )
+    # The budgets' and the provider pool's calls are sent now and the spend limits' preflight
+    # in this same event-loop turn: on Redis they leave in one pipeline write, one round trip
+    # whatever is on (design.md, "One round trip each way").
+    budget_soon: Awaitable[BudgetAdmission | None] | None = None
+    lease_soon: Awaitable[Lease | NoCapacity] | None = None
+    if identity is not None and request is not None:
+        if budgets is not None:
+            budget_soon = budgets.begin(identity, request)
+        if providers is not None:
+            tokens_in, tokens_out = admission_tokens(request, guard.coster.table, guard.output)
+            lease_soon = providers.begin(request.model, identity, tokens_in + tokens_out)
     t0, inference_id = retry_of(state)
-    admission = await guard.admit(
-        identity, request, route=route, dialect=dialect, t0=t0, inference_id=inference_id
-    )
+    try:
+        admission = await guard.admit(
+            identity,
+            request,
+            route=route,
+            dialect=dialect,
+            t0=t0,
+            inference_id=inference_id,
+            tentative=budget_soon is not None or lease_soon is not None,
+        )
+    finally:
+        budget = await budget_soon if budget_soon is not None else None
+        lease = await _leased(lease_soon) if lease_soon is not None else None
     if admission.verdict is Verdict.PASS:
         return None
     decision = admission.decision
-    if not admission.allowed or decision is None:
-        if budget is not None and budgets is not None:
-            await budgets.release(budget)  # spend limits refused: return the hold
-        headers = remaining_headers(decision) if remaining and decision is not None else []
-        return partial(send_refusal, admission=admission, headers=headers)
+    spend_allowed = admission.allowed and decision is not None
+    budget_allowed = budget is None or budget.allowed
+    if not (spend_allowed and budget_allowed and not isinstance(lease, NoCapacity | Exception)):
+        return _refused(guard, budgets, providers, admission, budget, lease, dialect, remaining)
+    assert decision is not None
+    if budget_soon is not None or lease_soon is not None:
+        guard.confirm(admission)
     state[STATE_INFERENCE_ID] = decision.inference_id
     state[STATE_T0] = decision.t0
     state[STATE_RECORD_ID] = decision.record_id
+    if isinstance(lease, Lease):
+        state[STATE_PROVIDER_KEY] = lease
     added = [(_INFERENCE_ID_HEADER, decision.inference_id.encode())]
     if remaining:
         added.extend(remaining_headers(decision))
     added.extend(rate_limit_headers(decision))
     if budget is not None:
         added.extend(budget.headers)
-    return Exchange(guard, admission, budget, send, added, state, routed_by)
+    if not isinstance(lease, Lease):
+        lease = None
+    return Exchange(guard, admission, budget, send, added, state, routed_by, lease, providers)
 
 
-async def _budget_refused(
+async def _leased(lease_soon: Awaitable[Lease | NoCapacity]) -> Lease | NoCapacity | Exception:
+    try:
+        return await lease_soon
+    except Exception as exc:  # the pool's store could not decide: answered as an outage
+        log.warning("provider pool unavailable: %r", exc)
+        return exc
+
+
+def _refused(
     guard: SpendGuard,
-    budget: BudgetAdmission,
-    identity: Identity,
-    request: InferenceRequest,
-    route: str,
+    budgets: BudgetGate | None,
+    providers: ProviderRouting | None,
+    admission: Admission,
+    budget: BudgetAdmission | None,
+    lease: Lease | NoCapacity | Exception | None,
     dialect: Dialect,
-    state: dict[str, Any],
     remaining: bool,
 ) -> Refusal:
-    """A budget refused: the spend limits are asked too (leaving nothing behind), and the
-    answer names whichever refusal lasts longer, the budget's on a tie (design.md, "Which
-    refusal is named"). A budget outage is answered as it is: its store is most likely the
-    spend limits' too, and asking it again would only double the wait for a 503."""
-    if budget.verdict is BudgetVerdict.DENY:
-        t0, inference_id = retry_of(state)
-        spend = await guard.refusal(
-            identity, request, route=route, dialect=dialect, t0=t0, inference_id=inference_id
+    """The answer when some check of the round refused. What the others took is given back
+    after the answer is sent (the spend limits' admission withdrawn, the budget hold and the
+    lease released). The answer names the spend limits' or the budget's refusal, whichever
+    lasts longer, the budget's on a tie (design.md, "Which refusal is named"); a budget
+    outage as it is; the provider pool's only when every limit admitted the request."""
+    cleanup: list[Awaitable[object]] = []
+    spend_allowed = admission.allowed and admission.decision is not None
+    if spend_allowed:
+        cleanup.append(guard.withdraw(admission))
+    if budget is not None and budgets is not None and budget.allowed:
+        cleanup.append(budgets.finish_soon(budget, None, budget.model))
+    if isinstance(lease, Lease) and providers is not None:
+        cleanup.append(providers.finish_soon(lease, None))
+    refusal: Refusal
+    if budget is not None and not budget.allowed:
+        if (
+            not spend_allowed
+            and budget.verdict is BudgetVerdict.DENY
+            and admission.lasts > budget.lasts
+        ):
+            refusal = _spend_refusal(admission, remaining)
+        else:
+            refusal = partial(send_budget_refusal, dialect=dialect, admission=budget)
+    elif not spend_allowed:
+        refusal = _spend_refusal(admission, remaining)
+    elif isinstance(lease, NoCapacity):
+        refusal = partial(send_no_capacity, dialect, lease)
+    else:
+        message = "The provider key pool could not be reached; retry shortly."
+        refusal = partial(
+            _send_error, dialect, 503, "provider_pool_unavailable", message, retry_after=1
         )
-        if spend is not None and spend.lasts > budget.lasts:
-            decision = spend.decision
-            headers = remaining_headers(decision) if remaining and decision is not None else []
-            return partial(send_refusal, admission=spend, headers=headers)
-    return partial(send_budget_refusal, dialect=dialect, admission=budget)
+    return _then(refusal, cleanup) if cleanup else refusal
+
+
+def _spend_refusal(admission: Admission, remaining: bool) -> Refusal:
+    decision = admission.decision
+    headers = remaining_headers(decision) if remaining and decision is not None else []
+    return partial(send_refusal, admission=admission, headers=headers)
+
+
+def _then(refusal: Refusal, cleanup: list[Awaitable[object]]) -> Refusal:
+    """``refusal``, then ``cleanup`` (what other checks of the round took, given back; sent
+    already): the client has its answer without waiting for it, and it is done when the ASGI
+    call ends. The cleanup is awaited even if sending fails; it never raises."""
+
+    async def send_then_clean(send: Send) -> None:
+        try:
+            await refusal(send)
+        finally:
+            for done in cleanup:
+                try:
+                    await done
+                except Exception as exc:  # each part bounds and logs its own failures
+                    log.warning("spendguard could not give back a refused admission: %r", exc)
+
+    return send_then_clean
 
 
 def retry_of(state: dict[str, Any]) -> tuple[datetime | None, str | None]:

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..budgets import BudgetGate
 from ..engine.guard import SpendGuard
+from ..providers.routing import ProviderRouting
 from .admission import (
     STATE_RECORD_ID,
     Disconnected,
@@ -46,6 +47,7 @@ async def deferred_inference(
     budgets: BudgetGate | None,
     remaining: bool,
     routed_by: RoutedBy | None = None,
+    providers: ProviderRouting | None = None,
 ) -> None:
     """Read the body, call the app with the admission hook; observe and finish what it
     admitted."""
@@ -80,6 +82,7 @@ async def deferred_inference(
             state=state,
             remaining=remaining,
             routed_by=routed_by,
+            providers=providers,
         )
         if isinstance(outcome, Exchange):
             exchange = outcome

@@ -26,6 +26,7 @@ from ..engine.decision import Admission, Never, Verdict
 from ..engine.reservation import usd
 from ..limits import Limit, Period, SubjectKind
 from ..limits.rates import RateDenial, RateKind, Scope
+from ..providers.model import NoCapacity
 from ..usage import Dialect
 from .ratelimit import rate_limit_headers
 
@@ -203,3 +204,23 @@ async def send_refusal(
         message = "Spend limits cannot be checked right now; retry shortly."
         retry = (decision.retry_after if decision is not None else None) or 1
         await send_error(send, dialect, 503, "spend_limit_unavailable", message, retry_after=retry)
+
+
+async def send_no_capacity(dialect: Dialect, refused: NoCapacity, send: Send) -> None:
+    """No candidate provider key could take the request: a 429 with the wait until the first
+    frees (a cooldown ends, a full minute closes), left to the SDKs' retries; a 503 when none
+    ever can as things stand (unregistered keys, or a request larger than every key's TPM).
+    The key ids are the gateway's own business: not named."""
+    if refused.retry_after is not None:
+        message = "No provider key has capacity for this request right now; retry shortly."
+        await send_error(
+            send,
+            dialect,
+            429,
+            "provider_capacity_exhausted",
+            message,
+            retry_after=refused.retry_after,
+        )
+        return
+    message = "No provider key configured for this model can take this request."
+    await send_error(send, dialect, 503, "no_provider_key", message)

@@ -3,7 +3,9 @@ hand it the body already read, and charge the inference once when it ends."""
 
 from __future__ import annotations
 
-from collections.abc import Coroutine, Generator
+import logging
+from collections.abc import Awaitable, Coroutine, Generator
+from functools import partial
 from typing import Any, TypeVar
 
 import anyio
@@ -12,11 +14,14 @@ from starlette.types import Message, Receive
 from ..budgets import BudgetAdmission, BudgetGate
 from ..engine.decision import Admission
 from ..engine.guard import SpendGuard
-from ..usage import BodyObserver
+from ..providers.model import Lease
+from ..providers.routing import ProviderRouting
+from ..usage import BodyObserver, Usage
 
 __all__ = ["finish", "replay", "shielded"]
 
 T = TypeVar("T")
+log = logging.getLogger("spendguard")
 
 
 def replay(body: bytes, receive: Receive) -> Receive:
@@ -51,25 +56,69 @@ async def finish(
     observer: BodyObserver | None,
     budget: BudgetAdmission | None,
     routed: str | None = None,
+    lease: Lease | None = None,
+    providers: ProviderRouting | None = None,
 ) -> None:
     """Charge an admitted inference, however the app ended: return, exception, disconnect or
     cancellation. Shielded, so a cancelled request still settles its charge; bounded by the
     store's own timeouts, so no deadline of ours is needed. Its budget hold becomes what was
-    charged, or is returned when nothing was. ``routed``: the model the app or its router
-    says it routed to (``SpendGuard.finish``)."""
-    if budget is None and guard.finishes_in_place:
+    charged, or is returned when nothing was; so does its provider lease. ``routed``: the
+    model the app or its router says it routed to (``SpendGuard.finish``)."""
+    if budgets is None:
+        budget = None
+    if providers is None:
+        lease = None
+    if budget is None and lease is None and guard.finishes_in_place:
         # The embedded store's charge does not suspend, and a cancellation can only land
         # where a coroutine suspends: no cancel scope is needed (it cost a few µs on every
         # request). shielded() still covers it should it ever suspend.
         await shielded(guard.finish(admission, status_code, observer, routed=routed))
         return
     with anyio.CancelScope(shield=True):
-        record = await guard.finish(admission, status_code, observer, routed=routed)
+        if budget is None and lease is None:
+            await guard.finish(admission, status_code, observer, routed=routed)
+            return
+        # The budget's commit and the lease's settlement leave with the postflight: one
+        # round trip.
+        alongside = partial(_alongside, budgets, budget, providers, lease)
+        await guard.finish(admission, status_code, observer, routed=routed, alongside=alongside)
         if budget is not None and budgets is not None:
-            if record is None:
-                await budgets.finish(budget, None, budget.model)
-            else:
-                await budgets.finish(budget, record.usage, record.model)
+            await budgets.finish(budget, None, budget.model)  # a no-op unless not finished
+        if lease is not None and providers is not None:
+            await _quietly(providers.finish_soon(lease, None))  # likewise
+
+
+def _alongside(
+    budgets: BudgetGate | None,
+    budget: BudgetAdmission | None,
+    providers: ProviderRouting | None,
+    lease: Lease | None,
+    usage: Usage | None,
+    model: str,
+) -> Awaitable[None]:
+    """The other checks' finishing calls, sent now; the result awaits them all."""
+    parts: list[Awaitable[object]] = []
+    if budget is not None and budgets is not None:
+        parts.append(budgets.finish_soon(budget, usage, model))
+    if lease is not None and providers is not None:
+        used = None
+        if usage is not None:
+            used = usage.input_tokens + usage.output_tokens
+            used += usage.cached_input_tokens + usage.cache_write_tokens
+        parts.append(_quietly(providers.finish_soon(lease, used)))
+    return _all(parts)
+
+
+async def _all(parts: list[Awaitable[object]]) -> None:
+    for part in parts:
+        await part
+
+
+async def _quietly(settling: Awaitable[object]) -> None:
+    try:
+        await settling
+    except Exception as exc:  # the response is out; the lease lapses with its minute
+        log.warning("provider lease could not be settled: %r", exc)
 
 
 async def shielded(coro: Coroutine[Any, Any, T]) -> T:

@@ -22,6 +22,7 @@ from ..budgets import BudgetGate, gate_for
 from ..engine.guard import SpendGuard
 from ..integrations.litellm import LiteLLMRouting, litellm_routing
 from ..ledger import Ledger
+from ..providers.routing import Candidates, ProviderRouting, candidates_of
 from ..settings import Settings, load_settings
 from ..store import Store
 from .admission import (
@@ -67,6 +68,8 @@ class SpendGuardMiddleware:
     ``app.add_middleware(SpendGuardMiddleware)`` reads ``SPENDGUARD_*`` settings; pass
     ``settings=``, ``resolve_identity=`` (sync or async, gets an ``HTTPConnection`` and returns
     an ``Identity``, a ``(team_id, api_key_id)`` tuple or None) or a ready ``guard=``.
+    ``candidates=`` (a model and identity in, provider key ids out) leases a provider key
+    at admission, as ``provider_candidates`` in the settings does.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class SpendGuardMiddleware:
         store: Store | None = None,
         ledger: Ledger | None = None,
         budgets: BudgetGate | None = None,
+        candidates: Candidates | None = None,
     ) -> None:
         self.app = app
         self.settings = settings or (guard.settings if guard is not None else load_settings())
@@ -97,6 +101,13 @@ class SpendGuardMiddleware:
         self.budgets = budgets
         if budgets is None and self.guard is not None:
             self.budgets = gate_for(self.guard)
+        # Provider keys leased at admission: the gateway's hook, or the settings' globs.
+        self.providers: ProviderRouting | None = None
+        if self.guard is not None:
+            if candidates is None and self.settings.provider_candidates:
+                candidates = candidates_of(self.settings.provider_candidates)
+            if candidates is not None:
+                self.providers = ProviderRouting(self.guard.pool, candidates)
         # The LiteLLM proxy's router, when the app is LiteLLM's (integrations/litellm.py):
         # looked for once the app started, since its router is made by its startup.
         self.litellm: LiteLLMRouting | None = None
@@ -185,6 +196,7 @@ class SpendGuardMiddleware:
                 budgets=self.budgets,
                 remaining=self.settings.remaining_headers,
                 routed_by=router.routed if router is not None else None,
+                providers=self.providers,
             )
             return
         else:
@@ -201,6 +213,7 @@ class SpendGuardMiddleware:
             state=state,
             remaining=self.settings.remaining_headers,
             routed_by=router.routed if router is not None else None,
+            providers=self.providers,
         )
         if outcome is None:  # passed through, unobserved
             await self.app(scope, receive if body is None else replay(body, receive), send)

@@ -39,6 +39,9 @@ def gate_for(guard: SpendGuard) -> BudgetGate | None:
     else:
         return None
     url = None if settings.redis_url is None else settings.redis_url.get_secret_value()
+    from ..store.redis import redis_parts
+
+    spend_store = redis_parts(guard.store)
     return make_gate(
         source,
         guard.prices,
@@ -53,6 +56,8 @@ def gate_for(guard: SpendGuard) -> BudgetGate | None:
         ensure_connected=guard._ensure_connected,
         clock=guard.clock,
         output=guard.output,  # the spend limits' reservation rule: the two engines agree
+        spend_store=spend_store,
+        override_timeout=settings.db_timeout,
     )
 
 

@@ -58,6 +58,7 @@ from .store import Bucket, BucketCheck, BudgetStore, Hold, Reserved, WindowCheck
 if TYPE_CHECKING:
     from ..engine.decision import InferenceRequest
     from ..engine.pricing import PriceTable
+    from ..store.redis import RedisStore
 
 log = logging.getLogger("spendguard.budgets")
 
@@ -206,15 +207,18 @@ class BudgetGate:
         return to_micros(self.clock()) // 1000
 
     # -- which buckets ----------------------------------------------------------------------
-    async def plan(
-        self, config: BudgetsConfig, identity: Identity, model: str
+    def plan(
+        self,
+        config: BudgetsConfig,
+        identity: Identity,
+        model: str,
+        override: BudgetOverride | None = None,
     ) -> tuple[tuple[BucketCheck, ...], bool]:
         """The buckets that apply, in scope order, and whether the key scope is the fleet
-        default (the one that reports headers)."""
+        default (the one that reports headers). ``override``: the key's own budget, if any."""
         calls: list[BucketCheck] = []
         default_key = False
         if identity.api_key is not None:
-            override = await self.overrides.get(identity) if self.overrides is not None else None
             subject = Bucket(Scope.PER_API_KEY, f"{identity.team}:{identity.api_key}")
             if override is not None:
                 window = override_window(override)
@@ -237,13 +241,45 @@ class BudgetGate:
     async def admit(self, identity: Identity, request: InferenceRequest) -> BudgetAdmission | None:
         """Reserve the request's estimate everywhere it applies; None when no budget applies
         (budgets off, or no scope covers this request): nothing to finish then."""
+        return await self.begin(identity, request)
+
+    def begin(
+        self, identity: Identity, request: InferenceRequest
+    ) -> Awaitable[BudgetAdmission | None]:
+        """:meth:`admit`, with its store calls sent before this returns: on Redis they leave
+        in the next pipeline write, together with the spend limits' preflight submitted in
+        the same event-loop turn (one round trip for both). The result must be awaited.
+
+        A key whose own budget this process has not read yet (or read too long ago) is read
+        from the ledger first: its calls then leave later, on their own."""
         config = self.config
         if not config.active:
-            return None
+            return _NO_BUDGET()
+        override: BudgetOverride | None = None
+        if identity.api_key is not None and self.overrides is not None:
+            known, override = self.overrides.peek(identity)
+            if not known:
+                return self._admit_read(config, identity, request)
+        return self._begin(config, identity, request, override)
+
+    async def _admit_read(
+        self, config: BudgetsConfig, identity: Identity, request: InferenceRequest
+    ) -> BudgetAdmission | None:
+        assert self.overrides is not None
+        override = await self.overrides.get(identity)
+        return await self._begin(config, identity, request, override)
+
+    def _begin(
+        self,
+        config: BudgetsConfig,
+        identity: Identity,
+        request: InferenceRequest,
+        override: BudgetOverride | None,
+    ) -> Awaitable[BudgetAdmission | None]:
         model = request.model
-        calls, default_key = await self.plan(config, identity, model)
+        calls, default_key = self.plan(config, identity, model, override)
         if not calls:
-            return None
+            return _NO_BUDGET()
         output = self.output.tokens(request, self.prices, config.default_output_tokens)
         estimate = Usage(input_tokens=request.estimated_input_tokens, output_tokens=output)
         price = self.prices.lookup(model)
@@ -260,8 +296,26 @@ class BudgetGate:
             ttl_ms=max(w.period_ms for c in calls for w in c.windows) + hold_ms,
         )
         store = self.store_for(config)
+        reserving = store.reserve_soon(calls, hold)
+        return self._admitted(
+            config, store, calls, hold, reserving, request, estimate, default_key, price is not None
+        )
+
+    async def _admitted(
+        self,
+        config: BudgetsConfig,
+        store: BudgetStore,
+        calls: tuple[BucketCheck, ...],
+        hold: Hold,
+        reserving: Awaitable[list[Reserved]],
+        request: InferenceRequest,
+        estimate: Usage,
+        default_key: bool,
+        count_cost: bool,
+    ) -> BudgetAdmission:
+        model = request.model
         try:
-            answers = await self._reserve(store, calls, hold, model)
+            answers = await self._reserve(store, calls, hold, model, reserving)
         except StoreFull:
             return self._tracker_full(calls, model)
         except (StoreUnavailable, ValueError) as exc:
@@ -279,7 +333,7 @@ class BudgetGate:
             except StoreFull:
                 return self._tracker_full(calls, model)
         admission = BudgetAdmission(
-            BudgetVerdict.ADMIT, calls, hold, store, model=model, count_cost=price is not None
+            BudgetVerdict.ADMIT, calls, hold, store, model=model, count_cost=count_cost
         )
         denied = [(i, a) for i, a in enumerate(answers) if not a.ok]
         if denied:
@@ -288,13 +342,18 @@ class BudgetGate:
                 await self._release(store, taken, hold.id)
             return self._deny(admission, denied, request, estimate)
         if default_key:
-            admission.headers = _key_headers(calls[0], answers[0], now_ms)
+            admission.headers = _key_headers(calls[0], answers[0], hold.now_ms)
         return admission
 
     async def _reserve(
-        self, store: BudgetStore, calls: tuple[BucketCheck, ...], hold: Hold, model: str
+        self,
+        store: BudgetStore,
+        calls: tuple[BucketCheck, ...],
+        hold: Hold,
+        model: str,
+        reserving: Awaitable[list[Reserved]],
     ) -> list[Reserved]:
-        answers = await store.reserve(calls, hold)
+        answers = await reserving
         unseeded = [i for i, a in enumerate(answers) if a.unseeded]
         if unseeded:  # Redis lost these buckets: rebuild them, then ask them again
             lost = [calls[i] for i in unseeded]
@@ -480,13 +539,20 @@ class BudgetGate:
     async def finish(self, admission: BudgetAdmission, usage: Usage | None, model: str) -> None:
         """Replace the hold by ``usage`` (None: the request was refused, failed or cancelled:
         return the hold). Exactly once per admission; never raises."""
+        await self.finish_soon(admission, usage, model)
+
+    def finish_soon(
+        self, admission: BudgetAdmission, usage: Usage | None, model: str
+    ) -> Awaitable[None]:
+        """:meth:`finish`, its store calls sent before this returns (see :meth:`begin`): on
+        Redis in the same pipeline write as the spend limits' postflight. Must be awaited."""
         if admission.done or admission.hold is None or admission.store is None:
-            return
+            return _NO_BUDGET()
         admission.done = True
         hold, store = admission.hold, admission.store
         if usage is None:
-            await self._release(store, [c.bucket for c in admission.calls], hold.id)
-            return
+            buckets = [c.bucket for c in admission.calls]
+            return self._released(store.release_soon(buckets, hold.id))
         tokens = (
             usage.input_tokens
             + usage.output_tokens
@@ -497,16 +563,23 @@ class BudgetGate:
         if admission.count_cost:
             price = self.prices.lookup(model) or self.prices.lookup(admission.model)
             cost = 0 if price is None else int(price.cost(usage))
+        committing = store.commit_soon(
+            admission.calls,
+            hold.id,
+            now_ms=self._now_ms(),
+            at_ms=hold.now_ms,
+            tokens=tokens,
+            cost=cost,
+            ttl_ms=hold.ttl_ms,
+        )
+        return self._committed(admission, committing, tokens, cost)
+
+    @staticmethod
+    async def _committed(
+        admission: BudgetAdmission, committing: Awaitable[object], tokens: int, cost: int
+    ) -> None:
         try:
-            await store.commit(
-                admission.calls,
-                hold.id,
-                now_ms=self._now_ms(),
-                at_ms=hold.now_ms,
-                tokens=tokens,
-                cost=cost,
-                ttl_ms=hold.ttl_ms,
-            )
+            await committing
         except Exception as exc:  # the response is out; the hold expires by itself
             log.warning("budget usage could not be recorded: %r", exc)
             return
@@ -525,6 +598,13 @@ class BudgetGate:
             await self.finish(admission, None, admission.model)
 
     @staticmethod
+    async def _released(releasing: Awaitable[object]) -> None:
+        try:
+            await releasing
+        except Exception as exc:  # the holds expire by themselves
+            log.warning("budget holds could not be returned (they expire): %r", exc)
+
+    @staticmethod
     async def _release(store: BudgetStore, buckets: list[Bucket], hold_id: str) -> None:
         try:
             await store.release(buckets, hold_id)
@@ -534,6 +614,13 @@ class BudgetGate:
     async def aclose(self) -> None:
         if self.redis is not None:
             await self.redis.aclose()
+
+
+async def _no_budget() -> None:
+    return None
+
+
+_NO_BUDGET = _no_budget
 
 
 def override_window(override: BudgetOverride) -> BudgetWindow:
@@ -579,18 +666,37 @@ def make_gate(
     ensure_connected: EnsureConnected | None = None,
     clock: Callable[[], datetime] = utcnow,
     output: OutputReservation = DEFAULT_RESERVATION,
+    spend_store: RedisStore | None = None,
+    override_timeout: float = 5.0,
 ) -> BudgetGate:
     """A gate with the stores the settings allow: Redis when a URL is set (used whenever the
-    section says ``storage: redis``, also after a reload), memory always."""
+    section says ``storage: redis``, also after a reload), memory always. With the spend
+    limits' Redis store, budgets use its client and pipeline: one connection pool, and a
+    request's budget and spend-limit calls leave in the same pipeline writes."""
     redis_store: BudgetStore | None = None
-    if redis_url is not None:
+    if spend_store is not None:
+        from .redis import RedisBudgetStore
+
+        redis_store = RedisBudgetStore(
+            spend_store.client,
+            prefix=key_prefix,
+            timeout=spend_store.timeout,
+            require_seed=ledger is not None,
+            pipeline=spend_store.pipeline,
+        )
+    elif redis_url is not None:
         from .redis import RedisBudgetStore
 
         redis_store = RedisBudgetStore.from_url(
             redis_url, prefix=key_prefix, timeout=redis_timeout, require_seed=ledger is not None
         )
     overrides = (
-        OverrideCache(ledger, ttl=override_ttl, ensure_connected=ensure_connected)
+        OverrideCache(
+            ledger,
+            ttl=override_ttl,
+            timeout=override_timeout,
+            ensure_connected=ensure_connected,
+        )
         if ledger is not None
         else None
     )

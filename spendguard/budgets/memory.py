@@ -7,7 +7,7 @@ unreachable (``max_buckets``: past it a new bucket is refused, never counted loo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import StoreFull
@@ -102,6 +102,28 @@ class MemoryBudgetStore:
 
     async def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> list[Reserved]:
         return [self.reserve_one(call, hold) for call in calls]
+
+    # In this process nothing is sent: the ``*_soon`` forms run when awaited.
+    def reserve_soon(self, calls: Sequence[BucketCheck], hold: Hold) -> Awaitable[list[Reserved]]:
+        return self.reserve(calls, hold)
+
+    def commit_soon(
+        self,
+        calls: Sequence[BucketCheck],
+        hold_id: str,
+        *,
+        now_ms: int,
+        at_ms: int,
+        tokens: int,
+        cost: int,
+        ttl_ms: int,
+    ) -> Awaitable[None]:
+        return self.commit(
+            calls, hold_id, now_ms=now_ms, at_ms=at_ms, tokens=tokens, cost=cost, ttl_ms=ttl_ms
+        )
+
+    def release_soon(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[None]:
+        return self.release(buckets, hold_id)
 
     def reserve_one(self, call: BucketCheck, hold: Hold) -> Reserved:
         state = self._bucket(call.bucket, hold.now_ms)

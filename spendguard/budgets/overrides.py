@@ -4,6 +4,10 @@ The ledger is the truth; each process keeps what it read for ``ttl`` seconds (th
 ``policy_ttl``), so a change through the admin API applies here at once and on other replicas
 within ``ttl``. A ledger that can't be read leaves the last value read in force; a key never
 read is then checked against the fleet default.
+
+Like the spend limits' policies, a warm request reads no SQL: :meth:`OverrideCache.peek`
+answers from memory. Only a key not read for ``ttl`` waits for a read, which concurrent
+requests of that key share (one query) and which is bounded by ``timeout``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+import anyio
+
+from ..engine.singleflight import SingleFlight
 from ..errors import LedgerUnavailable
 from ..identity import Identity
 from ..ledger import BudgetOverride, Ledger
@@ -27,27 +34,46 @@ class OverrideCache:
         ledger: Ledger,
         *,
         ttl: float = 60.0,
+        timeout: float = 5.0,
         ensure_connected: Callable[[], Awaitable[None]] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._ledger = ledger
         self._ttl = ttl
+        self._timeout = timeout
+        self._reads: SingleFlight[BudgetOverride | None] = SingleFlight()
         self._ensure = ensure_connected
         self._monotonic = monotonic
         self._entries: dict[tuple[str, str], tuple[float, BudgetOverride | None]] = {}
+
+    def peek(self, identity: Identity) -> tuple[bool, BudgetOverride | None]:
+        """(True, the key's override or None) when read less than ``ttl`` ago; (False, None)
+        when :meth:`get` must read it."""
+        if identity.api_key is None:
+            return True, None
+        entry = self._entries.get((identity.team, identity.api_key))
+        if entry is not None and entry[0] > self._monotonic():
+            return True, entry[1]
+        return False, None
 
     async def get(self, identity: Identity) -> BudgetOverride | None:
         if identity.api_key is None:
             return None
         key = (identity.team, identity.api_key)
-        now = self._monotonic()
         entry = self._entries.get(key)
-        if entry is not None and entry[0] > now:
+        if entry is not None and entry[0] > self._monotonic():
             return entry[1]
+        return await self._reads.do(key, lambda: self._read(key, entry))
+
+    async def _read(
+        self, key: tuple[str, str], entry: tuple[float, BudgetOverride | None] | None
+    ) -> BudgetOverride | None:
+        now = self._monotonic()
         try:
-            if self._ensure is not None:
-                await self._ensure()
-            found = await self._ledger.budget_override(*key)
+            with anyio.fail_after(self._timeout):
+                if self._ensure is not None:
+                    await self._ensure()
+                found = await self._ledger.budget_override(*key)
         except (LedgerUnavailable, TimeoutError) as exc:
             log.warning("budget override of a key unreadable, last known kept: %r", exc)
             return entry[1] if entry is not None else None

@@ -64,6 +64,7 @@ class RedisBudgetStore:
         prefix: str,
         timeout: float = 0.5,
         require_seed: bool = False,
+        pipeline: ScriptPipeline | None = None,
     ) -> None:
         # require_seed: a bucket Redis has no marker for is answered "unseeded" so the engine
         # rebuilds it from the ledger (after a restart) instead of starting from zero.
@@ -72,7 +73,11 @@ class RedisBudgetStore:
         self._prefix = prefix
         self._timeout = timeout
         self._scripts = {name: client.register_script(_lua(name)) for name in _SCRIPTS}
-        self.pipeline = ScriptPipeline(client, timeout=timeout)
+        # Given the spend store's pipeline, budget calls leave in the same pipeline writes as
+        # the spend limits' (one round trip for both); the client and pipeline are then the
+        # spend store's to close.
+        self._owned = pipeline is None
+        self.pipeline = pipeline or ScriptPipeline(client, timeout=timeout)
 
     @classmethod
     def from_url(
@@ -114,7 +119,9 @@ class RedisBudgetStore:
         return replies
 
     # -- BudgetStore ------------------------------------------------------------------------
-    async def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> list[Reserved]:
+    def reserve_soon(self, calls: Sequence[BucketCheck], hold: Hold) -> Awaitable[list[Reserved]]:
+        """Submit every bucket's reserve now, into the pipeline's next write (with whatever
+        else this event-loop turn submits); await the result for the answers."""
         head = [
             str(hold.now_ms),
             hold.id,
@@ -137,6 +144,14 @@ class RedisBudgetStore:
                 ]
             keys = self.keys(call.bucket, call.windows)
             pending.append(self.pipeline.submit(self._scripts["reserve"], keys, args))
+        return self._reserved(calls, hold, pending)
+
+    async def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> list[Reserved]:
+        return await self.reserve_soon(calls, hold)
+
+    async def _reserved(
+        self, calls: Sequence[BucketCheck], hold: Hold, pending: Sequence[Awaitable[Any]]
+    ) -> list[Reserved]:
         replies: list[Any] = []
         for waiting in pending:
             try:
@@ -163,6 +178,29 @@ class RedisBudgetStore:
                 out.append(Reserved(False, window=int(raw[1]) - 1, unit=unit, retry_ms=int(raw[3])))
         return out
 
+    def commit_soon(
+        self,
+        calls: Sequence[BucketCheck],
+        hold_id: str,
+        *,
+        now_ms: int,
+        at_ms: int,
+        tokens: int,
+        cost: int,
+        ttl_ms: int,
+    ) -> Awaitable[list[Any]]:
+        """Submit the commits now (see :meth:`reserve_soon`)."""
+        head = [str(now_ms), hold_id, str(at_ms), str(tokens), str(cost), str(ttl_ms)]
+        pending = [
+            self.pipeline.submit(
+                self._scripts["commit"],
+                self.keys(call.bucket, call.windows),
+                head + [str(w.slice_ms) for w in call.windows],
+            )
+            for call in calls
+        ]
+        return self._gather(pending)
+
     async def commit(
         self,
         calls: Sequence[BucketCheck],
@@ -174,16 +212,9 @@ class RedisBudgetStore:
         cost: int,
         ttl_ms: int,
     ) -> None:
-        head = [str(now_ms), hold_id, str(at_ms), str(tokens), str(cost), str(ttl_ms)]
-        pending = [
-            self.pipeline.submit(
-                self._scripts["commit"],
-                self.keys(call.bucket, call.windows),
-                head + [str(w.slice_ms) for w in call.windows],
-            )
-            for call in calls
-        ]
-        await self._gather(pending)
+        await self.commit_soon(
+            calls, hold_id, now_ms=now_ms, at_ms=at_ms, tokens=tokens, cost=cost, ttl_ms=ttl_ms
+        )
 
     async def seed(
         self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
@@ -198,12 +229,16 @@ class RedisBudgetStore:
         keys = self.keys(call.bucket, call.windows)
         return bool(int(await self.pipeline.submit(self._scripts["seed"], keys, args)))
 
-    async def release(self, buckets: Sequence[Bucket], hold_id: str) -> None:
+    def release_soon(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[list[Any]]:
+        """Submit the releases now (see :meth:`reserve_soon`)."""
         pending = [
             self.pipeline.submit(self._scripts["release"], self.keys(b, ()), [hold_id])
             for b in buckets
         ]
-        await self._gather(pending)
+        return self._gather(pending)
+
+    async def release(self, buckets: Sequence[Bucket], hold_id: str) -> None:
+        await self.release_soon(buckets, hold_id)
 
     async def inspect(self, call: BucketCheck, now_ms: int) -> BucketUsage:
         script = self._scripts["inspect"]
@@ -243,5 +278,6 @@ class RedisBudgetStore:
         return sorted(found, key=lambda b: (b.scope.value, b.subject))
 
     async def aclose(self) -> None:
-        await self.pipeline.aclose()
-        await self._client.aclose()
+        if self._owned:
+            await self.pipeline.aclose()
+            await self._client.aclose()

@@ -14,7 +14,7 @@ buckets, each its own call: the engine compensates when one of them denies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,6 +104,27 @@ class BucketUsage:
 
 class BudgetStore(Protocol):
     shared: bool  # True: every replica sees the same counters (Redis)
+
+    # The ``*_soon`` forms send their calls at once (on Redis: into the spend store's next
+    # pipeline write, so budgets and spend limits cost one round trip together) and return
+    # what to await for the answer; it must be awaited.
+    def reserve_soon(
+        self, calls: Sequence[BucketCheck], hold: Hold
+    ) -> Awaitable[list[Reserved]]: ...
+
+    def commit_soon(
+        self,
+        calls: Sequence[BucketCheck],
+        hold_id: str,
+        *,
+        now_ms: int,
+        at_ms: int,
+        tokens: int,
+        cost: int,
+        ttl_ms: int,
+    ) -> Awaitable[object]: ...
+
+    def release_soon(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[object]: ...
 
     async def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> list[Reserved]:
         """Reserve ``hold`` in each bucket where every window can afford it (each bucket on

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack, suppress
 from datetime import datetime, timedelta
 from functools import partial
@@ -36,7 +36,8 @@ from ..errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnav
 from ..identity import Identity
 from ..ledger import Ledger
 from ..limits import KeyCodec, KeyPlan, Limit
-from ..limits.rates import RateDenial, RateState, Scope
+from ..limits.rates import WINDOW_MS, RateDenial, RateState, Scope
+from ..providers.pool import ProviderPool
 from ..record import InferenceRecord, PostflightStatus
 from ..settings import FailMode, MissingIdentity, Settings, load_settings
 from ..store import (
@@ -78,7 +79,6 @@ _SHARED_LINGER = 0.1  # seconds the record writer waits for a batch to form (see
 _EMBEDDED_LINGER = 0.025
 _MAX_UNCLOSED = 100_000  # entries whose removal failed, kept for a retry (beyond: recovered)
 _UNCLOSED_RETRY_SECONDS = 60.0
-_MAX_UNRATED = 1024  # plans kept without their rates (for probes); beyond, start over
 _CAP_FIELD = 10  # tokens an added `"max_completion_tokens": 10000000` is estimated at, at most
 _MAX_WARNED = 1000  # model names warned about once each; beyond, no more lines
 _PREFLIGHT_SECONDS = metrics.PREFLIGHT_SECONDS
@@ -152,9 +152,6 @@ class SpendGuard:
         self.output = OutputReservation.of(
             s.default_output_tokens, s.default_output_tokens_by_model
         )
-        # Plans without their rates, for requests another check already refused (see
-        # ``refusal``): kept per plan, so the store's per-plan cache keeps its entries.
-        self._unrated: dict[int, tuple[KeyPlan, KeyPlan]] = {}
         self.recorder = Recorder(
             self.ledger,
             capacity=s.record_buffer,
@@ -190,6 +187,7 @@ class SpendGuard:
             policy_stale_max=s.policy_stale_max,
             on_filled=self.worker.note_filled,
         )
+        self._pool: ProviderPool | None = None
         self._stack: AsyncExitStack | None = None
         self._cancel: anyio.CancelScope | None = None
         self._claim: EmbeddedClaim | None = None  # held from start to stop (embedded store)
@@ -199,6 +197,14 @@ class SpendGuard:
         self._stopped = anyio.Event()
         self._connect_lock = anyio.Lock()
         trace_guard(self, s.otel)  # spans around preflight/postflight, if enabled
+
+    @property
+    def pool(self) -> ProviderPool:
+        """The provider-key pool beside this guard's store (on its Redis client, or in this
+        process): register keys here; ``provider_candidates`` lease from it at admission."""
+        if self._pool is None:
+            self._pool = ProviderPool.beside(self.store, self.settings, clock=self.clock)
+        return self._pool
 
     @property
     def admin(self) -> Admin:
@@ -440,11 +446,14 @@ class SpendGuard:
         dialect: Dialect,
         t0: datetime | None = None,
         inference_id: str | None = None,
+        tentative: bool = False,
     ) -> Admission:
         """Decide whether one inference may call the provider.
 
         ``request`` may be None only when there is no identity (the body is not read then).
         ``t0`` and ``inference_id`` continue an earlier inference (a retry or fallback).
+        ``tentative``: checks of other slots decide in the same round; an admission is then
+        not counted until :meth:`confirm`, or taken back by :meth:`withdraw`.
         """
         if identity is None:
             verdict = (
@@ -461,43 +470,14 @@ class SpendGuard:
         now = self.clock()
         t0, inference_id = self._continued(now, t0, inference_id)
         decision = await self.preflight(
-            identity, t0, inference_id=inference_id, request=request, route=route, now=now
-        )
-        if decision.verdict is not Verdict.DENY:
-            return Admission(decision.verdict, route, dialect, request, decision)
-        return self._denied(request, decision, route, dialect)
-
-    async def refusal(
-        self,
-        identity: Identity,
-        request: InferenceRequest,
-        *,
-        route: str,
-        dialect: Dialect,
-        t0: datetime | None = None,
-        inference_id: str | None = None,
-    ) -> Admission | None:
-        """What the spend limits (and model lists) refuse ``request`` with, or None when they
-        would admit it, leaving nothing behind: no admission entry, no rate counted, a hold
-        returned at once. For a request another check (a budget) refused already, so that
-        the answer can name whichever refusal lasts longer; it costs a store call or two,
-        which only refused requests pay."""
-        if self.coster.rejects_unknown and not self.coster.is_priced(request.model):
-            return self._unpriced(request, route, dialect)
-        now = self.clock()
-        t0, inference_id = self._continued(now, t0, inference_id)
-        decision = await self.preflight(
             identity,
             t0,
             inference_id=inference_id,
             request=request,
             route=route,
             now=now,
-            probe=True,
+            tentative=tentative,
         )
-        if decision.verdict is Verdict.ALLOW:
-            await self._release(decision)  # its holds: nothing else of it was written
-            return None
         if decision.verdict is not Verdict.DENY:
             return Admission(decision.verdict, route, dialect, request, decision)
         return self._denied(request, decision, route, dialect)
@@ -598,10 +578,13 @@ class SpendGuard:
         observer: BodyObserver | None,
         *,
         routed: str | None = None,
+        alongside: Callable[[Usage | None, str], Awaitable[object]] | None = None,
     ) -> InferenceRecord | None:
         """Charge an admitted inference once, however it ended (``status_code`` 0: no
         response started; postflight applies the status rule). Never raises: the response
-        is already out.
+        is already out. ``alongside``: what other checks of the round finish with, called
+        with the usage charged (None: not charged) and the model, right before the store's
+        postflight is sent, so that its calls leave in the same round trip.
 
         The model charged, the first that applies: ``routed``, the model the gateway says it
         routed to, when the table prices it; the model of a deployment path; the model the
@@ -611,7 +594,10 @@ class SpendGuard:
         if not admission.allowed or decision is None or request is None:
             return None  # refused or not checked: nothing reached the provider through us
         if not charged(status_code):
+            also = alongside(None, request.model) if alongside is not None else None
             await self._release(decision)
+            if also is not None:
+                await also
             return None
         usage = observer.result() if observer is not None else None
         if usage is None:
@@ -628,6 +614,7 @@ class SpendGuard:
                 model = served  # what was actually served (aliases, fallbacks)
             if routed:
                 self._unpriced_route(routed, model)
+        also = alongside(usage, model) if alongside is not None else None
         try:
             return await self.postflight(
                 decision, model=model, route=admission.route, status_code=status_code, usage=usage
@@ -635,6 +622,9 @@ class SpendGuard:
         except Exception:  # a bug here must not turn a served response into a 500
             log.exception("spendguard postflight failed for record %s", decision.record_id)
             return None
+        finally:
+            if also is not None:
+                await also
 
     def _unpriced_route(self, routed: str, instead: str) -> None:
         # Not charged as unknown: the request's model passed admission priced (under
@@ -660,12 +650,11 @@ class SpendGuard:
         request: InferenceRequest | None = None,
         route: str = "",
         now: datetime | None = None,
-        probe: bool = False,
+        tentative: bool = False,
     ) -> Decision:
         """One store call when the cache is warm; on a miss, load from the ledger and retry.
         ``now``: the clock's time, when the caller just read it (rates count from it).
-        ``probe``: only ask (for :meth:`refusal`): no entry, no rates, never failing open,
-        an allowed decision not counted; its hold must be released.
+        ``tentative``: an allowed decision is not counted yet (see :meth:`admit`).
 
         With ``request`` (and a shared store whose heartbeat runs), an allowed inference
         leaves its admission entry in the same store call (see :mod:`.entries`)."""
@@ -673,8 +662,6 @@ class SpendGuard:
         inference_id = inference_id or record_id
         plan = self.codec.plan(identity, t0)
         fail_open = self._fail_open
-        if probe:
-            plan, fail_open = self._without_rates(plan), False
         entry: EntryWrite | None = None
         hold = tokens = 0
         model = ""
@@ -685,7 +672,7 @@ class SpendGuard:
             # and a TPM's reserve.
             hold = worst_case(request, self.coster, admitting)
             tokens = admitting[0] + admitting[1]
-            if self._entries_on and not probe:
+            if self._entries_on:
                 entry_key = self.codec.entries_key(identity.team)
                 value = open_entry(
                     self.owner, identity, to_micros(t0), inference_id, request, route, admitting
@@ -693,7 +680,7 @@ class SpendGuard:
                 entry = EntryWrite(entry_key, record_id, value)
         # What every decision below is made of (a tuple, not a closure: nothing is allocated
         # per call beyond it).
-        made = (identity, t0, record_id, inference_id, plan, entry, probe)
+        made = (identity, t0, record_id, inference_id, plan, entry, tentative)
         conclude = self._conclude
         if self._refused:  # never fails open: this process's counts are not the limit's
             return conclude(made, Verdict.UNAVAILABLE, unavailable=Unavailable.STORE)
@@ -746,7 +733,7 @@ class SpendGuard:
                 log.warning("spendguard store unavailable, allowing (fail open): %s", exc)
                 metrics.STORE_UNAVAILABLE.labels("allow").inc()
                 # The store did not answer: no entry was written.
-                made = (identity, t0, record_id, inference_id, plan, None, probe)
+                made = (identity, t0, record_id, inference_id, plan, None, tentative)
                 return conclude(made, Verdict.ALLOW, fail_open=True)
             log.warning("spendguard store unavailable, refusing: %s", exc)
             metrics.STORE_UNAVAILABLE.labels("deny").inc()
@@ -778,8 +765,9 @@ class SpendGuard:
         fail_open: bool = False,
         unavailable: Unavailable | None = None,
     ) -> Decision:
-        """The decision of one preflight (``made``: what ``preflight`` made it of)."""
-        identity, t0, record_id, inference_id, plan, entry, probe = made
+        """The decision of one preflight (``made``: what ``preflight`` made it of; its last
+        part: an allowed decision is not counted here, a tentative one's)."""
+        identity, t0, record_id, inference_id, plan, entry, uncounted = made
         if entry is not None and verdict is Verdict.UNAVAILABLE:
             # The store may have run the script before the failure: remove the entry with
             # the next records written, so it never stands for an inference not served.
@@ -800,7 +788,7 @@ class SpendGuard:
         else:  # a balance never resets by itself; an outage is retried shortly
             retry_after = 1 if verdict is Verdict.UNAVAILABLE else None
         allowed = verdict is Verdict.ALLOW
-        if not (probe and allowed):  # a probe admits nothing
+        if not (uncounted and allowed):  # a tentative one is counted by confirm()
             decided(verdict, bool(limits), target, fail_open, unavailable)
         return Decision(
             verdict,
@@ -820,23 +808,40 @@ class SpendGuard:
             else (),
         )
 
-    def _without_rates(self, plan: KeyPlan) -> KeyPlan:
-        """``plan`` without its rates: a probe neither checks nor counts them (a rate's refusal
-        lasts a minute or two, and a refused request must not use up the client's rate)."""
-        known = self._unrated.get(id(plan))
-        if known is not None and known[0] is plan:
-            return known[1]
-        unrated = dataclasses.replace(plan, rate_fields=("", ""))
-        if len(self._unrated) >= _MAX_UNRATED:
-            self._unrated.clear()
-        self._unrated[id(plan)] = (plan, unrated)  # the plan held: its id is not reused
-        return unrated
+    async def withdraw(self, admission: Admission) -> None:
+        """Take back an admission another check refused in the same round (a budget, the
+        provider pool): its holds, its admission entry and its in-flight rates go, and its
+        count in the rates' minute too, as if it had never been admitted. Never raises."""
+        decision = admission.decision
+        if not admission.allowed or decision is None:
+            return
+        rated = decision.rates
+        if not rated:
+            await self._release(decision)
+            return
+        plan = self.codec.plan(decision.identity, decision.t0)
+        keys = tuple(plan.rate_keys[r.scope is Scope.TEAM] for r in rated)
+        await self._release(decision, keys, rated[0].now_ms // WINDOW_MS)
 
-    async def _release(self, decision: Decision) -> None:
+    def confirm(self, admission: Admission) -> None:
+        """Count a tentative admission (``admit(tentative=True)``) that every other check of
+        its round admitted too."""
+        decision = admission.decision
+        if admission.allowed and decision is not None:
+            decided(Verdict.ALLOW, bool(decision.limits), None, decision.fail_open, None)
+
+    async def _release(
+        self,
+        decision: Decision,
+        rate_keys: tuple[str, ...] | None = None,
+        withdrawn: int | None = None,
+    ) -> None:
         """An admitted inference that is not charged (an upstream error, no response): its
         holds on hard limits and its admission entry go; there will be no record."""
         keys = [state.check.usage_key for state in decision.limits if state.hard]
-        if not keys and decision.entry_key is None and not decision.rate_keys:
+        if rate_keys is None:
+            rate_keys = decision.rate_keys
+        if not keys and decision.entry_key is None and not rate_keys:
             return
         started = perf_counter()
         try:
@@ -845,7 +850,8 @@ class SpendGuard:
                 None,
                 keys,
                 entry_key=decision.entry_key,
-                rate_keys=decision.rate_keys,
+                rate_keys=rate_keys,
+                withdrawn=withdrawn,
             )
         except Exception as exc:
             # A hold left behind blocks budget until its key expires, so the release is

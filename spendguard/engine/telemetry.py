@@ -172,7 +172,7 @@ def trace_guard(guard: SpendGuard, enabled: bool) -> bool:
         request: Any = None,
         route: str = "",
         now: datetime | None = None,
-        probe: bool = False,
+        tentative: bool = False,
     ) -> Decision:
         with tracer.start_as_current_span("spendguard.preflight") as span:
             decision = await preflight(
@@ -182,7 +182,7 @@ def trace_guard(guard: SpendGuard, enabled: bool) -> bool:
                 request=request,
                 route=route,
                 now=now,
-                probe=probe,
+                tentative=tentative,
             )
             outcome, kind, period = labels_of(decision)
             span.set_attributes(

@@ -2,18 +2,18 @@
 
 Two implementations pass one contract suite (``tests/providers/test_contract.py``): the
 embedded :class:`~spendguard.providers.memory.MemoryPoolStore` and the Redis one, where every
-method is one Lua script on one key (so each provider key's state sits in its own Cluster
-slot). Time is always the caller's: every call gets ``now`` in epoch milliseconds, so the
-stores hold no clock and a test drives both with the same frozen time.
+method is one Lua script (every provider key's state sits in the pool's one Cluster slot, so
+one script chooses among candidates). Time is always the caller's: every call gets ``now``
+in epoch milliseconds, so the stores hold no clock and a test drives both with the same frozen time.
 
 The semantics, shared by both:
 
 - A key holds its capacity (``rpm``, ``tpm``; absent: unlimited), the counters of one
   one-minute window (``requests``, ``tokens``, and which window they belong to) and the end of
   its cooldown. Counters of a window that is over read as 0.
-- ``acquire`` reserves 1 request and ``tokens`` in the current window only if the key is
-  registered, not cooling down, and both fit: ``requests + 1 <= rpm`` and
-  ``tokens_used + tokens <= tpm``. Check and reservation are one step.
+- ``acquire`` reserves 1 request and ``tokens`` in the current window on the first candidate,
+  in order, that is registered, not cooling down, and where both fit: ``requests + 1 <= rpm``
+  and ``tokens_used + tokens <= tpm``. Choice, check and reservation are one step.
 - ``settle`` in the lease's window replaces the reservation with the actual tokens (never
   below 0); in a later window it adds only what the call used beyond its reservation, to the
   current window (those tokens reached the provider then). ``release`` (``actual=None``) in
@@ -27,6 +27,7 @@ The semantics, shared by both:
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -59,6 +60,16 @@ class StoredKey:
     cooling_until_ms: int  # 0 or a past time: not cooling down
 
 
+# Made per request: not frozen (see LimitState, spendguard/store/base.py).
+@dataclass(slots=True, unsafe_hash=True)
+class Acquired:
+    """``acquire``'s answer: the candidate granted (its index), or every candidate's refusal."""
+
+    granted: int | None  # index into the candidates; None: none had room
+    window: int = 0  # granted: the window the reservation is in
+    refused: tuple[Attempt, ...] = ()  # not granted: each candidate's refusal, in order
+
+
 @runtime_checkable
 class PoolStore(Protocol):
     shared: bool  # True when every replica sees the same keys (Redis)
@@ -67,11 +78,15 @@ class PoolStore(Protocol):
 
     async def remove(self, key_id: str) -> None: ...
 
-    async def acquire(self, key_id: str, tokens: int, now_ms: int) -> Attempt: ...
+    def acquire(self, key_ids: Sequence[str], tokens: int, now_ms: int) -> Awaitable[Acquired]:
+        """Sent at once (on Redis, in the next pipeline write); await the answer."""
+        ...
 
-    async def settle(
+    def settle(
         self, key_id: str, window: int, reserved: int, actual: int | None, now_ms: int
-    ) -> None: ...
+    ) -> Awaitable[object]:
+        """Sent at once, like ``acquire``."""
+        ...
 
     async def cooldown(self, key_id: str, until_ms: int) -> int | None:
         """The key's cooldown end after this call; None if the key is not registered."""

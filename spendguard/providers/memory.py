@@ -7,9 +7,10 @@ store needs no bound.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
-from .base import Attempt, StoredKey
+from .base import Acquired, Attempt, StoredKey
 from .model import WINDOW_MS, ProviderKey, Refusal
 
 
@@ -45,7 +46,19 @@ class MemoryPoolStore:
     async def remove(self, key_id: str) -> None:
         self._keys.pop(key_id, None)
 
-    async def acquire(self, key_id: str, tokens: int, now_ms: int) -> Attempt:
+    def acquire(self, key_ids: Sequence[str], tokens: int, now_ms: int) -> Awaitable[Acquired]:
+        return self._acquire(key_ids, tokens, now_ms)
+
+    async def _acquire(self, key_ids: Sequence[str], tokens: int, now_ms: int) -> Acquired:
+        refused: list[Attempt] = []
+        for i, key_id in enumerate(key_ids):
+            attempt = self._try(key_id, tokens, now_ms)
+            if attempt.granted:
+                return Acquired(i, attempt.window)
+            refused.append(attempt)
+        return Acquired(None, refused=tuple(refused))
+
+    def _try(self, key_id: str, tokens: int, now_ms: int) -> Attempt:
         key = self._keys.get(key_id)
         if key is None:
             return Attempt(Refusal.UNKNOWN)
@@ -63,7 +76,12 @@ class MemoryPoolStore:
         key.tokens += tokens
         return Attempt(None, window=window)
 
-    async def settle(
+    def settle(
+        self, key_id: str, window: int, reserved: int, actual: int | None, now_ms: int
+    ) -> Awaitable[None]:
+        return self._settle(key_id, window, reserved, actual, now_ms)
+
+    async def _settle(
         self, key_id: str, window: int, reserved: int, actual: int | None, now_ms: int
     ) -> None:
         key = self._keys.get(key_id)

@@ -8,7 +8,7 @@ secret stays in the router's own configuration and nothing of it reaches the sto
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
@@ -60,6 +60,7 @@ class Lease:
     key_id: str
     window: int  # index of the one-minute window the reservation was made in
     tokens: int  # tokens reserved
+    done: bool = field(default=False, compare=False)  # settled or released
 
     @property
     def window_start(self) -> int:

@@ -1,34 +1,39 @@
 """The provider-key pool: the supply side of a gateway (which upstream key may take a request).
 
-A router makes three calls per request::
+A router that chooses late makes three calls per request::
 
     lease = await pool.acquire(["openai-1", "openai-2"], tokens=estimate)  # or NoCapacity
     ...call the provider with lease.key_id's secret...
     await pool.settle(lease, tokens=used)          # after the call
     # on a 429: await pool.cooldown(lease.key_id, retry_after); await pool.release(lease)
 
-What is atomic: each candidate's check-and-reserve is one store call (one Lua script on its
-key's hash, on Redis). Acquire tries the candidates in order, one call each, and stops at the
-first that grants, so a key is never over-reserved; the choice across candidates is not one
-step (a key refused a moment ago may have freed by the time the next one grants), which costs
-at most a less preferred key, never capacity. Settle, release and cooldown are one call each.
+A gateway that declares its candidates to the middleware (``provider_candidates``) gets the
+lease in the request state instead, acquired in the admission's round trip and settled in the
+finishing one (:mod:`spendguard.asgi.admission`).
+
+What is atomic: the choice among the candidates and the reservation on the chosen one are one
+store call (one Lua script over the pool's one slot, on Redis), so a key is never
+over-reserved and a request gets the first candidate, in order, with room. Settle, release
+and cooldown are one call each.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
+from typing import TypeVar
 
 from ..clock import from_micros, to_micros, utcnow
 from ..errors import ConfigurationError
 from ..settings import Settings, load_settings
-from ..store.redis import REDIS_SCHEMES
-from .base import PoolStore
+from ..store.redis import REDIS_SCHEMES, redis_parts
+from .base import Acquired, PoolStore
 from .memory import MemoryPoolStore
 from .model import MAX_AMOUNT, WINDOW_MS, KeyState, Lease, NoCapacity, ProviderKey, Refusal
 from .redis import RedisPoolStore
 
+T = TypeVar("T")
 PoolStoreFactory = Callable[[str, str, float], PoolStore]
 
 
@@ -108,6 +113,21 @@ class ProviderPool:
             url, prefix=settings.key_prefix, timeout=settings.redis_timeout, clock=clock
         )
 
+    @classmethod
+    def beside(
+        cls, store: object, settings: Settings, *, clock: Callable[[], datetime] = utcnow
+    ) -> ProviderPool:
+        """The pool next to a gateway's spend store: on a Redis store's client and pipeline
+        (one connection pool; its calls leave in the same pipeline writes as the spend
+        limits'), else in this process."""
+        parts = redis_parts(store)
+        if parts is None:
+            return cls(MemoryPoolStore(), clock=clock)
+        pooled = RedisPoolStore(
+            parts.client, prefix=settings.key_prefix, timeout=parts.timeout, pipeline=parts.pipeline
+        )
+        return cls(pooled, clock=clock)
+
     async def register(self, *keys: ProviderKey) -> None:
         """Add keys, or change their provider and capacity; their counters and cooldowns
         stay, so every replica may register its keys at start."""
@@ -123,34 +143,59 @@ class ProviderPool:
 
         Raises :class:`NoCapacity` (with when the earliest candidate frees) if none has.
         """
+        got = await self.begin(candidates, tokens=tokens)
+        if isinstance(got, NoCapacity):
+            raise got
+        return got
+
+    def begin(
+        self, candidates: Iterable[str | ProviderKey], *, tokens: int
+    ) -> Awaitable[Lease | NoCapacity]:
+        """:meth:`acquire`, its store call sent before this returns (on Redis in the next
+        pipeline write, with whatever else this event-loop turn sends); the awaited result
+        is the lease or the :class:`NoCapacity` (returned, not raised)."""
         _check_tokens(tokens)
+        ids = list(dict.fromkeys(c.id if isinstance(c, ProviderKey) else c for c in candidates))
         now = self._clock()
-        now_ms = _ms(now)
+        if not ids:
+            return _no_capacity(NoCapacity({}, None, now))
+        return self._leased(ids, tokens, now, self.store.acquire(ids, tokens, _ms(now)))
+
+    @staticmethod
+    async def _leased(
+        ids: list[str], tokens: int, now: datetime, acquiring: Awaitable[Acquired]
+    ) -> Lease | NoCapacity:
+        got = await acquiring
+        if got.granted is not None:
+            return Lease(ids[got.granted], got.window, tokens)
         refusals: dict[str, Refusal] = {}
         free_at: int | None = None
-        for candidate in candidates:
-            key_id = candidate.id if isinstance(candidate, ProviderKey) else candidate
-            if key_id in refusals:
-                continue
-            attempt = await self.store.acquire(key_id, tokens, now_ms)
-            if attempt.refusal is None:
-                return Lease(key_id, attempt.window, tokens)
+        for key_id, attempt in zip(ids, got.refused, strict=True):
+            assert attempt.refusal is not None
             refusals[key_id] = attempt.refusal
             frees = attempt.free_at_ms
             if frees is not None:
                 free_at = frees if free_at is None else min(free_at, frees)
-        raise NoCapacity(refusals, None if free_at is None else _time(free_at), now)
+        return NoCapacity(refusals, None if free_at is None else _time(free_at), now)
 
     async def settle(self, lease: Lease, *, tokens: int) -> None:
-        """True the lease up to the ``tokens`` the call used (prompt and output)."""
-        _check_tokens(tokens)
-        await self.store.settle(
-            lease.key_id, lease.window, lease.tokens, tokens, _ms(self._clock())
-        )
+        """True the lease up to the ``tokens`` the call used (prompt and output). A lease is
+        settled or released once: a second call does nothing."""
+        await self.settle_soon(lease, tokens)
+
+    def settle_soon(self, lease: Lease, tokens: int | None) -> Awaitable[object]:
+        """:meth:`settle` (``tokens`` None: :meth:`release`), sent before this returns."""
+        if tokens is not None:
+            _check_tokens(tokens)
+        if lease.done:
+            return _no_capacity(None)
+        lease.done = True
+        now_ms = _ms(self._clock())
+        return self.store.settle(lease.key_id, lease.window, lease.tokens, tokens, now_ms)
 
     async def release(self, lease: Lease) -> None:
         """Give the lease back: the call was not made, or the provider refused it."""
-        await self.store.settle(lease.key_id, lease.window, lease.tokens, None, _ms(self._clock()))
+        await self.settle_soon(lease, None)
 
     async def cooldown(self, key_id: str, seconds: float) -> datetime | None:
         """Skip ``key_id`` on every replica for ``seconds`` (e.g. a 429's Retry-After, see
@@ -183,6 +228,10 @@ class ProviderPool:
 
     async def aclose(self) -> None:
         await self.store.aclose()
+
+
+async def _no_capacity(value: T) -> T:
+    return value
 
 
 def _check_tokens(tokens: int) -> None:

@@ -1,10 +1,13 @@
-"""The Redis pool store: every call is one Lua script on one provider key's hash.
+"""The Redis pool store: every call is one Lua script.
 
-Each key's state is one hash, ``{prefix}:pool:{<encoded id>}``: the id (never a secret) is the
-hash tag, so on Redis Cluster every key lives in a slot of its own and every script touches one
-slot. Scripts live in ``lua/*.lua``, are registered once per client and reloaded after
-NOSCRIPT by redis-py. Errors become :class:`~spendguard.errors.StoreUnavailable` (Redis could
-not decide) or ``ValueError`` (a script refused its input), each keeping its cause.
+Each key's state is one hash, ``{prefix}:{pool}:<encoded id>`` (the id, never a secret). Every
+provider key shares the ``{pool}`` hash tag, so on Redis Cluster they live in one slot and one
+script chooses among a request's candidates and reserves on the first with room, atomically
+(design.md, "One hot slot" says what bounds that slot). Scripts live in ``lua/*.lua``.
+``acquire`` and ``settle``, the request path's calls, go through a script pipeline: the
+spend store's when given, so they leave in the same write as its preflight and postflight.
+Errors become :class:`~spendguard.errors.StoreUnavailable` (Redis could not decide) or
+``ValueError`` (a script refused its input), each keeping its cause.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from ..identity import encode_id
-from ..store.pipeline import bounded_call
+from ..store.pipeline import ScriptPipeline, bounded_call
 from ..store.redis import client_for as store_client_for
-from .base import Attempt, StoredKey
+from .base import Acquired, Attempt, StoredKey
 from .model import WINDOW_MS, ProviderKey, Refusal
 
 T = TypeVar("T")
@@ -47,19 +50,23 @@ class RedisPoolStore:
         *,
         prefix: str = "quota",
         timeout: float = 0.5,
+        pipeline: ScriptPipeline | None = None,
     ) -> None:
         self._client = client
         self._prefix = prefix
         self._timeout = timeout
         self._scripts = {name: client.register_script(_lua(name)) for name in _SCRIPTS}
+        # The spend store's pipeline (and client) when given: then theirs to close.
+        self._owned = pipeline is None
+        self.pipeline = pipeline or ScriptPipeline(client, timeout=timeout)
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "quota", timeout: float = 0.5) -> RedisPoolStore:
         return cls(client_for(url, timeout), prefix=prefix, timeout=timeout)
 
     def key_name(self, key_id: str) -> str:
-        """The hash holding ``key_id``'s state; its hash tag is the encoded id."""
-        return f"{self._prefix}:pool:{{{encode_id(key_id)}}}"
+        """The hash holding ``key_id``'s state, in the pool's one slot."""
+        return f"{self._prefix}:{{pool}}:{encode_id(key_id)}"
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
         return await bounded_call(fn, self._timeout)
@@ -75,21 +82,30 @@ class RedisPoolStore:
         name = self.key_name(key_id)
         await self._call(lambda: self._client.delete(name))
 
-    async def acquire(self, key_id: str, tokens: int, now_ms: int) -> Attempt:
-        code, n = await self._script("acquire", key_id, [str(now_ms), str(tokens), str(WINDOW_MS)])
-        code, n = int(code), int(n)
-        if code == 1:
-            return Attempt(None, window=n)
-        refusal = _REFUSALS[code]
-        frees = refusal in (Refusal.COOLING, Refusal.FULL)
-        return Attempt(refusal, free_at_ms=n if frees else None)
+    def acquire(self, key_ids: Sequence[str], tokens: int, now_ms: int) -> Awaitable[Acquired]:
+        keys = [self.key_name(k) for k in key_ids]
+        args = [str(now_ms), str(tokens), str(WINDOW_MS)]
+        return self._acquired(self.pipeline.submit(self._scripts["acquire"], keys, args))
 
-    async def settle(
+    @staticmethod
+    async def _acquired(reply: Awaitable[Any]) -> Acquired:
+        raw = [int(x) for x in await reply]
+        if raw[0] == 1:
+            return Acquired(raw[1] - 1, raw[2])
+        refused = []
+        for code, n in zip(raw[1::2], raw[2::2], strict=True):
+            refusal = _REFUSALS[code]
+            frees = refusal in (Refusal.COOLING, Refusal.FULL)
+            refused.append(Attempt(refusal, free_at_ms=n if frees else None))
+        return Acquired(None, refused=tuple(refused))
+
+    def settle(
         self, key_id: str, window: int, reserved: int, actual: int | None, now_ms: int
-    ) -> None:
+    ) -> Awaitable[object]:
         used = "-" if actual is None else str(actual)
         args = [str(window), str(reserved), used, str(now_ms), str(WINDOW_MS)]
-        await self._script("settle", key_id, args)
+        keys = [self.key_name(key_id)]
+        return self.pipeline.submit(self._scripts["settle"], keys, args)
 
     async def cooldown(self, key_id: str, until_ms: int) -> int | None:
         ends = int(await self._script("cooldown", key_id, [str(until_ms)]))
@@ -112,7 +128,9 @@ class RedisPoolStore:
         )
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._owned:
+            await self.pipeline.aclose()
+            await self._client.aclose()
 
 
 def _opt(value: int | None) -> str:

@@ -211,12 +211,15 @@ class Store(Protocol):
         closed: str = "",
         rate_keys: Sequence[str] = (),
         tokens: int | None = None,
+        withdrawn: int | None = None,
     ) -> int:
         """Add ``amount`` to the existing ``usage_keys`` once; returns how many were charged.
         The record's holds in those keys are released first (``amount`` None: only that).
 
         In each of ``rate_keys`` the record stops being in flight, and a TPM reservation is
-        trued up to ``tokens`` (None: released).
+        trued up to ``tokens`` (None: released). ``withdrawn``: the minute (epoch ms // 60000)
+        the admission counted the request in, when a check of another slot refused it after
+        all: its request count in that minute is taken back too (never below 0).
 
         With ``entry_key``, the record's admission entry is closed in the same step: replaced
         by ``closed`` if it still exists, or removed when ``closed`` is empty."""

@@ -304,6 +304,7 @@ class MemoryStore:
         closed: str = "",
         rate_keys: Sequence[str] = (),
         tokens: int | None = None,
+        withdrawn: int | None = None,
     ) -> int:
         if not record_id:
             raise ValueError("record_id must not be empty")
@@ -313,6 +314,12 @@ class MemoryStore:
             _check_amount(tokens)
         for key in rate_keys:
             rate = self._rates.get(key)
+            if rate is not None and withdrawn is not None:
+                # Refused after all (another check's slot): its request count goes too.
+                if withdrawn == rate.minute:
+                    rate.requests = max(0, rate.requests - 1)
+                elif withdrawn == rate.minute - 1:
+                    rate.prev_requests = max(0, rate.prev_requests - 1)
             slot = None if rate is None else rate.slots.pop(record_id, None)
             if rate is None or slot is None:
                 continue

@@ -63,6 +63,15 @@ def _ms(t: datetime) -> str:
     return str(int(t.timestamp() * 1000))
 
 
+def redis_parts(store: object) -> RedisStore | None:
+    """The Redis store ``store`` is (or wraps, exposing its attributes), whose client and
+    pipeline the gateway's other Redis stores share; None for any other store."""
+    pipeline = getattr(store, "pipeline", None)
+    if isinstance(pipeline, ScriptPipeline) and hasattr(store, "client"):
+        return store  # type: ignore[return-value]
+    return None
+
+
 class RedisStore:
     shared = True  # every replica (and a CLI) sees the same keys
 
@@ -83,6 +92,16 @@ class RedisStore:
         self.pipeline = ScriptPipeline(
             client, timeout=timeout, max_batch=max_batch, max_in_flight=max_in_flight
         )
+
+    @property
+    def client(self) -> aioredis.Redis | RedisCluster:
+        """The client, for the other Redis stores of the same gateway (budgets, the provider
+        pool): one connection pool, and their hot-path calls in :attr:`pipeline`."""
+        return self._client
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
 
     @classmethod
     def from_url(
@@ -201,10 +220,12 @@ class RedisStore:
         closed: str = "",
         rate_keys: Sequence[str] = (),
         tokens: int | None = None,
+        withdrawn: int | None = None,
     ) -> int:
         charge = "-" if amount is None else _uint(amount)
         used = "-" if tokens is None else _uint(tokens)
-        args = [record_id, charge, str(len(rate_keys)), used]
+        minute = "-" if withdrawn is None else _uint(withdrawn)
+        args = [record_id, charge, str(len(rate_keys)), used, minute]
         keys = [*usage_keys, *rate_keys]
         if entry_key is None:
             if not keys:

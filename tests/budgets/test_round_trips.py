@@ -1,6 +1,6 @@
-"""What budgets cost in Redis round trips: a warm inference at concurrency 1 sends two more
-pipelines with budgets on (reserve, commit) than without, on one server and on a cluster; a
-section that is off sends none."""
+"""What budgets cost in Redis round trips: none. A warm inference at concurrency 1 sends two
+pipelines with budgets on or off, on one server and on a cluster: the budgets' reserve leaves
+in the preflight's pipeline write, their commit in the postflight's."""
 
 from __future__ import annotations
 
@@ -25,18 +25,22 @@ SCOPES = {
 }
 
 
-def pipelines(gw: BudgetGateway) -> int:
-    sent: int = gw.store.pipeline.stats.batches
+def pipelines(gw: BudgetGateway) -> tuple[int, int]:
+    """Pipelines sent, and script calls they carried, by every pipeline the gateway has."""
+    found: dict[int, Any] = {id(gw.store.pipeline): gw.store.pipeline}
     if gw.gate.redis is not None:
         budget_store: Any = gw.gate.redis
-        sent += budget_store.pipeline.stats.batches
-    return sent
+        found[id(budget_store.pipeline)] = budget_store.pipeline
+    return (
+        sum(p.stats.batches for p in found.values()),
+        sum(p.stats.calls for p in found.values()),
+    )
 
 
 @pytest.mark.parametrize("where", ["redis", "cluster"])
-@pytest.mark.parametrize(("enabled", "expected"), [(True, 4), (False, 2)])
+@pytest.mark.parametrize(("enabled", "scripts"), [(True, 8), (False, 2)])
 async def test_pipelines_per_warm_inference(
-    tmp_path: Path, request: pytest.FixtureRequest, where: str, enabled: bool, expected: int
+    tmp_path: Path, request: pytest.FixtureRequest, where: str, enabled: bool, scripts: int
 ) -> None:
     if where == "redis":
         url: str = request.getfixturevalue("redis_url")
@@ -59,8 +63,12 @@ async def test_pipelines_per_warm_inference(
         await gw.policy(Period.DAY, 10**9)
         for _ in range(3):  # warm: policy cached, buckets seeded, scripts loaded
             assert (await c.post("/v1/chat/completions", json=chat_body(max_tokens=10))).is_success
-        before = pipelines(gw)
+        batches, calls = pipelines(gw)
         for _ in range(5):
             assert (await c.post("/v1/chat/completions", json=chat_body(max_tokens=10))).is_success
-        assert pipelines(gw) - before == 5 * expected
+        after = pipelines(gw)
+        assert after[0] - batches == 5 * 2  # one round trip before the provider, one after
+        # ...carrying the spend limits' script and, with budgets, one per bucket (key, model,
+        # global) each way.
+        assert after[1] - calls == 5 * scripts
     await spend.aclose()

@@ -22,7 +22,7 @@ async def test_the_pool_follows_spendguards_redis_url_and_prefix() -> None:
     pool = ProviderPool.from_settings(settings)
     try:
         assert isinstance(pool.store, RedisPoolStore)
-        assert pool.store.key_name("openai-1") == "gw:pool:{openai-1}"
+        assert pool.store.key_name("openai-1") == "gw:{pool}:openai-1"
     finally:
         await pool.aclose()
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 
 from spendguard.errors import StoreUnavailable
-from spendguard.providers import ProviderKey, ProviderPool, RedisPoolStore
+from spendguard.providers import NoCapacity, ProviderKey, ProviderPool, RedisPoolStore, Refusal
 from tests.support import Clock, RedisCluster, RedisServer, free_port
 
 pytestmark = pytest.mark.anyio
@@ -15,26 +15,26 @@ pytestmark = pytest.mark.anyio
 NOW = datetime(2026, 9, 30, 12, 0, 10, tzinfo=UTC)
 
 
-async def test_each_key_has_its_own_hash_and_slot(redis_cluster: RedisCluster) -> None:
+async def test_keys_share_one_slot_and_one_script_chooses(redis_cluster: RedisCluster) -> None:
     redis_cluster.flushall()
     store = RedisPoolStore.from_url(redis_cluster.url, timeout=2.0)
     pool = ProviderPool(store, clock=Clock(NOW))
     try:
         ids = [f"openai-{i}" for i in range(8)]
         await pool.register(*(ProviderKey(i, "openai", rpm=1) for i in ids))
-        for i in ids:
-            await pool.acquire([i], tokens=1)
         names = [store.key_name(i) for i in ids]
-        assert names[0] == "quota:pool:{openai-0}"
-        # The hash tag is the key's id alone: keys spread over the cluster's masters, and each
-        # script touches the one slot of its key.
-        assert len({redis_cluster.slot_of(n) for n in names}) == len(ids)
-        holders = set()
-        for name in names:
-            for node in redis_cluster.servers:
-                if node.cli("EXISTS", name).strip() == "1":
-                    holders.add(node.port)
-        assert len(holders) > 1
+        assert names[0] == "quota:{pool}:openai-0"
+        # One hash tag for the whole pool: one slot, so one script sees every candidate.
+        assert len({redis_cluster.slot_of(n) for n in names}) == 1
+        batches = store.pipeline.stats.batches
+        # Each acquire over all eight candidates is one script call: the first with room wins.
+        granted = [(await pool.acquire(ids, tokens=1)).key_id for _ in ids]
+        assert granted == ids
+        assert store.pipeline.stats.batches - batches == len(ids)
+        with pytest.raises(NoCapacity) as full:
+            await pool.acquire(ids, tokens=1)
+        assert set(full.value.refusals.values()) == {Refusal.FULL}
+        assert list(full.value.refusals) == ids
     finally:
         await pool.aclose()
 
@@ -46,8 +46,8 @@ async def test_nothing_secret_is_stored(redis_server: RedisServer) -> None:
         lease = await pool.acquire(["openai-1"], tokens=3)
         await pool.settle(lease, tokens=4)
         await pool.cooldown("openai-1", 1)
-        assert redis_server.cli("KEYS", "*").split() == ["quota:pool:{openai-1}"]
-        fields = redis_server.cli("HGETALL", "quota:pool:{openai-1}").split()
+        assert redis_server.cli("KEYS", "*").split() == ["quota:{pool}:openai-1"]
+        fields = redis_server.cli("HGETALL", "quota:{pool}:openai-1").split()
         assert dict(zip(fields[::2], fields[1::2], strict=True)) == {
             "p": "openai",
             "rpm": "5",
@@ -92,7 +92,7 @@ async def test_scripts_refuse_bad_input_as_value_error(redis_url: str) -> None:
     try:
         await store.register(ProviderKey("a", "openai"))
         with pytest.raises(ValueError, match="spendguard pool acquire"):
-            await store.acquire("a", 10**14, 0)  # past what Lua's doubles keep exact
+            await store.acquire(["a"], 10**14, 0)  # past what Lua's doubles keep exact
         with pytest.raises(ValueError, match="spendguard pool cooldown"):
             await store.cooldown("a", -1)
     finally:

@@ -651,6 +651,34 @@ async def test_parallel_cap_frees_slots_at_completion_and_at_their_deadline(
     assert (await admit(harness, p, "f", t + 1004, **ttl)).outcome is Outcome.RATE
 
 
+async def test_a_withdrawn_admission_is_uncounted_in_the_minute_it_was_counted(
+    harness: Harness,
+) -> None:
+    """Another slot's check refused the request after the spend limits admitted it: its
+    request count goes with its in-flight slot and its reservation, in the minute it was
+    counted in (a later minute's count is another request's), never below 0."""
+    p = keys_for(harness)
+    await rated(harness, p, {ALPHA.api_key: Rates(rpm=2, tpm=1000)})
+    rate_key = p.rate_keys[0]
+    t = minute_start(harness)
+    minute = t // W
+    assert (await admit(harness, p, "a", t, tokens=300)).outcome is Outcome.ALLOW
+    assert (await admit(harness, p, "b", t, tokens=300)).outcome is Outcome.ALLOW
+    assert (await admit(harness, p, "c", t + 1, tokens=1)).outcome is Outcome.RATE
+    await harness.store.postflight("b", None, [], rate_keys=[rate_key], withdrawn=minute)
+    pf = await admit(harness, p, "c", t + 2, tokens=1)
+    assert pf.outcome is Outcome.ALLOW  # "b" no longer counts
+    assert (pf.rates[0].requests, pf.rates[0].tokens) == (2, 301)
+    # Withdrawn a minute later, "c" comes off the previous minute's count.
+    await harness.store.postflight("c", None, [], rate_keys=[rate_key], withdrawn=minute)
+    pf = await admit(harness, p, "d", t + W, tokens=0)
+    assert (pf.rates[0].prev_requests, pf.rates[0].requests) == (1, 1)
+    # A withdrawal from a minute no longer counted changes nothing.
+    await harness.store.postflight("d", None, [], rate_keys=[rate_key], withdrawn=minute - 5)
+    pf = await admit(harness, p, "e", t + W + 1, tokens=0)
+    assert pf.outcome is Outcome.RATE  # "a", and "d" still, in the rolling 2 a minute
+
+
 async def test_key_rates_are_checked_before_the_team_rates(harness: Harness) -> None:
     alpha, beta = keys_for(harness), keys_for(harness, key="beta")
     await rated(harness, alpha, {None: Rates(rpm=3), "beta": Rates(rpm=1)})

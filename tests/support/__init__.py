@@ -42,7 +42,7 @@ from .processes import (
     uvicorn,
     wait_healthy,
 )
-from .proxy import TcpProxy
+from .proxy import Rounds, TcpProxy
 from .records import make_record, unit_price
 from .redis import RedisCluster, RedisServer, RedisServerError, redis_version
 from .sql import charges_in_month, sql_execute, sql_rows, sql_value, topups_total
@@ -62,6 +62,7 @@ __all__ = [
     "RedisCluster",
     "RedisServer",
     "RedisServerError",
+    "Rounds",
     "StateAuth",
     "TcpProxy",
     "TemporaryDatabase",

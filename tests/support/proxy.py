@@ -2,11 +2,17 @@
 
 ``down()`` closes the listener and every open connection (new connections are refused, pooled
 ones break); ``up()`` listens again on the same port.
+
+It also counts round trips on the wire (``rounds``): a round starts when a client sends after
+a server answered (or first), on any connection through proxies sharing one :class:`Rounds`.
+Writes to several servers before any of them answers (a cluster's pipelines, sent in
+parallel) are one round: the client waits for one round trip, not for each.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import anyio
 from anyio.abc import SocketStream, TaskGroup
@@ -14,10 +20,29 @@ from anyio.abc import SocketStream, TaskGroup
 from .ports import HOST, free_port
 
 
+class Rounds:
+    """Sequential round trips seen by the proxies that share this counter."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._answered = True  # nothing in flight: the next client write starts a round
+
+    def sent(self) -> None:
+        if self._answered:
+            self.count += 1
+            self._answered = False
+
+    def answered(self) -> None:
+        self._answered = True
+
+
 class TcpProxy:
-    def __init__(self, target_port: int, *, target_host: str = HOST) -> None:
+    def __init__(
+        self, target_port: int, *, target_host: str = HOST, rounds: Rounds | None = None
+    ) -> None:
         self.target = (target_host, target_port)
         self.port = free_port()
+        self.rounds = rounds if rounds is not None else Rounds()
         self._scope: anyio.CancelScope | None = None
         self._tg: TaskGroup | None = None
 
@@ -59,11 +84,15 @@ class TcpProxy:
                 return
             async with upstream, anyio.create_task_group() as tg:
 
-                async def copy(src: SocketStream, dst: SocketStream) -> None:
+                async def copy(
+                    src: SocketStream, dst: SocketStream, note: Callable[[], None]
+                ) -> None:
                     with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, OSError):
                         while True:
-                            await dst.send(await src.receive())
+                            data = await src.receive()
+                            note()
+                            await dst.send(data)
                     tg.cancel_scope.cancel()
 
-                tg.start_soon(copy, client, upstream)
-                tg.start_soon(copy, upstream, client)
+                tg.start_soon(copy, client, upstream, self.rounds.sent)
+                tg.start_soon(copy, upstream, client, self.rounds.answered)

@@ -7,7 +7,9 @@
 -- ARGV[2]  estimate in micro-USD (decimal string), or "-": not charged (holds released only)
 -- ARGV[3]  how many rate hashes follow the usage hashes
 -- ARGV[4]  the tokens the inference used, or "-": not charged (a TPM reservation is released)
--- ARGV[5]  (optional) the record, to replace its admission entry with ("" removes the entry:
+-- ARGV[5]  the minute (epoch ms // 60000) the admission counted the request in, when a check
+--          in another slot refused it after all ("-": none): that count is taken back
+-- ARGV[6]  (optional) the record, to replace its admission entry with ("" removes the entry:
 --          an inference that is not charged)
 --
 -- In each rate hash (design.md, "Rates") the record's in-flight entry goes, and a TPM rate's
@@ -20,12 +22,14 @@
 -- its estimate, next to the running pending total p: the marker makes a re-sent postflight a
 -- no-op and lets settlement subtract exactly this estimate later. A tombstone d:<id> means
 -- settlement already handled the record: a postflight arriving that late adds nothing.
-local rid, amount, nrates, used, closed = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local rid, amount, nrates, used, closed = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[6]
+local withdrawn = ARGV[5] ~= '-' and tonumber(ARGV[5]) or nil
 local nkeys = #KEYS
 if closed then
   nkeys = nkeys - 1
 end
-if nrates == nil or nrates > nkeys or (used ~= '-' and not tonumber(used)) then
+if nrates == nil or nrates > nkeys or (used ~= '-' and not tonumber(used))
+    or (ARGV[5] ~= '-' and not withdrawn) then
   return redis.error_reply('spendguard postflight: bad rate arguments')
 end
 nkeys = nkeys - nrates
@@ -51,7 +55,15 @@ for i = 1, nkeys do
 end
 for i = nkeys + 1, nkeys + nrates do
   local key, slot = KEYS[i], 'f:' .. rid
-  local got = redis.call('HMGET', key, slot, 'm', 't', 'pt', 'n')
+  local got = redis.call('HMGET', key, slot, 'm', 't', 'pt', 'n', 'r', 'pr')
+  if withdrawn then
+    local m = tonumber(got[2])
+    if m == withdrawn and (tonumber(got[6]) or 0) > 0 then
+      redis.call('HSET', key, 'r', tonumber(got[6]) - 1)
+    elseif m == withdrawn + 1 and (tonumber(got[7]) or 0) > 0 then
+      redis.call('HSET', key, 'pr', tonumber(got[7]) - 1)
+    end
+  end
   if got[1] then
     redis.call('HDEL', key, slot)
     if (tonumber(got[5]) or 1) <= 1 then

@@ -1,0 +1,64 @@
+"""Provider keys chosen at admission: the gateway declares a request's candidates, and the lease
+on one of them is taken in the admission's round trip and settled in the finishing one.
+
+Candidates come from a hook the gateway gives the middleware (``candidates=``: the request's
+model and identity in, key ids out, or None for none) or from ``provider_candidates`` in the
+settings (model globs to ids; the first glob that matches decides). The lease reaches the app
+as ``request.state.spendguard_provider_key``; a router that fails over on a provider's 429 puts
+the key in a cooldown, releases the lease and acquires another with the pool's own API (the
+late choice), settling that one itself. The lease spendguard took is settled by spendguard,
+unless the app settled or released it first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from fnmatch import fnmatchcase
+
+from ..identity import Identity
+from .model import Lease, NoCapacity
+from .pool import ProviderPool
+
+STATE_PROVIDER_KEY = "spendguard_provider_key"
+"""Where the app finds the :class:`~spendguard.providers.Lease` spendguard took for it."""
+
+Candidates = Callable[[str, Identity], Sequence[str] | None]
+"""A gateway's hook: the provider key ids, in order, an inference of ``model`` may use."""
+
+
+def candidates_of(globs: Mapping[str, Sequence[str]]) -> Candidates:
+    """The hook for ``provider_candidates``: the first glob (case-insensitive) that matches."""
+    table = [(glob.lower(), tuple(ids)) for glob, ids in globs.items()]
+    memo: dict[str, tuple[str, ...] | None] = {}
+
+    def candidates(model: str, identity: Identity) -> Sequence[str] | None:
+        if model in memo:
+            return memo[model]
+        name = model.lower()
+        found = next((ids for glob, ids in table if fnmatchcase(name, glob)), None)
+        if len(memo) < 10_000:
+            memo[model] = found
+        return found
+
+    return candidates
+
+
+class ProviderRouting:
+    """The pool and the hook, as the middleware uses them: one lease per admitted inference."""
+
+    def __init__(self, pool: ProviderPool, candidates: Candidates) -> None:
+        self.pool = pool
+        self.candidates = candidates
+
+    def begin(
+        self, model: str, identity: Identity, tokens: int
+    ) -> Awaitable[Lease | NoCapacity] | None:
+        """The lease's store call, sent now (None: no candidates for this request)."""
+        ids = self.candidates(model, identity)
+        if not ids:
+            return None
+        return self.pool.begin(ids, tokens=tokens)
+
+    def finish_soon(self, lease: Lease, tokens: int | None) -> Awaitable[object]:
+        """Settle (``tokens`` the call used) or release (None) the lease, sent now."""
+        return self.pool.settle_soon(lease, tokens)
