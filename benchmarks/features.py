@@ -10,11 +10,14 @@ reach another's):
   counted on Redis);
 * ``everything``: every request-path feature there is: the key's limit hard, a prepaid balance,
   model lists on the key and the team, the budgets section, rate limits on the key and the team
-  (requests and tokens per minute, parallel requests), remaining-spend headers, and the
-  handler's provider-key pool (acquire before the upstream call, settle after), all far above
-  what a run uses, so every request is checked, reserved and charged, none refused.
+  (requests and tokens per minute, parallel requests), remaining-spend headers, and a
+  provider key leased from declared candidates (``provider_candidates``: acquired in the
+  admission's round trip, settled in the finishing one; the handler reads the lease from the
+  request state), all far above what a run uses, so every request is checked, reserved and
+  charged, none refused.
 
-Per configuration: the pipelines sent to Redis per inference (sequential round trips), the p50
+Per configuration: the pipelines sent to Redis per inference (sequential round trips: every
+store of the gateway shares the spend store's pipeline), the script calls they carry, the p50
 time to the last response byte, and this process's CPU per inference (the gateway and its
 upstream, both in process: compare configurations with each other).
 """
@@ -24,16 +27,14 @@ from __future__ import annotations
 import time
 from typing import Any, Final
 
-import httpx
 from fastapi import FastAPI
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from examples import gateway
 from spendguard import SpendGuardMiddleware
 from spendguard.engine.guard import SpendGuard
-from spendguard.providers import ProviderKey, ProviderPool
+from spendguard.providers import ProviderKey
 from spendguard.settings import load_settings
 from tests.support import RedisCluster
 
@@ -70,39 +71,22 @@ def _register_team() -> tuple[str, str]:
     return team, token
 
 
-async def _pooled_proxy(request: Request) -> Response:
-    """The benchmarks' plain proxy with the router's three pool calls around the upstream call
-    (README, "Provider keys"): acquire, call, settle."""
-    pool: ProviderPool = request.app.state.bench_pool
-    client: httpx.AsyncClient = request.app.state.upstream
-    body = await request.body()
-    lease = await pool.acquire([POOL_KEY], tokens=len(body) // 4 + 4096)
-    upstream = await client.send(
-        client.build_request(
-            "POST", request.url.path, content=body, headers={"content-type": "application/json"}
-        ),
-        stream=True,
-    )
+async def _leased_proxy(request: Request) -> Response:
+    """The benchmarks' plain proxy, calling upstream with the provider key spendguard leased
+    for the request at admission (it settles the lease when the response ends)."""
+    lease = request.state.spendguard_provider_key
+    assert lease.key_id == POOL_KEY
+    from .apps import _inference
 
-    async def done() -> None:
-        await upstream.aclose()
-        await pool.settle(lease, tokens=len(body) // 4 + 16)
-
-    return StreamingResponse(
-        upstream.aiter_raw(),
-        status_code=upstream.status_code,
-        headers={"content-type": upstream.headers.get("content-type", "application/json")},
-        background=BackgroundTask(done),
-    )
+    return await _inference(request)
 
 
-def _app(settings: Any, pool: ProviderPool | None) -> Any:
+def _app(settings: Any, pooled: bool) -> Any:
     from .apps import _inference
 
     app = FastAPI(title="demo gateway", lifespan=gateway.lifespan)
-    app.add_api_route(INFERENCE_PATH, _pooled_proxy if pool else _inference, methods=["POST"])
+    app.add_api_route(INFERENCE_PATH, _leased_proxy if pooled else _inference, methods=["POST"])
     app.add_api_route(HEALTH_PATH, gateway.health, methods=["GET"])
-    app.state.bench_pool = pool
     app.add_middleware(SpendGuardMiddleware, settings=settings)
     app.add_middleware(gateway.BearerAuth)
     return app
@@ -115,17 +99,26 @@ def _middleware(app: Any) -> SpendGuardMiddleware:
     return node
 
 
-def _pipelines(app: Any, pool: ProviderPool | None) -> int:
-    """Pipelines (or single calls) sent so far to Redis on the request path."""
+def _pipelines(app: Any) -> tuple[int, int]:
+    """Pipelines sent so far to Redis on the request path, and the script calls they carried,
+    over every distinct pipeline the gateway's stores use."""
     guard = find_guard(app)
     assert guard is not None
-    sent: int = guard.store.pipeline.stats.batches  # type: ignore[attr-defined]
+    found: dict[int, Any] = {}
+    stores: list[Any] = [guard.store]
     gate = _middleware(app).budgets
     if gate is not None and gate.redis is not None:
-        sent += gate.redis.pipeline.stats.batches  # type: ignore[attr-defined]
-    if pool is not None:
-        sent += pool.calls  # acquire and settle, one script each
-    return sent
+        stores.append(gate.redis)
+    if guard._pool is not None:
+        stores.append(guard._pool.store)
+    for store in stores:
+        pipeline = getattr(store, "pipeline", None)
+        if pipeline is not None:
+            found[id(pipeline)] = pipeline
+    return (
+        sum(p.stats.batches for p in found.values()),
+        sum(p.stats.calls for p in found.values()),
+    )
 
 
 async def _configure(guard: SpendGuard, team: str, config: str) -> None:
@@ -145,24 +138,13 @@ async def _configure(guard: SpendGuard, team: str, config: str) -> None:
             await set_rates(team, key, rpm=10**9, tpm=10**12, max_parallel=10**6)
 
 
-class _CountingPool(ProviderPool):
-    calls = 0
-
-    async def acquire(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return await super().acquire(*args, **kwargs)
-
-    async def settle(self, *args: Any, **kwargs: Any) -> None:
-        self.calls += 1
-        await super().settle(*args, **kwargs)
-
-
 async def _run(redis_url: str, postgres_url: str, config: str, sizes: Sizes) -> dict[str, float]:
     extra: dict[str, Any] = {}
     if config != "spend limits":
         extra["budgets"] = BUDGETS
     if config == "everything":
         extra["remaining_headers"] = True
+        extra["provider_candidates"] = {"*": [POOL_KEY]}
     settings = load_settings(
         database_url=postgres_url,
         redis_url=redis_url,
@@ -171,13 +153,9 @@ async def _run(redis_url: str, postgres_url: str, config: str, sizes: Sizes) -> 
         key_prefix="bench-features",
         **extra,
     )
-    pool: _CountingPool | None = None
-    if config == "everything":
-        base = ProviderPool.from_settings(settings)
-        pool = _CountingPool(base.store)
-        await pool.register(ProviderKey(POOL_KEY, "openai", tpm=10**12, rpm=10**9))
+    pooled = config == "everything"
     team, token = _register_team()
-    app = _app(settings, pool)
+    app = _app(settings, pooled)
     auth = [(b"authorization", f"Bearer {token}".encode()), (b"content-type", b"application/json")]
     body = chat_body()
     call = Call(app, http_scope("POST", INFERENCE_PATH, auth, body), body)
@@ -186,11 +164,13 @@ async def _run(redis_url: str, postgres_url: str, config: str, sizes: Sizes) -> 
         guard = find_guard(app)
         assert guard is not None
         await _configure(guard, team, config)
+        if pooled:
+            await guard.pool.register(ProviderKey(POOL_KEY, "openai", tpm=10**12, rpm=10**9))
         for _ in range(max(20, sizes.inproc_warmup // 4)):
             status, _ = await call()
             if status != 200:
                 raise RuntimeError(f"benchmark request answered {status} ({config})")
-        before = _pipelines(app, pool)
+        before = _pipelines(app)
         times: list[int] = []
         cpu = time.process_time()
         for _ in range(n):
@@ -200,12 +180,11 @@ async def _run(redis_url: str, postgres_url: str, config: str, sizes: Sizes) -> 
                 raise RuntimeError(f"benchmark request answered {status} ({config})")
             times.append(done - start)
         cpu = time.process_time() - cpu
-        sent = _pipelines(app, pool) - before
-    if pool is not None:
-        await pool.aclose()
+        after = _pipelines(app)
     return {
         "p50_us": percentile(times, 50) / 1000,
-        "pipelines_per_inference": sent / n,
+        "pipelines_per_inference": (after[0] - before[0]) / n,
+        "scripts_per_inference": (after[1] - before[1]) / n,
         "cpu_us_per_inference": cpu / n * 1e6,
     }
 
@@ -225,3 +204,38 @@ async def measure(services: Services, sizes: Sizes, repeats: int) -> dict[str, A
                 for config, stats in raw.items()
             }
     return out
+
+
+def main() -> None:
+    """``python -m benchmarks.features [--quick] [--repeat N]``: section 6 alone, printed."""
+    import argparse
+    import asyncio
+    import os
+    import tempfile
+    from contextlib import ExitStack
+    from pathlib import Path
+
+    from .report import features_section
+    from .services import PrivatePostgres, PrivateRedis
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.features")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--postgres-url",
+        default=os.environ.get(
+            "SPENDGUARD_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+        ),
+    )
+    args = parser.parse_args()
+    sizes = Sizes.quick() if args.quick else Sizes.full()
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sg-features-")))
+        redis = stack.enter_context(PrivateRedis())
+        pg = stack.enter_context(PrivatePostgres(args.postgres_url))
+        results = asyncio.run(measure(Services(redis.url, pg.url, workdir), sizes, args.repeat))
+    print("\n".join(features_section(results)))
+
+
+if __name__ == "__main__":
+    main()

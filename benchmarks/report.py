@@ -470,44 +470,59 @@ def markdown(results: dict[str, Any]) -> str:
 
     features = results.get("features")
     if features:
-        lines += [
-            "## 6. Features on (Redis, in process, one request at a time)",
-            "",
-            "Per inference on warm caches: pipelines sent to Redis (sequential round trips), "
-            "p50 time to the last response byte, and this process's CPU (gateway and upstream).",
-            "",
-        ]
-        rows = []
-        for name, configs in features.items():
-            base = configs.get("spend limits", {}).get("p50_us")
-            for config, f in configs.items():
-                added = (
-                    f"{f['p50_us']['median'] - base['median']:.0f}"
-                    if base and config != "spend limits"
-                    else "—"
-                )
-                rows.append(
-                    [
-                        "one redis-server" if name == "single" else "3-master Redis Cluster",
-                        config,
-                        _cell(f["pipelines_per_inference"], 1),
-                        _cell(f["p50_us"]),
-                        added,
-                        _cell(f["cpu_us_per_inference"]),
-                    ]
-                )
-        lines += _table(
-            [
-                "Redis",
-                "configuration",
-                "pipelines / inference",
-                "last-byte p50 µs",
-                "added p50 µs",
-                "CPU µs / inference",
-            ],
-            rows,
-        )
+        lines += features_section(features)
     return "\n".join(lines)
+
+
+def features_section(features: dict[str, Any]) -> list[str]:
+    """Section 6 (benchmarks/features.py), also printed by ``python -m benchmarks.features``."""
+    lines: list[str] = [
+        "## 6. Features on (Redis, in process, one request at a time)",
+        "",
+        "Per inference on warm caches: pipelines sent to Redis (sequential round trips) and "
+        "the script calls they carry, p50 time to the last response byte, and this "
+        "process's CPU (gateway and upstream); the ratios are to spend limits alone.",
+        "",
+    ]
+    rows: list[list[str]] = []
+    for name, configs in features.items():
+        base = configs.get("spend limits", {}).get("p50_us")
+        base_cpu = configs.get("spend limits", {}).get("cpu_us_per_inference")
+        for config, f in configs.items():
+            alone = config == "spend limits"
+            added = f"{f['p50_us']['median'] - base['median']:.0f}" if base and not alone else "—"
+            ratio = (
+                f"{f['cpu_us_per_inference']['median'] / base_cpu['median']:.2f}×"
+                if base_cpu and not alone
+                else "—"
+            )
+            scripts = f.get("scripts_per_inference")
+            rows.append(
+                [
+                    "one redis-server" if name == "single" else "3-master Redis Cluster",
+                    config,
+                    _cell(f["pipelines_per_inference"], 1),
+                    _cell(scripts, 1) if scripts else "—",
+                    _cell(f["p50_us"]),
+                    added,
+                    _cell(f["cpu_us_per_inference"]),
+                    ratio,
+                ]
+            )
+    lines += _table(
+        [
+            "Redis",
+            "configuration",
+            "pipelines / inference",
+            "scripts / inference",
+            "last-byte p50 µs",
+            "added p50 µs",
+            "CPU µs / inference",
+            "CPU × spend alone",
+        ],
+        rows,
+    )
+    return lines
 
 
 def routing_section(routing: dict[str, Any]) -> list[str]:
