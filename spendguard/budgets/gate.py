@@ -21,9 +21,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
+from functools import partial
 from typing import TYPE_CHECKING
-
-import anyio
 
 from ..clock import from_micros, to_micros, utcnow
 from ..engine.decision import Lasting
@@ -35,6 +34,7 @@ from ..engine.reservation import (
     largest_fitting,
     usd,
 )
+from ..engine.singleflight import SingleFlight
 from ..errors import LedgerUnavailable, StoreFull, StoreUnavailable
 from ..identity import Identity, encode_id
 from ..ledger import BudgetOverride, Ledger
@@ -179,7 +179,7 @@ class BudgetGate:
         self.output = output  # the spend limits' own rule (the guard's), so the two agree
         self.ledger = ledger  # where a bucket Redis lost is rebuilt from
         # One rebuild per lost bucket at a time in this process; the others wait for it.
-        self._rebuilding: dict[Bucket, anyio.Event] = {}
+        self._rebuilding: SingleFlight[None] = SingleFlight()
         self._ensure_connected = ensure_connected
         self.prices = prices
         self.redis = redis_store
@@ -366,18 +366,12 @@ class BudgetGate:
         self, store: BudgetStore, calls: list[BucketCheck], model: str, hold: Hold
     ) -> None:
         """Seed buckets Redis lost (a restart, a flush) from the ledger's records instead of
-        starting them from zero. A ledger that can't be read either: they start from zero."""
+        starting them from zero. A ledger that can't be read either: they start from zero.
+        One rebuild per bucket at a time in this process; the others wait for it."""
         for call in calls:
-            running = self._rebuilding.get(call.bucket)
-            if running is not None:
-                await running.wait()
-                continue
-            done = self._rebuilding[call.bucket] = anyio.Event()
-            try:
-                await self._rebuild_one(store, call, model, hold)
-            finally:
-                del self._rebuilding[call.bucket]
-                done.set()
+            await self._rebuilding.do(
+                call.bucket, partial(self._rebuild_one, store, call, model, hold)
+            )
 
     async def _rebuild_one(
         self, store: BudgetStore, call: BucketCheck, model: str, hold: Hold

@@ -29,7 +29,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from ..store.pipeline import ScriptPipeline, bounded_call, store_error
-from ..store.redis import client_for as store_client_for
+from ..store.redis import client_for
 from .config import BudgetWindow, Unit
 from .store import Bucket, BucketCheck, BucketUsage, Hold, Reserved, WindowUsage
 
@@ -46,12 +46,6 @@ def _lua(name: str) -> str:
     folder = resources.files("spendguard.budgets") / "lua"
     common = (folder / "common.lua").read_text("utf-8")
     return common + "\n" + (folder / f"{name}.lua").read_text("utf-8")
-
-
-def client_for(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
-    """The spend limits' client builder (same schemes, same bounded timeouts), with a pool
-    of its own."""
-    return store_client_for(url, timeout, max_connections=256)
 
 
 class RedisBudgetStore:
@@ -84,7 +78,10 @@ class RedisBudgetStore:
         cls, url: str, *, prefix: str, timeout: float = 0.5, require_seed: bool = False
     ) -> RedisBudgetStore:
         return cls(
-            client_for(url, timeout), prefix=prefix, timeout=timeout, require_seed=require_seed
+            client_for(url, timeout, max_connections=256),
+            prefix=prefix,
+            timeout=timeout,
+            require_seed=require_seed,
         )
 
     # -- key names ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from ..identity import encode_id
 from ..store.pipeline import ScriptPipeline, bounded_call
-from ..store.redis import client_for as store_client_for
+from ..store.redis import client_for
 from .base import Acquired, Attempt, StoredKey
 from .model import WINDOW_MS, ProviderKey, Refusal
 
@@ -33,12 +33,6 @@ _REFUSALS = {0: Refusal.UNKNOWN, 2: Refusal.COOLING, 3: Refusal.FULL, 4: Refusal
 
 def _lua(name: str) -> str:
     return (resources.files("spendguard.providers") / "lua" / f"{name}.lua").read_text("utf-8")
-
-
-def client_for(url: str, timeout: float) -> aioredis.Redis | RedisCluster:
-    """The spend limits' client builder (same schemes, same bounded timeouts), with a pool
-    of its own."""
-    return store_client_for(url, timeout, max_connections=256)
 
 
 class RedisPoolStore:
@@ -62,7 +56,7 @@ class RedisPoolStore:
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "quota", timeout: float = 0.5) -> RedisPoolStore:
-        return cls(client_for(url, timeout), prefix=prefix, timeout=timeout)
+        return cls(client_for(url, timeout, max_connections=256), prefix=prefix, timeout=timeout)
 
     def key_name(self, key_id: str) -> str:
         """The hash holding ``key_id``'s state, in the pool's one slot."""
