@@ -4,10 +4,13 @@ Its own auth maps bearer tokens to a team and an API key in the request state; i
 inference routes to ``GATEWAY_UPSTREAM_URL`` (an OpenAI/Anthropic-compatible base URL, e.g.
 ``https://api.openai.com``) or, by default, to spendguard's fake upstream provider.
 
-Its router picks the upstream key through spendguard's provider-key pool: the fake upstream is
-reached through two keys, ``fake-key-1`` (which answers every call with a 429) and
-``fake-key-2``; the pool puts the first in a cooldown after its first 429 and every later
-request goes straight to the second. Each key allows ``GATEWAY_PROVIDER_RPM`` requests and
+Its router declares its upstream keys to spendguard (``candidates=``), which leases one from
+the provider-key pool in the same round trip as the spend checks and settles it when the
+response ends; the handler finds the lease in ``request.state.spendguard_provider_key``. The
+fake upstream is reached through two keys, ``fake-key-1`` (which answers every call with a
+429) and ``fake-key-2``; on a 429 the router puts the key in a cooldown, gives the lease back
+and leases the next key itself, so every later request goes straight to the second. Each key
+allows ``GATEWAY_PROVIDER_RPM`` requests and
 ``GATEWAY_PROVIDER_TPM`` tokens per minute (unset: unlimited); a 429 without ``Retry-After``
 cools a key for ``GATEWAY_COOLDOWN`` seconds (default 30). Replicas share the pool through
 ``GATEWAY_POOL_URL`` (a Redis URL; unset: in this process).
@@ -20,7 +23,6 @@ With ``SPENDGUARD_ADMIN_TOKEN`` set, spendguard's admin routes answer under
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -35,6 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from spendguard import (
+    STATE_PROVIDER_KEY,
     Lease,
     NoCapacity,
     ProviderKey,
@@ -103,21 +106,27 @@ def _capacity(name: str) -> int | None:
     return None if raw is None else int(raw)  # unset: unlimited
 
 
+# Replicas share capacity and cooldowns through Redis (GATEWAY_POOL_URL=redis://...); the
+# default keeps the pool in this process.
+POOL = ProviderPool.from_url(os.environ.get("GATEWAY_POOL_URL", "memory://"), timeout=2)
+
+
+def candidates(model: str, identity: object) -> list[str]:
+    """The router's keys for an inference, in order of preference (every model: every key)."""
+    return list(PROVIDER_KEYS)
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    # Replicas share capacity and cooldowns through Redis (GATEWAY_POOL_URL=redis://...); the
-    # default keeps the pool in this process. (ProviderPool.from_settings() would follow
-    # SPENDGUARD_REDIS_URL instead.)
-    pool = ProviderPool.from_url(os.environ.get("GATEWAY_POOL_URL", "memory://"), timeout=2)
     rpm, tpm = _capacity("GATEWAY_PROVIDER_RPM"), _capacity("GATEWAY_PROVIDER_TPM")
     try:
         # Every replica registers the same keys at start; counters and cooldowns are kept.
-        await pool.register(*(ProviderKey(k, "fake", tpm=tpm, rpm=rpm) for k in PROVIDER_KEYS))
+        await POOL.register(*(ProviderKey(k, "fake", tpm=tpm, rpm=rpm) for k in PROVIDER_KEYS))
         async with _upstream_client() as client:
-            app.state.upstream, app.state.pool = client, pool
+            app.state.upstream = client
             yield
     finally:
-        await pool.aclose()
+        await POOL.aclose()
 
 
 app = FastAPI(title="demo gateway", lifespan=lifespan)
@@ -128,24 +137,9 @@ _FORWARD = ("content-type", "anthropic-version", "anthropic-beta", "openai-beta"
 COOLDOWN = float(os.environ.get("GATEWAY_COOLDOWN", "30"))
 
 
-def _estimate(body: bytes) -> int:
-    """Tokens to reserve: about 4 bytes of body per prompt token, plus the output cap."""
-    try:
-        fields = json.loads(body)
-    except ValueError:
-        fields = {}
-    cap = 4096
-    if isinstance(fields, dict):
-        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-            if isinstance(fields.get(name), int) and fields[name] > 0:
-                cap = fields[name]
-                break
-    return len(body) // 4 + cap
-
-
-def _used(usage: Usage | None, estimate: int) -> int:
+def _used(usage: Usage | None, reserved: int) -> int:
     if usage is None:
-        return estimate  # the provider reported nothing: keep the reservation
+        return reserved  # the provider reported nothing: keep the reservation
     return (
         usage.input_tokens
         + usage.output_tokens
@@ -162,7 +156,6 @@ def _no_capacity(exc: NoCapacity) -> Response:
 
 async def _proxy(request: Request, path: str) -> Response:
     client: httpx.AsyncClient = request.app.state.upstream
-    pool: ProviderPool = request.app.state.pool
     headers = {
         k: v
         for k, v in request.headers.items()
@@ -170,18 +163,13 @@ async def _proxy(request: Request, path: str) -> Response:
         if k in _FORWARD or k.startswith("x-fake-")
     }
     body = await request.body()
-    estimate = _estimate(body)
+    # 1. spendguard leased the first key with room that is not cooling down, at admission
+    # (and settles it when the response ends); a refusal never reaches this handler.
+    lease: Lease = getattr(request.state, STATE_PROVIDER_KEY)
+    mine: Lease | None = None  # a key this router leased itself, after a 429: it settles it
     candidates = list(PROVIDER_KEYS)
-    attempts = 0
+    attempts = 1
     while True:
-        # 1. acquire: the first key with room for this request that is not cooling down.
-        try:
-            lease = await pool.acquire(candidates, tokens=estimate)
-        except NoCapacity as exc:
-            return _no_capacity(exc)
-        except StoreUnavailable:
-            return JSONResponse({"error": {"type": "unavailable"}}, status_code=503)
-        attempts += 1
         try:
             upstream = await client.send(
                 client.build_request(
@@ -190,18 +178,27 @@ async def _proxy(request: Request, path: str) -> Response:
                 stream=True,
             )
         except BaseException:
-            # The call never reached the provider; give the lease back even when cancelled.
-            with anyio.CancelScope(shield=True):
-                await pool.release(lease)
+            # The call never reached the provider; give a lease of ours back even when
+            # cancelled (spendguard releases its own: the response was not charged).
+            if mine is not None:
+                with anyio.CancelScope(shield=True):
+                    await POOL.release(mine)
             raise
         if upstream.status_code != 429:
             break
         # 2. a 429: cool the key on every replica for as long as the provider asks, give the
-        # lease back, and try the keys not tried yet.
+        # lease back, and lease one of the keys not tried yet (the pool's late choice).
         await upstream.aclose()
-        await pool.cooldown(lease.key_id, retry_after_seconds(upstream.headers, default=COOLDOWN))
-        await pool.release(lease)
+        await POOL.cooldown(lease.key_id, retry_after_seconds(upstream.headers, default=COOLDOWN))
+        await POOL.release(lease)
         candidates.remove(lease.key_id)
+        try:
+            lease = mine = await POOL.acquire(candidates, tokens=lease.tokens)
+        except NoCapacity as exc:
+            return _no_capacity(exc)
+        except StoreUnavailable:
+            return JSONResponse({"error": {"type": "unavailable"}}, status_code=503)
+        attempts += 1
 
     dialect = Dialect.ANTHROPIC if path.endswith("/messages") else Dialect.OPENAI
     content_type = upstream.headers.get("content-type")
@@ -216,14 +213,16 @@ async def _proxy(request: Request, path: str) -> Response:
                 observer.feed(chunk)
             yield chunk
 
-    async def finish(lease: Lease) -> None:
+    async def finish() -> None:
         await upstream.aclose()
-        # 3. settle: true the lease up to what the call used.
-        used = _used(None if observer is None else observer.result(), estimate)
+        if mine is None:
+            return  # spendguard's lease: spendguard settles it with the usage it observed
+        # 3. settle the router's own lease: true it up to what the call used.
+        used = _used(None if observer is None else observer.result(), mine.tokens)
         try:
-            await pool.settle(lease, tokens=used)
+            await POOL.settle(mine, tokens=used)
         except (StoreUnavailable, ValueError) as exc:
-            log.warning("could not settle provider lease on %s: %s", lease.key_id, exc)
+            log.warning("could not settle provider lease on %s: %s", mine.key_id, exc)
 
     passed = {
         k: v
@@ -237,7 +236,7 @@ async def _proxy(request: Request, path: str) -> Response:
         relay(),
         status_code=upstream.status_code,
         headers=passed,
-        background=BackgroundTask(finish, lease),
+        background=BackgroundTask(finish),
     )
 
 
@@ -262,7 +261,8 @@ async def health() -> JSONResponse:
 
 # spendguard: added inside the gateway's auth, so it sees the identity auth resolved.
 # Settings come from SPENDGUARD_* environment variables (defaults: embedded store + SQLite).
-app.add_middleware(SpendGuardMiddleware)
+# The router's candidate keys are declared to it, so the lease rides the admission round.
+app.add_middleware(SpendGuardMiddleware, candidates=candidates, pool=POOL)
 app.add_middleware(BearerAuth)
 
 # spendguard's admin routes (policies, usage, balances, status...): off (404) unless

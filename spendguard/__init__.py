@@ -20,6 +20,7 @@ from .errors import (
 from .identity import Identity
 from .limits import Balance, Limit, Period, Policy, Subject
 from .providers import (
+    STATE_PROVIDER_KEY,
     KeyState,
     Lease,
     NoCapacity,
@@ -32,6 +33,7 @@ from .settings import Settings
 from .usage import Dialect, Usage
 
 __all__ = [
+    "STATE_PROVIDER_KEY",
     "Admin",
     "Admission",
     "Balance",

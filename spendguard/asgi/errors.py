@@ -217,7 +217,7 @@ async def send_no_capacity(dialect: Dialect, refused: NoCapacity, send: Send) ->
             send,
             dialect,
             429,
-            "provider_capacity_exhausted",
+            "no_provider_capacity",
             message,
             retry_after=refused.retry_after,
         )

@@ -22,6 +22,7 @@ from ..budgets import BudgetGate, gate_for
 from ..engine.guard import SpendGuard
 from ..integrations.litellm import LiteLLMRouting, litellm_routing
 from ..ledger import Ledger
+from ..providers.pool import ProviderPool
 from ..providers.routing import Candidates, ProviderRouting, candidates_of
 from ..settings import Settings, load_settings
 from ..store import Store
@@ -69,7 +70,8 @@ class SpendGuardMiddleware:
     ``settings=``, ``resolve_identity=`` (sync or async, gets an ``HTTPConnection`` and returns
     an ``Identity``, a ``(team_id, api_key_id)`` tuple or None) or a ready ``guard=``.
     ``candidates=`` (a model and identity in, provider key ids out) leases a provider key
-    at admission, as ``provider_candidates`` in the settings does.
+    at admission, as ``provider_candidates`` in the settings does, from ``pool=`` (default:
+    the guard's, beside its store).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class SpendGuardMiddleware:
         ledger: Ledger | None = None,
         budgets: BudgetGate | None = None,
         candidates: Candidates | None = None,
+        pool: ProviderPool | None = None,
     ) -> None:
         self.app = app
         self.settings = settings or (guard.settings if guard is not None else load_settings())
@@ -107,7 +110,7 @@ class SpendGuardMiddleware:
             if candidates is None and self.settings.provider_candidates:
                 candidates = candidates_of(self.settings.provider_candidates)
             if candidates is not None:
-                self.providers = ProviderRouting(self.guard.pool, candidates)
+                self.providers = ProviderRouting(pool or self.guard.pool, candidates)
         # The LiteLLM proxy's router, when the app is LiteLLM's (integrations/litellm.py):
         # looked for once the app started, since its router is made by its startup.
         self.litellm: LiteLLMRouting | None = None

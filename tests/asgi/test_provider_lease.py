@@ -70,7 +70,7 @@ async def test_no_room_on_any_candidate_is_a_429_that_charges_nothing(tmp_path: 
             assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
         refused = await c.post("/v1/chat/completions", json=chat_body())
         assert refused.status_code == 429
-        assert refused.json()["error"]["code"] == "provider_capacity_exhausted"
+        assert refused.json()["error"]["code"] == "no_provider_capacity"
         assert 1 <= int(refused.headers["retry-after"]) <= 60
         assert "key-a" not in refused.text  # the gateway's key ids are its own business
         assert len(seen.leases) == 2  # the app was never called for it
