@@ -16,8 +16,7 @@ for w = 1, #KEYS - 2 do
   local idx = math.floor(at / slice_ms)
   if idx >= math.floor(now / slice_ms) - SLICES + 1 then
     local key = KEYS[w + 2]
-    if tokens > 0 then redis.call('HINCRBY', key, 't' .. int(idx), int(tokens)) end
-    if cost > 0 then redis.call('HINCRBY', key, 'c' .. int(idx), int(cost)) end
+    add_usage(key, idx, tokens, cost)
     redis.call('PEXPIRE', key, ttl)
   end
 end

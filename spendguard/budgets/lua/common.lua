@@ -1,7 +1,10 @@
 -- Shared by every budget script (prepended when loaded). One bucket's keys only, one slot.
 --   holds:   hash  hold id -> "expires_ms tokens cost"; _t and _c: totals of the live holds
 --   expiry:  zset  hold id scored by expires_ms
---   window:  hash  t<slice index> -> tokens, c<slice index> -> micro-USD (committed usage)
+--   window:  hash  t<slice index> -> tokens, c<slice index> -> micro-USD (committed usage);
+--                  _T and _C: the totals of the slices present, _F: the lowest slice index
+--                  present (absent: none). While _F is still in the window the totals are
+--                  the window's usage, read without walking its slices.
 
 local SLICES = 60
 
@@ -56,30 +59,76 @@ local function drop_hold(holds, expiry, id)
   return true
 end
 
--- The window's committed usage now, per unit and per slice; slices that left it are deleted.
+-- The window's committed usage now, per unit and per slice; slices that left it are deleted
+-- and the totals rewritten. One pass over the slices: for a denial's retry time, and when a
+-- slice has left the window (once per slice period) or the totals are missing.
 local function window_usage(key, slice_ms, now)
   local cur = math.floor(now / slice_ms)
   local lo = cur - SLICES + 1
   local flat = redis.call('HGETALL', key)
-  local t, c = 0, 0
+  local t, c, first = 0, 0, nil
   local ts, cs = {}, {}
   local stale = {}
   for i = 1, #flat, 2 do
     local f = flat[i]
-    local idx = tonumber(string.sub(f, 2))
-    local v = tonumber(flat[i + 1])
-    if idx == nil or idx < lo then
-      stale[#stale + 1] = f
-    elseif string.sub(f, 1, 1) == 't' then
-      t = t + v
-      ts[idx] = v
-    else
-      c = c + v
-      cs[idx] = v
+    if string.sub(f, 1, 1) ~= '_' then
+      local idx = tonumber(string.sub(f, 2))
+      local v = tonumber(flat[i + 1])
+      if idx == nil or idx < lo then
+        stale[#stale + 1] = f
+      else
+        if first == nil or idx < first then first = idx end
+        if string.sub(f, 1, 1) == 't' then
+          t = t + v
+          ts[idx] = v
+        else
+          c = c + v
+          cs[idx] = v
+        end
+      end
     end
   end
   if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
+  if #flat > 0 then
+    redis.call('HSET', key, '_T', int(t), '_C', int(c))
+    if first then redis.call('HSET', key, '_F', int(first)) else redis.call('HDEL', key, '_F') end
+  end
   return t, c, ts, cs
+end
+
+-- The window's committed usage now (tokens, cost): its running totals while its oldest slice
+-- is still in it, else one pass (window_usage).
+local function window_totals(key, slice_ms, now)
+  local h = redis.call('HMGET', key, '_T', '_C', '_F')
+  if h[1] and h[2] then
+    local lo = math.floor(now / slice_ms) - SLICES + 1
+    if not h[3] or tonumber(h[3]) >= lo then
+      return tonumber(h[1]), tonumber(h[2])
+    end
+  elseif redis.call('EXISTS', key) == 0 then
+    return 0, 0
+  end
+  local t, c = window_usage(key, slice_ms, now)
+  return t, c
+end
+
+-- Adds committed usage to slice idx of a window, keeping its totals (a window written before
+-- it had totals gets them from its next full pass instead).
+local function add_usage(key, idx, tokens, cost)
+  local h = redis.call('HMGET', key, '_T', '_F')
+  local kept = h[1] ~= false or redis.call('EXISTS', key) == 0
+  if tokens > 0 then
+    redis.call('HINCRBY', key, 't' .. int(idx), int(tokens))
+    if kept then redis.call('HINCRBY', key, '_T', int(tokens)) end
+  end
+  if cost > 0 then
+    redis.call('HINCRBY', key, 'c' .. int(idx), int(cost))
+    if kept then redis.call('HINCRBY', key, '_C', int(cost)) end
+  end
+  if kept and (tokens > 0 or cost > 0) then
+    if not h[1] then redis.call('HSETNX', key, '_T', '0') redis.call('HSETNX', key, '_C', '0') end
+    if not h[2] or idx < tonumber(h[2]) then redis.call('HSET', key, '_F', int(idx)) end
+  end
 end
 
 -- Milliseconds until enough slices left the window for `wanted` to fit (see store.retry_ms).

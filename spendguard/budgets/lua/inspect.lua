@@ -6,7 +6,7 @@ if type(now) == 'table' then return now end
 local held_t, held_c = prune(KEYS[1], KEYS[2], now)
 local reply = {int(held_t), int(held_c)}
 for w = 1, #KEYS - 2 do
-  local t, c = window_usage(KEYS[w + 2], tonumber(ARGV[w + 1]), now)
+  local t, c = window_totals(KEYS[w + 2], tonumber(ARGV[w + 1]), now)
   reply[#reply + 1] = int(t)
   reply[#reply + 1] = int(c)
 end

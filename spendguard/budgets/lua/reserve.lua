@@ -26,11 +26,13 @@ for w = 1, #KEYS - 2 do
   local slice_ms = tonumber(ARGV[base + 1])
   local lim_t = tonumber(ARGV[base + 2])
   local lim_c = tonumber(ARGV[base + 3])
-  local t, c, ts, cs = window_usage(KEYS[w + 2], slice_ms, now)
+  local t, c = window_totals(KEYS[w + 2], slice_ms, now)
   if lim_t and t + held_t + tokens > lim_t then
+    local _, _, ts = window_usage(KEYS[w + 2], slice_ms, now)
     return {0, w, 1, retry(ts, slice_ms, now, t + held_t, tokens, lim_t)}
   end
   if count_cost and lim_c and c + held_c + cost > lim_c then
+    local _, _, _, cs = window_usage(KEYS[w + 2], slice_ms, now)
     return {0, w, 2, retry(cs, slice_ms, now, c + held_c, cost, lim_c)}
   end
   used[#used + 1] = int(t + held_t + tokens)

@@ -14,8 +14,7 @@ for w = 1, #KEYS - 2 do
   for _ = 1, n do
     local idx, t, c = ARGV[pos], tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
     pos = pos + 3
-    if t and t > 0 then redis.call('HINCRBY', KEYS[w + 2], 't' .. idx, int(t)) end
-    if c and c > 0 then redis.call('HINCRBY', KEYS[w + 2], 'c' .. idx, int(c)) end
+    add_usage(KEYS[w + 2], tonumber(idx), t or 0, c or 0)
   end
 end
 redis.call('HSET', KEYS[1], '_seeded', '1')
