@@ -138,6 +138,10 @@ def refused(gw: LiteLLM) -> bool:
     return is_spend_refusal(post(gw, "/v1/chat/completions", CHAT))
 
 
+# The tests below are grouped by the limit they need (each gateway: every $0 test, then every
+# test at a limit): a change of limit is a CLI run and a wait for the gateway to apply it.
+
+
 @pytest.fixture
 def at_zero(gateway: LiteLLM) -> LiteLLM:
     if WHO.limit != 0:
@@ -174,6 +178,92 @@ def test_every_spelling_of_a_route_is_refused_at_zero(
     assert provider.count() == before, f"{path} reached the provider: {answer.status}"
     # Refused, by spendguard or by LiteLLM (a path it does not route), never served.
     assert 400 <= answer.status < 500 or answer.status == 307, answer.status
+
+
+# -- the official SDKs ------------------------------------------------------------------------
+
+
+def counting(requests: list[str]) -> Callable[[Any], None]:
+    def hook(request: Any) -> None:
+        requests.append(str(request.url))
+
+    return hook
+
+
+def refused_fast(call: Callable[[], object], error: type[Exception]) -> Any:
+    started = time.monotonic()
+    with pytest.raises(error) as raised:
+        call()
+    assert time.monotonic() - started < 5
+    return raised.value
+
+
+@pytest.mark.parametrize("suffix", ["/v1", ""])
+def test_openai_sdk_gets_a_rate_limit_error(
+    at_zero: LiteLLM, provider: Provider, suffix: str
+) -> None:
+    before, sent = provider.count(), list[str]()
+    client = openai.OpenAI(
+        base_url=f"{at_zero.base}{suffix}",
+        api_key=at_zero.master_key,
+        max_retries=0,
+        http_client=httpx2.Client(event_hooks={"request": [counting(sent)]}),
+    )
+    error = refused_fast(
+        lambda: client.chat.completions.create(model=MODEL, messages=PROMPT),  # type: ignore[arg-type]
+        openai.RateLimitError,
+    )
+    assert error.response.json()["error"]["code"] == "spend_limit_exceeded"
+    assert len(sent) == 1 and provider.count() == before
+
+
+def test_openai_sdk_does_not_retry_a_spend_refusal(at_zero: LiteLLM, provider: Provider) -> None:
+    before, sent = provider.count(), list[str]()
+    client = openai.OpenAI(  # the SDK's default: two retries of a 429, unless told not to
+        base_url=f"{at_zero.base}/v1",
+        api_key=at_zero.master_key,
+        http_client=httpx2.Client(event_hooks={"request": [counting(sent)]}),
+    )
+    refused_fast(
+        lambda: client.chat.completions.create(model=MODEL, messages=PROMPT),  # type: ignore[arg-type]
+        openai.RateLimitError,
+    )
+    assert len(sent) == 1 and provider.count() == before
+
+
+def test_azure_sdk_gets_a_rate_limit_error(at_zero: LiteLLM, provider: Provider) -> None:
+    before, sent = provider.count(), list[str]()
+    client = openai.AzureOpenAI(
+        azure_endpoint=at_zero.base,
+        api_version="2024-10-21",
+        api_key=at_zero.master_key,  # sent as the api-key header
+        max_retries=0,
+        http_client=httpx2.Client(event_hooks={"request": [counting(sent)]}),
+    )
+    error = refused_fast(
+        lambda: client.chat.completions.create(model=MODEL, messages=PROMPT),  # type: ignore[arg-type]
+        openai.RateLimitError,
+    )
+    assert "/openai/deployments/gpt-4o-mini/chat/completions" in sent[0]
+    assert error.response.json()["error"]["code"] == "spend_limit_exceeded"
+    assert len(sent) == 1 and provider.count() == before
+
+
+def test_anthropic_sdk_gets_a_rate_limit_error(at_zero: LiteLLM, provider: Provider) -> None:
+    before, sent = provider.count(), list[str]()
+    client = anthropic.Anthropic(
+        base_url=at_zero.base,
+        api_key=at_zero.master_key,  # sent as x-api-key
+        max_retries=0,
+        http_client=httpx2.Client(event_hooks={"request": [counting(sent)]}),
+    )
+    error = refused_fast(
+        lambda: client.messages.create(model=MODEL, max_tokens=50, messages=PROMPT),  # type: ignore[arg-type]
+        anthropic.RateLimitError,
+    )
+    assert error.response.json()["error"]["type"] == "rate_limit_error"
+    assert "spend limit exceeded" in error.response.json()["error"]["message"]
+    assert sent[0].endswith("/v1/messages") and len(sent) == 1 and provider.count() == before
 
 
 # -- at a limit: each served inference charged once, exactly ----------------------------------
@@ -304,92 +394,6 @@ def test_an_alias_of_two_deployments_is_charged_as_the_one_that_served(
         assert [(c.model, c.amount_micros) for c in charges] == [(model, micro_usd(usage, per_1m))]
 
 
-# -- the official SDKs ------------------------------------------------------------------------
-
-
-def counting(requests: list[str]) -> Callable[[Any], None]:
-    def hook(request: Any) -> None:
-        requests.append(str(request.url))
-
-    return hook
-
-
-def refused_fast(call: Callable[[], object], error: type[Exception]) -> Any:
-    started = time.monotonic()
-    with pytest.raises(error) as raised:
-        call()
-    assert time.monotonic() - started < 5
-    return raised.value
-
-
-@pytest.mark.parametrize("suffix", ["/v1", ""])
-def test_openai_sdk_gets_a_rate_limit_error(
-    at_zero: LiteLLM, provider: Provider, suffix: str
-) -> None:
-    before, sent = provider.count(), list[str]()
-    client = openai.OpenAI(
-        base_url=f"{at_zero.base}{suffix}",
-        api_key=at_zero.master_key,
-        max_retries=0,
-        http_client=httpx2.Client(event_hooks={"request": [counting(sent)]}),
-    )
-    error = refused_fast(
-        lambda: client.chat.completions.create(model=MODEL, messages=PROMPT),  # type: ignore[arg-type]
-        openai.RateLimitError,
-    )
-    assert error.response.json()["error"]["code"] == "spend_limit_exceeded"
-    assert len(sent) == 1 and provider.count() == before
-
-
-def test_openai_sdk_does_not_retry_a_spend_refusal(at_zero: LiteLLM, provider: Provider) -> None:
-    before, sent = provider.count(), list[str]()
-    client = openai.OpenAI(  # the SDK's default: two retries of a 429, unless told not to
-        base_url=f"{at_zero.base}/v1",
-        api_key=at_zero.master_key,
-        http_client=httpx2.Client(event_hooks={"request": [counting(sent)]}),
-    )
-    refused_fast(
-        lambda: client.chat.completions.create(model=MODEL, messages=PROMPT),  # type: ignore[arg-type]
-        openai.RateLimitError,
-    )
-    assert len(sent) == 1 and provider.count() == before
-
-
-def test_azure_sdk_gets_a_rate_limit_error(at_zero: LiteLLM, provider: Provider) -> None:
-    before, sent = provider.count(), list[str]()
-    client = openai.AzureOpenAI(
-        azure_endpoint=at_zero.base,
-        api_version="2024-10-21",
-        api_key=at_zero.master_key,  # sent as the api-key header
-        max_retries=0,
-        http_client=httpx2.Client(event_hooks={"request": [counting(sent)]}),
-    )
-    error = refused_fast(
-        lambda: client.chat.completions.create(model=MODEL, messages=PROMPT),  # type: ignore[arg-type]
-        openai.RateLimitError,
-    )
-    assert "/openai/deployments/gpt-4o-mini/chat/completions" in sent[0]
-    assert error.response.json()["error"]["code"] == "spend_limit_exceeded"
-    assert len(sent) == 1 and provider.count() == before
-
-
-def test_anthropic_sdk_gets_a_rate_limit_error(at_zero: LiteLLM, provider: Provider) -> None:
-    before, sent = provider.count(), list[str]()
-    client = anthropic.Anthropic(
-        base_url=at_zero.base,
-        api_key=at_zero.master_key,  # sent as x-api-key
-        max_retries=0,
-        http_client=httpx2.Client(event_hooks={"request": [counting(sent)]}),
-    )
-    error = refused_fast(
-        lambda: client.messages.create(model=MODEL, max_tokens=50, messages=PROMPT),  # type: ignore[arg-type]
-        anthropic.RateLimitError,
-    )
-    assert error.response.json()["error"]["type"] == "rate_limit_error"
-    assert "spend limit exceeded" in error.response.json()["error"]["message"]
-    assert sent[0].endswith("/v1/messages") and len(sent) == 1 and provider.count() == before
-
-
 # -- the Depends block: LiteLLM's auth first, then spendguard_guard ---------------------------
 
 DEPENDS_GUARDED = [
@@ -436,6 +440,19 @@ def test_depends_a_valid_key_at_a_limit_is_served_and_charged(
     assert_charged_once(depends_at_a_limit, provider, path, body, model)
 
 
+def test_depends_a_bad_key_gets_litellms_own_error(
+    depends_at_a_limit: LiteLLM, provider: Provider
+) -> None:
+    before = provider.count()
+    answer = raw_post(
+        depends_at_a_limit.port, "/v1/chat/completions", CHAT, {"authorization": "Bearer sk-no"}
+    )
+    assert answer.status in (400, 401), answer.status
+    assert "spend" not in answer.body.decode()  # LiteLLM answered (without a DB: "No connected db")
+    assert "x-spendguard-inference-id" not in answer.headers  # nothing admitted, nothing charged
+    assert provider.count() == before
+
+
 @pytest.mark.parametrize(("path", "body"), DEPENDS_GUARDED, ids=[p for p, _ in DEPENDS_GUARDED])
 def test_depends_a_valid_key_at_zero_is_refused(
     depends_at_zero: LiteLLM, provider: Provider, path: str, body: dict[str, Any]
@@ -459,16 +476,3 @@ def test_depends_what_the_guard_does_not_cover_still_never_reaches_the_provider(
     answer = post(depends_at_zero, path, body)
     assert provider.count() == before, f"{path} reached the provider: {answer.status}"
     assert 400 <= answer.status < 500 or answer.status == 307, answer.status
-
-
-def test_depends_a_bad_key_gets_litellms_own_error(
-    depends_at_a_limit: LiteLLM, provider: Provider
-) -> None:
-    before = provider.count()
-    answer = raw_post(
-        depends_at_a_limit.port, "/v1/chat/completions", CHAT, {"authorization": "Bearer sk-no"}
-    )
-    assert answer.status in (400, 401), answer.status
-    assert "spend" not in answer.body.decode()  # LiteLLM answered (without a DB: "No connected db")
-    assert "x-spendguard-inference-id" not in answer.headers  # nothing admitted, nothing charged
-    assert provider.count() == before

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +47,45 @@ async def embeddings() -> dict:
 """
 
 
-def doctor(env: dict[str, str], into: Path, app: str) -> tuple[int, dict[str, Any]]:
-    done = subprocess.run(
-        [sys.executable, "-m", "spendguard.cli", "doctor", "--app", app, "--json"],
-        cwd=into,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    return done.returncode, json.loads(done.stdout)
+@dataclass
+class DoctorRun:
+    """``spendguard doctor --app APP --json`` in a process of its own (it imports LiteLLM),
+    its output in files (a pipe nobody reads yet could fill up and stall it)."""
+
+    proc: subprocess.Popen[bytes]
+    out: Path
+    err: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def start_doctor(env: dict[str, str], into: Path, app: str) -> DoctorRun:
+    name = app.replace(":", ".")
+    out, err = into / f"doctor-{name}.json", into / f"doctor-{name}.err"
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spendguard.cli", "doctor", "--app", app, "--json"],
+            cwd=into,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+        )
+    return DoctorRun(proc, out, err)
+
+
+def doctor(run: DoctorRun) -> tuple[int, dict[str, Any]]:
+    """The exit code and the JSON report of a doctor started by :func:`start_doctor`."""
+    code = run.proc.wait(timeout=180)
+    try:
+        return code, json.loads(run.out.read_text())
+    except ValueError:
+        raise AssertionError(
+            f"doctor wrote no JSON (exit {code}):\n{run.err.read_text()}"
+        ) from None
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +99,33 @@ def gateway_dir(tmp_path_factory: pytest.TempPathFactory, provider: Provider) ->
     return into, env
 
 
-def test_doctor_reports_litellm_guarded_and_exits_0(gateway_dir: Any) -> None:
+@pytest.fixture(scope="module")
+def doctors(gateway_dir: Any) -> Iterator[dict[str, DoctorRun]]:
+    """The doctor of each app, both started at once: each imports LiteLLM for ~10-20 s, and
+    one at a time would leave a core idle for as long. Each test reads its own one's report."""
     into, env = gateway_dir
-    code, found = doctor(env, into, "gateway:app")
+    runs = {app: start_doctor(env, into, app) for app in ("gateway:app", "unguarded:app")}
+    try:
+        yield runs
+    finally:
+        for run in runs.values():
+            run.stop()
+
+
+def test_doctor_reports_litellm_guarded_and_exits_0(
+    doctors: dict[str, DoctorRun],
+) -> None:
+    code, found = doctor(doctors["gateway:app"])
     routes = found["routes"]
     assert routes["uncovered"] == [] and routes["stray"] == []
     assert set(routes["guarded"]) >= EXPECTED, EXPECTED - set(routes["guarded"])
     assert code == 0, found
 
 
-def test_doctor_exits_1_on_an_unguarded_inference_route(gateway_dir: Any) -> None:
-    into, env = gateway_dir
-    code, found = doctor(env, into, "unguarded:app")
+def test_doctor_exits_1_on_an_unguarded_inference_route(
+    doctors: dict[str, DoctorRun],
+) -> None:
+    code, found = doctor(doctors["unguarded:app"])
     assert code == 1
     assert found["routes"]["uncovered"] == ["/v2/embeddings"]
     assert not found["routes"]["ok"]
