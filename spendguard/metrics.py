@@ -213,4 +213,11 @@ def pending_changed() -> None:
 
 if not _MULTIPROCESS:
     RECORDS_PENDING.set_function(_pending)
+# Budgets (window ids are the operator's, from a closed file; never a model or a key id).
+BUDGET_USED = _Counter(
+    "spendguard_budget_used_total",
+    "Usage recorded against budgets (tokens, or cost in micro-USD).",
+    ["scope", "window", "unit"],
+)
+
 register_hot_metrics()

@@ -20,7 +20,6 @@ from typing import Final
 
 from ..engine.decision import Decision
 from ..limits import Limit, SubjectKind
-from ..money import micros_to_usd
 
 __all__ = ["remaining_headers"]
 
@@ -39,17 +38,42 @@ def remaining_headers(decision: Decision) -> list[tuple[bytes, bytes]]:
             or target.subject.api_key != api_key
         ):
             continue
-        window = target.window.value
+        names = _NAMES.get(target.window)
+        if names is None:
+            w = target.window.value
+            names = _NAMES[target.window] = (
+                f"{_PREFIX}limit-usd-{w}".encode(),
+                f"{_PREFIX}remaining-usd-{w}".encode(),
+                f"{_PREFIX}reset-{w}".encode(),
+            )
         remaining = max(0, state.limit - state.used)
-        reset = target.window.end(decision.t0).strftime("%Y-%m-%dT%H:%M:%SZ")
         headers += [
-            (f"{_PREFIX}limit-usd-{window}".encode(), _usd(state.limit)),
-            (f"{_PREFIX}remaining-usd-{window}".encode(), _usd(remaining)),
-            (f"{_PREFIX}reset-{window}".encode(), reset.encode()),
+            (names[0], _usd(state.limit)),
+            (names[1], _usd(remaining)),
+            (names[2], _reset(target, decision)),
         ]
     return headers
 
 
+_NAMES: dict[object, tuple[bytes, bytes, bytes]] = {}
+_RESETS: dict[tuple[object, int, int, int], bytes] = {}
+
+
+def _reset(target: Limit, decision: Decision) -> bytes:
+    """When the window of ``decision``'s start resets, as an ISO time (one per period)."""
+    window, t0 = target.window, decision.t0
+    key = (window, t0.year, t0.month, t0.day)  # t0 is UTC: its day decides either period
+    found = _RESETS.get(key)
+    if found is None:
+        if len(_RESETS) >= 64:
+            _RESETS.clear()
+        found = _RESETS[key] = window.end(decision.t0).strftime("%Y-%m-%dT%H:%M:%SZ").encode()
+    return found
+
+
 def _usd(micros: int) -> bytes:
     # Always six decimals (whole micro-USD), so a client can parse every value the same way.
-    return f"{micros_to_usd(micros):.6f}".encode()
+    # Integer arithmetic: exact, and no Decimal per header.
+    sign = "-" if micros < 0 else ""
+    whole, part = divmod(abs(micros), 1_000_000)
+    return f"{sign}{whole}.{part:06d}".encode()

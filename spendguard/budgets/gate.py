@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..clock import from_micros, to_micros, utcnow
 from ..engine.decision import Lasting
@@ -64,8 +64,14 @@ log = logging.getLogger("spendguard.budgets")
 
 _SCOPE_RANK = {Scope.PER_API_KEY: 0, Scope.PER_MODEL: 1, Scope.GLOBAL: 2}
 OUTAGE_RETRY_AFTER = 5
+_MAX_PLANS = 10_000  # budget plans kept per gate; beyond, start over
 
 EnsureConnected = Callable[[], Awaitable[None]]
+
+
+class CounterLike(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
 
 HEADER_LIMIT = b"x-budget-api-key-limit"
 HEADER_REMAINING = b"x-budget-api-key-remaining"
@@ -189,6 +195,13 @@ class BudgetGate:
         self.overrides = overrides
         self.clock = clock
         self._warned_no_redis = False
+        # The usage counters' children by (scope, window id), bound once: window ids come
+        # from the operator's file, a closed set.
+        self._counted: dict[tuple[Scope, str], tuple[CounterLike, CounterLike]] = {}
+        self._plans: dict[
+            tuple[int, str, str | None, str, BudgetOverride | None],
+            tuple[BudgetsConfig, tuple[BucketCheck, ...], bool],
+        ] = {}
 
     @property
     def config(self) -> BudgetsConfig:
@@ -277,7 +290,15 @@ class BudgetGate:
         override: BudgetOverride | None,
     ) -> Awaitable[BudgetAdmission | None]:
         model = request.model
-        calls, default_key = self.plan(config, identity, model, override)
+        # The plan of an identity and model is the same until the section or the key's
+        # override changes (a new object then): made once, kept (bounded) with what it is of.
+        known = (id(config), identity.team, identity.api_key, model, override)
+        planned = self._plans.get(known)
+        if planned is None or planned[0] is not config:
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            planned = self._plans[known] = (config, *self.plan(config, identity, model, override))
+        _, calls, default_key = planned
         if not calls:
             return _NO_BUDGET()
         output = self.output.tokens(request, self.prices, config.default_output_tokens)
@@ -568,24 +589,27 @@ class BudgetGate:
         )
         return self._committed(admission, committing, tokens, cost)
 
-    @staticmethod
     async def _committed(
-        admission: BudgetAdmission, committing: Awaitable[object], tokens: int, cost: int
+        self, admission: BudgetAdmission, committing: Awaitable[object], tokens: int, cost: int
     ) -> None:
         try:
             await committing
         except Exception as exc:  # the response is out; the hold expires by itself
             log.warning("budget usage could not be recorded: %r", exc)
             return
+        counted = self._counted
         for call in admission.calls:
+            scope = call.bucket.scope
             for window in call.windows:
-                metrics.USED.labels(call.bucket.scope.value, window.id, Unit.TOKENS.value).inc(
-                    tokens
-                )
-                if cost:
-                    metrics.USED.labels(call.bucket.scope.value, window.id, Unit.COST.value).inc(
-                        cost
+                children = counted.get((scope, window.id))
+                if children is None:
+                    children = counted[(scope, window.id)] = (
+                        metrics.USED.labels(scope.value, window.id, Unit.TOKENS.value),
+                        metrics.USED.labels(scope.value, window.id, Unit.COST.value),
                     )
+                children[0].inc(tokens)
+                if cost:
+                    children[1].inc(cost)
 
     async def release(self, admission: BudgetAdmission | None) -> None:
         if admission is not None:

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
+from ..metrics import BUDGET_USED
+
 REJECTIONS = Counter(
     "spendguard_budget_rejections_total",
     "Requests a budget scope denied.",
     ["scope", "window"],
 )
-USED = Counter(
-    "spendguard_budget_used",
-    "Usage recorded against budgets (tokens, or cost in micro-USD).",
-    ["scope", "window", "unit"],
-)
+# On the request path: one of the lock-free counters (spendguard/metrics.py).
+USED = BUDGET_USED
 STORAGE_UNAVAILABLE = Counter(
     "spendguard_budget_storage_unavailable_total",
     "Budget checks that found Redis unavailable: fallback (fail open, counted locally) or "

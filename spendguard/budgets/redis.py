@@ -72,6 +72,8 @@ class RedisBudgetStore:
         # spend store's to close.
         self._owned = pipeline is None
         self.pipeline = pipeline or ScriptPipeline(client, timeout=timeout)
+        # Per bucket check (by id, the check held so its id is not reused): its wire parts.
+        self._wires: dict[int, tuple[BucketCheck, list[str], list[str], list[str]]] = {}
 
     @classmethod
     def from_url(
@@ -130,18 +132,32 @@ class RedisBudgetStore:
             "1" if self._require_seed else "0",
         ]
         pending = []
+        script = self._scripts["reserve"]
         for call in calls:
-            args = list(head)
-            for check in call.checks:
-                lim = check.limit
-                args += [
-                    str(check.window.slice_ms),
-                    "-" if lim.tokens is None else str(lim.tokens),
-                    "-" if lim.cost_micros is None else str(lim.cost_micros),
-                ]
-            keys = self.keys(call.bucket, call.windows)
-            pending.append(self.pipeline.submit(self._scripts["reserve"], keys, args))
+            keys, limits, _ = self._wire_of(call)
+            pending.append(self.pipeline.submit(script, keys, head + limits))
         return self._reserved(calls, hold, pending)
+
+    def _wire_of(self, call: BucketCheck) -> tuple[list[str], list[str], list[str]]:
+        """A bucket check's keys, its reserve's window arguments and its commit's, made once
+        per check (a gate reuses a plan's checks) and kept, bounded, with the check."""
+        found = self._wires.get(id(call))
+        if found is not None and found[0] is call:
+            return found[1], found[2], found[3]
+        limits: list[str] = []
+        for check in call.checks:
+            lim = check.limit
+            limits += [
+                str(check.window.slice_ms),
+                "-" if lim.tokens is None else str(lim.tokens),
+                "-" if lim.cost_micros is None else str(lim.cost_micros),
+            ]
+        keys = self.keys(call.bucket, call.windows)
+        slices = [str(w.slice_ms) for w in call.windows]
+        if len(self._wires) >= 10_000:
+            self._wires.clear()
+        self._wires[id(call)] = (call, keys, limits, slices)
+        return keys, limits, slices
 
     async def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> list[Reserved]:
         return await self.reserve_soon(calls, hold)
@@ -188,14 +204,11 @@ class RedisBudgetStore:
     ) -> Awaitable[list[Any]]:
         """Submit the commits now (see :meth:`reserve_soon`)."""
         head = [str(now_ms), hold_id, str(at_ms), str(tokens), str(cost), str(ttl_ms)]
-        pending = [
-            self.pipeline.submit(
-                self._scripts["commit"],
-                self.keys(call.bucket, call.windows),
-                head + [str(w.slice_ms) for w in call.windows],
-            )
-            for call in calls
-        ]
+        script = self._scripts["commit"]
+        pending = []
+        for call in calls:
+            keys, _, slices = self._wire_of(call)
+            pending.append(self.pipeline.submit(script, keys, head + slices))
         return self._gather(pending)
 
     async def commit(
