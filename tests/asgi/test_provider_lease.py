@@ -8,12 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
+from spendguard import Settings, SpendGuard, SpendGuardMiddleware
+from spendguard.asgi import spendguard_guard
 from spendguard.limits import Period
 from spendguard.providers import Lease, ProviderKey
 from spendguard.providers.routing import STATE_PROVIDER_KEY
-from tests.support import Gateway, chat_body
+from tests.support import Gateway, chat_body, client, lifespan, write_unit_prices
 from tests.support.budgets import BudgetGateway, section
 
 pytestmark = pytest.mark.anyio
@@ -152,3 +156,40 @@ async def test_a_budget_refusal_withdraws_the_spend_admission_and_the_lease(
         assert refused.json()["error"]["code"] == "request_exceeds_budget"
         state = await pool.state("key-a")
         assert state is not None and (state.requests, state.tokens) == (0, 0)
+
+
+async def test_the_depends_path_leases_after_the_apps_own_auth(tmp_path: Path) -> None:
+    """Admission after the route's own auth dependency (``Depends(spendguard_guard)``): the
+    lease is in the request state when the endpoint runs, and settled when it answered."""
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'ledger.db'}",
+        prices=write_unit_prices(tmp_path),
+        provider_candidates=CANDIDATES,
+    )
+    guard = SpendGuard(settings)
+    leased: list[str] = []
+
+    async def auth(request: Request, authorization: str = Header("")) -> None:
+        if authorization != "Bearer sk-alpha":
+            raise HTTPException(401, "unknown key")
+        request.state.team_id, request.state.api_key_id = "acme", "alpha"
+
+    async def provider(request: Request) -> JSONResponse:
+        leased.append(getattr(request.state, STATE_PROVIDER_KEY).key_id)
+        usage = {"prompt_tokens": 10, "completion_tokens": 5}
+        return JSONResponse({"object": "chat.completion", "model": "unit-model", "usage": usage})
+
+    app = FastAPI()
+    deps = [Depends(auth), Depends(spendguard_guard)]
+    app.post("/v1/chat/completions", dependencies=deps)(provider)
+    app.add_middleware(SpendGuardMiddleware, guard=guard)
+    async with lifespan(app), client(app) as c:
+        await guard.pool.register(ProviderKey("key-a", "fake"))
+        headers = {"authorization": "Bearer sk-alpha"}
+        ok = await c.post("/v1/chat/completions", json=chat_body(), headers=headers)
+        assert ok.status_code == 200, ok.text
+        unknown = await c.post("/v1/chat/completions", json=chat_body())
+        assert unknown.status_code == 401  # the app's own answer: nothing leased for it
+        state = await guard.pool.state("key-a")
+    assert leased == ["key-a"]
+    assert state is not None and (state.requests, state.tokens) == (1, 15)

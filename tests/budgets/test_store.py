@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -278,3 +279,26 @@ async def test_running_totals_agree_with_the_slices_as_time_moves(store: BudgetS
                     )
         if step % 10 == 0:
             assert await store.inspect(call, now) == await reference.inspect(call, now), step
+
+
+async def test_a_window_written_before_running_totals_gets_them(redis_url: str) -> None:
+    """A bucket an earlier release wrote has slices but no totals: its first reserve walks the
+    slices and writes them, and from then on commits keep them."""
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    store = RedisBudgetStore.from_url(redis_url, prefix=prefix, timeout=2.0)
+    try:
+        call = tokens(100, HOUR)
+        window_key = store.keys(KEY, (HOUR,))[2]
+        slice_now = T0 // HOUR.slice_ms
+        client: Any = store._client
+        await client.hset(window_key, mapping={f"t{slice_now}": "60", f"t{slice_now - 1}": "30"})
+        [denied] = await store.reserve([call], hold(T0, 11))
+        assert not denied.ok  # 90 of 100 counted from the slices
+        assert await client.hmget(window_key, ["_T", "_C", "_F"]) == ["90", "0", str(slice_now - 1)]
+        h = hold(T0, 10)
+        assert (await store.reserve([call], h))[0].ok
+        await commit(store, call, h, 4)
+        assert await client.hget(window_key, "_T") == "94"
+        assert (await store.inspect(call, T0)).windows[0].tokens == 94
+    finally:
+        await store.aclose()
