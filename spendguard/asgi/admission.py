@@ -20,7 +20,6 @@ from typing import Any
 from starlette.types import Message, Send
 
 from ..budgets import BudgetAdmission, BudgetGate, BudgetVerdict
-from ..budgets.responses import send_budget_refusal
 from ..engine.decision import Admission, InferenceRequest, Verdict
 from ..engine.entries import admission_tokens
 from ..engine.guard import SpendGuard
@@ -28,7 +27,7 @@ from ..identity import Identity
 from ..providers.model import Lease, NoCapacity
 from ..providers.routing import STATE_PROVIDER_KEY, ProviderRouting
 from ..usage import BodyObserver, Dialect
-from .errors import send_error, send_no_capacity, send_refusal
+from .errors import send_budget_refusal, send_error, send_no_capacity, send_refusal
 from .finishing import finish
 from .ratelimit import rate_limit_headers
 from .remaining import remaining_headers
@@ -284,7 +283,7 @@ def _refused(
         ):
             refusal = _spend_refusal(admission, remaining)
         else:
-            refusal = partial(send_budget_refusal, dialect=dialect, admission=budget)
+            refusal = partial(send_budget_refusal, dialect, budget)
     elif not spend_allowed:
         refusal = _spend_refusal(admission, remaining)
     elif isinstance(lease, NoCapacity):

@@ -22,6 +22,7 @@ from typing import Final
 
 from starlette.types import Send
 
+from ..budgets.gate import OUTAGE_RETRY_AFTER, BudgetAdmission, BudgetVerdict
 from ..engine.decision import Admission, Never, Verdict
 from ..engine.reservation import usd
 from ..limits import Limit, Period, SubjectKind
@@ -104,18 +105,21 @@ def error_body(
     message: str,
     error_type: str | None = None,
     anthropic_type: str | None = None,
+    details: dict[str, object] | None = None,
 ) -> bytes:
+    error: dict[str, object]
     if dialect is Dialect.ANTHROPIC:
         kind = anthropic_type or _ANTHROPIC_TYPES.get(status, "api_error")
-        body: dict[str, object] = {"type": "error", "error": {"type": kind, "message": message}}
+        error = {"type": kind, "message": message}
     else:
-        body = {
-            "error": {
-                "type": error_type or _OPENAI_TYPES.get(status, "invalid_request_error"),
-                "code": code,
-                "message": message,
-            }
+        error = {
+            "type": error_type or _OPENAI_TYPES.get(status, "invalid_request_error"),
+            "code": code,
+            "message": message,
         }
+    if details is not None:
+        error["details"] = details
+    body = {"type": "error", "error": error} if dialect is Dialect.ANTHROPIC else {"error": error}
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
@@ -130,8 +134,9 @@ async def send_error(
     headers: Sequence[tuple[bytes, bytes]] = (),
     error_type: str | None = None,
     anthropic_type: str | None = None,
+    details: dict[str, object] | None = None,
 ) -> None:
-    body = error_body(dialect, status, code, message, error_type, anthropic_type)
+    body = error_body(dialect, status, code, message, error_type, anthropic_type, details)
     start_headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -224,3 +229,50 @@ async def send_no_capacity(dialect: Dialect, refused: NoCapacity, send: Send) ->
         return
     message = "No provider key configured for this model can take this request."
     await send_error(send, dialect, 503, "no_provider_key", message)
+
+
+REQUEST_EXCEEDS_BUDGET: Final = "request_exceeds_budget"
+
+
+async def send_budget_refusal(dialect: Dialect, admission: BudgetAdmission, send: Send) -> None:
+    """A budget's refusal. OpenAI routes: ``budget_exceeded`` (type and code) with ``details``
+    {scope, window, unit, limit | limit_micro_usd[, model]}; Anthropic routes: the
+    ``rate_limit_error`` envelope with the same ``details``. Both 429 with ``Retry-After``: the
+    seconds until the denying window has drained enough for the request.
+
+    A request whose estimate alone exceeds a bucket's whole limit never fits, however long it
+    waits: ``request_exceeds_budget`` (Anthropic: ``invalid_request_error``, the request must
+    change), ``x-should-retry: false`` and no ``Retry-After``; the message says what the
+    estimate is made of and the ``max_tokens`` that would fit, ``details`` add the ``reserved``
+    amount. An outage: 503 ``budget_unavailable`` with ``Retry-After``."""
+    denial = admission.denial
+    if admission.verdict is not BudgetVerdict.DENY or denial is None:
+        message = "Budgets cannot be checked right now; retry shortly."
+        await send_error(
+            send, dialect, 503, "budget_unavailable", message, retry_after=OUTAGE_RETRY_AFTER
+        )
+        return
+    if denial.retry_after is None:  # no wait lets it pass: the SDKs must not retry
+        code = REQUEST_EXCEEDS_BUDGET
+        await send_error(
+            send,
+            dialect,
+            429,
+            code,
+            denial.message,
+            headers=[_NO_RETRY],
+            error_type=code,
+            anthropic_type=AS_SENT_ANTHROPIC_TYPE,
+            details=denial.details(),
+        )
+        return
+    await send_error(
+        send,
+        dialect,
+        429,
+        "budget_exceeded",
+        denial.message,
+        retry_after=denial.retry_after,
+        error_type="budget_exceeded",
+        details=denial.details(),
+    )
