@@ -17,8 +17,8 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
+from spendguard.asgi import admin_app
 from spendguard.budgets import BudgetGate
-from spendguard.budgets.http import budget_admin_app
 from spendguard.limits import Period
 from spendguard.testing import StreamingASGITransport, fake_upstream
 from tests.support import chat_body
@@ -325,7 +325,8 @@ async def test_budgets_file_hot_reload(tmp_path: Path) -> None:
 async def test_admin_routes_inspect_and_reset(tmp_path: Path) -> None:
     budgets = section(scopes={"global": {"tokens": 110}})
     async with BudgetGateway(tmp_path, budgets=budgets) as gw, gw.client() as c:
-        admin = budget_admin_app(gw.gate, token="s3cret", ledger=gw.guard.ledger)
+        # The admin app's budget routes (docs/admin-http.md), behind its bearer token.
+        admin = admin_app(gw.guard, token="s3cret", budgets=gw.gate)
         auth = {"authorization": "Bearer s3cret"}
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=admin), base_url="http://admin"
