@@ -178,6 +178,12 @@ class Settings(BaseSettings):
         "the request's model decides. One is leased in the admission round and settled in "
         "the finishing one; the app finds it in request.state.spendguard_provider_key.",
     )
+    provider_keys: list[dict[str, str | int | None]] = Field(
+        default_factory=list,
+        description="Provider keys registered in the pool at start (every replica; counters "
+        'and cooldowns are kept), as JSON: [{"id": "openai-1", "provider": "openai", '
+        '"tpm": 2000000, "rpm": 5000}]; tpm/rpm absent or null: unlimited. Ids, never secrets.',
+    )
     remaining_headers: bool = Field(
         False,
         description="Tell callers their API key's remaining daily/monthly spend limits in "
@@ -274,6 +280,27 @@ class Settings(BaseSettings):
                 raise ValueError("empty model glob")
             if not ids or not all(isinstance(i, str) and i for i in ids):
                 raise ValueError(f"{glob!r}: give a non-empty list of provider key ids")
+        return value
+
+    @field_validator("provider_keys")
+    @classmethod
+    def _check_provider_keys(
+        cls, value: list[dict[str, str | int | None]]
+    ) -> list[dict[str, str | int | None]]:
+        seen: set[str] = set()
+        for i, key in enumerate(value):
+            if set(key) - {"id", "provider", "tpm", "rpm"}:
+                raise ValueError(f"key {i}: fields are id, provider, tpm, rpm")
+            for name in ("id", "provider"):
+                if not isinstance(key.get(name), str) or not key[name]:
+                    raise ValueError(f"key {i}: {name!r} must be a non-empty string")
+            for name in ("tpm", "rpm"):
+                n = key.get(name)
+                if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+                    raise ValueError(f"key {i}: {name!r} must be a whole number >= 0, or null")
+            if key["id"] in seen:
+                raise ValueError(f"key {i}: id {key['id']!r} listed twice")
+            seen.add(str(key["id"]))
         return value
 
     @field_validator("key_prefix")

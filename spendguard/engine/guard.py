@@ -37,6 +37,7 @@ from ..identity import Identity
 from ..ledger import Ledger
 from ..limits import KeyCodec, KeyPlan, Limit
 from ..limits.rates import WINDOW_MS, RateDenial, RateState, Scope
+from ..providers.model import ProviderKey
 from ..providers.pool import ProviderPool
 from ..record import InferenceRecord, PostflightStatus
 from ..settings import FailMode, MissingIdentity, Settings, load_settings
@@ -281,6 +282,9 @@ class SpendGuard:
     async def _start(self, task_group: TaskGroup | None, worker: bool | None) -> None:
         await self._ensure_connected()
         await self.store.start()
+        if self.settings.provider_keys:
+            keys = [ProviderKey(**k) for k in self.settings.provider_keys]  # type: ignore[arg-type]
+            await self.pool.register(*keys)
         store = self.store
         if store.shared and isinstance(store, OwnerLog):
             self._owners = store

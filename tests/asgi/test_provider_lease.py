@@ -193,3 +193,30 @@ async def test_the_depends_path_leases_after_the_apps_own_auth(tmp_path: Path) -
         state = await guard.pool.state("key-a")
     assert leased == ["key-a"]
     assert state is not None and (state.requests, state.tokens) == (1, 15)
+
+
+async def test_keys_in_the_settings_are_registered_at_start(tmp_path: Path) -> None:
+    """Candidates and their keys from the settings alone (the environment): no code."""
+    keys = [{"id": "key-a", "provider": "fake", "rpm": 1}, {"id": "key-b", "provider": "fake"}]
+    gw = Gateway(tmp_path, provider_candidates=CANDIDATES, provider_keys=keys)
+    async with gw, gw.client() as c:
+        seen = with_lease_app(gw)
+        for _ in range(3):
+            assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+        a = await gw.guard.pool.state("key-a")
+        assert a is not None and (a.provider, a.rpm, a.tpm) == ("fake", 1, None)
+    assert [lease.key_id if lease else None for lease in seen.leases] == ["key-a", "key-b", "key-b"]
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        [{"id": "", "provider": "fake"}],
+        [{"id": "a", "provider": "fake", "tpm": -1}],
+        [{"id": "a", "provider": "fake", "secret": "sk-..."}],
+        [{"id": "a", "provider": "fake"}, {"id": "a", "provider": "other"}],
+    ],
+)
+def test_bad_provider_keys_are_refused_at_configuration(keys: list[dict[str, Any]]) -> None:
+    with pytest.raises(ValueError, match="key"):
+        Settings(provider_keys=keys)
