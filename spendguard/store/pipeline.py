@@ -35,6 +35,7 @@ import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
@@ -118,7 +119,9 @@ class ScriptPipeline:
         # The one-server connections of wire.py can take a batch without a task (see _flush).
         self._wire: wire.WireConnections | None = None
         if isinstance(client, RedisCluster):
-            self._transport = _ClusterPipelines(client)
+            cluster = _ClusterPipelines(client)
+            plain = wire.plain(client.get_connection_kwargs())
+            self._transport = _ClusterWire(client, cluster) if plain else cluster
         elif wire.supports(client):
             self._transport = self._wire = wire.WireConnections(client)
         else:  # TLS, a credential provider, RESP3: redis-py's own connections
@@ -530,3 +533,87 @@ class _ClusterPipelines:
 
     async def aclose(self) -> None:
         pass
+
+
+# A node's answer that means "not here, or not now": the call goes through redis-py, which
+# refreshes its slot map and follows the redirection.
+_REDIRECTED = ("MOVED ", "ASK ", "TRYAGAIN", "CLUSTERDOWN")
+
+
+class _ClusterWire:
+    """A cluster on the pipeline's own connections (wire.py), one set per node: each call goes
+    to the primary that holds its keys' slot (every key of a call shares one hash tag), one
+    packed write per node, the nodes in parallel. redis-py's cluster pipeline does the same at
+    several times the CPU per call.
+
+    What redis-py knows better stays with it: the slot map (read from its client, which loads
+    it on its first command), and every call a node answers MOVED, ASK, TRYAGAIN or
+    CLUSTERDOWN, or whose node can't be reached (a failover, a resharding): those go once
+    more through its cluster pipeline (``fallback``), which refreshes the map and follows
+    redirections. So does a batch sent before the map is known."""
+
+    def __init__(self, client: RedisCluster, fallback: _ClusterPipelines) -> None:
+        self._client = client
+        self._fallback = fallback
+        self._kwargs = client.get_connection_kwargs()
+        self._nodes: dict[tuple[str, int], wire.WireConnections] = {}
+
+    def _node(self, host: str, port: int) -> wire.WireConnections:
+        conns = self._nodes.get((host, port))
+        if conns is None:
+            conns = self._nodes[(host, port)] = wire.WireConnections.at(host, port, self._kwargs)
+        return conns
+
+    async def execute(
+        self, commands: Sequence[Command], callers: Sequence[asyncio.Future[Any]]
+    ) -> list[Any]:
+        nodes = self._client.nodes_manager
+        if not nodes.slots_cache:
+            return await self._fallback.execute(commands, callers)
+        groups: dict[tuple[str, int], list[int]] = {}
+        try:
+            for i, command in enumerate(commands):
+                key = command[3]  # EVALSHA sha numkeys key ...: the call's slot is its keys'
+                node = nodes.get_node_from_slot(key_slot(key.encode()))
+                groups.setdefault((node.host, int(node.port)), []).append(i)
+        except RedisError:  # a slot no node covers (yet): redis-py finds out
+            return await self._fallback.execute(commands, callers)
+        replies: list[Any] = [None] * len(commands)
+        again: list[int] = []
+
+        async def send(address: tuple[str, int], calls: list[int]) -> None:
+            try:
+                got = await self._node(*address).execute(
+                    [commands[i] for i in calls], [callers[i] for i in calls]
+                )
+            except (RedisConnectionError, OSError):
+                again.extend(i for i in calls if not callers[i].done())
+                return
+            for i, reply in zip(calls, got, strict=True):
+                if isinstance(reply, ResponseError) and str(reply).startswith(_REDIRECTED):
+                    again.append(i)
+                else:
+                    replies[i] = reply
+
+        if len(groups) == 1:
+            await send(*next(iter(groups.items())))
+        else:
+            await asyncio.gather(*(send(address, calls) for address, calls in groups.items()))
+        if again:
+            again.sort()
+            redone = await self._fallback.execute(
+                [commands[i] for i in again], [callers[i] for i in again]
+            )
+            for i, reply in zip(again, redone, strict=True):
+                replies[i] = reply
+        return replies
+
+    def forget(self) -> None:
+        for conns in self._nodes.values():
+            conns.forget()
+        self._nodes = {}
+
+    async def aclose(self) -> None:
+        for conns in self._nodes.values():
+            await conns.aclose()
+        self._nodes = {}

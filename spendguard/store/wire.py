@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import hiredis
@@ -29,7 +29,7 @@ from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-__all__ = ["Broken", "WireConnections", "WireProtocol", "supports"]
+__all__ = ["Broken", "WireConnections", "WireProtocol", "plain", "supports"]
 
 Command = tuple[Any, ...]
 
@@ -37,9 +37,17 @@ Command = tuple[Any, ...]
 def supports(client: Redis) -> bool:
     """Whether ``client``'s connections are ones this module can make itself."""
     pool = client.connection_pool
-    kwargs = pool.connection_kwargs
+    return pool.connection_class in (Connection, UnixDomainSocketConnection) and plain(
+        pool.connection_kwargs
+    )
+
+
+def plain(kwargs: Mapping[str, Any]) -> bool:
+    """Whether connections made with ``kwargs`` need nothing this module does not speak (no
+    TLS, no credential provider, RESP2, decoded replies)."""
     return (
-        pool.connection_class in (Connection, UnixDomainSocketConnection)
+        not kwargs.get("ssl")
+        and kwargs.get("connection_class") in (None, Connection)
         and kwargs.get("credential_provider") is None
         and kwargs.get("protocol") in (None, 2, "2")
         and bool(kwargs.get("decode_responses"))
@@ -160,7 +168,16 @@ class WireConnections:
     of ``pipeline._Connections``: ``execute``, ``forget``, ``aclose``)."""
 
     def __init__(self, client: Redis) -> None:
-        kwargs = client.connection_pool.connection_kwargs
+        self._made_from(client.connection_pool.connection_kwargs)
+
+    @classmethod
+    def at(cls, host: str, port: int, kwargs: Mapping[str, Any]) -> WireConnections:
+        """Connections to ``host:port`` with the credentials of ``kwargs`` (a cluster node)."""
+        conns = cls.__new__(cls)
+        conns._made_from({**kwargs, "host": host, "port": port, "path": None})
+        return conns
+
+    def _made_from(self, kwargs: Mapping[str, Any]) -> None:
         self._path: str | None = kwargs.get("path")
         self._host: str = kwargs.get("host") or "localhost"
         self._port = int(kwargs.get("port") or 6379)

@@ -474,3 +474,37 @@ async def test_a_warm_inference_is_two_script_calls_and_nothing_else(
         assert redis_server.cli("KEYS", "*:spend:open").strip() == ""  # every entry closed
     finally:
         await store.aclose()
+
+
+async def test_cluster_calls_to_a_moved_slot_follow_the_redirection() -> None:
+    """A slot moves to another master (a resharding) after the client read the slot map: the
+    node that no longer has it answers MOVED, and the call goes again through redis-py's
+    cluster client, which follows it and refreshes its map; later calls go straight to the new
+    node. Nothing fails."""
+    with RedisCluster() as cluster:
+        store = RedisStore.from_url(cluster.url, timeout=2.0)
+        await store.start()
+        p = plan("moving")
+        await warm(store, p, settled=7)
+        slot = cluster.slot_of(p.policy_key)
+        ids = {s.port: s.cli("CLUSTER", "MYID").strip() for s in cluster.servers}
+        owner = next(
+            s
+            for s in cluster.servers
+            if s.cli("CLUSTER", "COUNTKEYSINSLOT", str(slot)).strip() != "0"
+        )
+        target = next(s for s in cluster.servers if s is not owner)
+        # Move the slot with its keys, as redis-cli --cluster reshard does.
+        target.cli("CLUSTER", "SETSLOT", str(slot), "IMPORTING", ids[owner.port])
+        owner.cli("CLUSTER", "SETSLOT", str(slot), "MIGRATING", ids[target.port])
+        keys = owner.cli("CLUSTER", "GETKEYSINSLOT", str(slot), "100").split()
+        owner.cli("MIGRATE", "127.0.0.1", str(target.port), "", "0", "5000", "KEYS", *keys)
+        for server in cluster.servers:
+            server.cli("CLUSTER", "SETSLOT", str(slot), "NODE", ids[target.port])
+        for _ in range(3):
+            pf = await store.preflight(p)
+            assert pf.outcome is Outcome.ALLOW and {s.used for s in pf.limits} == {7}
+        # The calls went on the pipeline's own node connections, the new owner's included.
+        transport: Any = store.pipeline._transport
+        assert ("127.0.0.1", target.port) in transport._nodes
+        await store.aclose()
