@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..limits.model import Unit
+from ..limits.windows import Rolling
 from .config import (
     BudgetConfigError,
     BudgetLimit,
     BudgetsConfig,
-    BudgetWindow,
     Scope,
     Storage,
-    Unit,
     parse_budgets,
     parse_period,
     read_budgets,
@@ -67,10 +67,10 @@ __all__ = [
     "BudgetGate",
     "BudgetLimit",
     "BudgetVerdict",
-    "BudgetWindow",
     "BudgetsConfig",
     "BudgetsSource",
     "Denial",
+    "Rolling",
     "Scope",
     "Storage",
     "Unit",

@@ -19,7 +19,8 @@ from typing import Any
 from ..clock import to_micros, utcnow
 from ..identity import Identity, encode_id
 from ..ledger import BudgetOverride, Ledger
-from .config import BudgetLimit, BudgetsConfig, BudgetWindow, Scope, parse_period
+from ..limits.windows import Rolling
+from .config import BudgetLimit, BudgetsConfig, Scope, parse_period
 from .gate import BudgetGate, override_window
 from .store import Bucket, BucketCheck, BudgetStore, WindowCheck
 
@@ -179,7 +180,7 @@ class BudgetAdmin:
             await self.store.reset(bucket, windows)
         return len(buckets)
 
-    async def _reset_windows(self, bucket: Bucket, window: str | None) -> list[BudgetWindow]:
+    async def _reset_windows(self, bucket: Bucket, window: str | None) -> list[Rolling]:
         windows = list(self.config.windows)
         if bucket.scope is Scope.PER_API_KEY:
             override = await self._override_of(bucket)

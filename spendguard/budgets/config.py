@@ -33,10 +33,11 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigurationError
+from ..limits.model import SubjectKind
+from ..limits.windows import Rolling
 from ..money import MAX_AMOUNT_MICROS, usd_to_micros
 
 # Every window is cut into this many equal slices; usage leaves a window one slice at a time.
-SLICES = 60
 # Long enough for any quota an operator means; keeps key TTLs and slice indices small.
 MAX_PERIOD_SECONDS = 400 * 86_400
 # The most tokens one limit may name: far above any real quota, far below 2^53 (Lua numbers).
@@ -66,16 +67,23 @@ class Storage(StrEnum):
 
 
 class Scope(StrEnum):
-    """In check order: the key's own bucket, then its model's, then the fleet's."""
+    """In check order: the key's own bucket, then its model's, then the fleet's (the section's
+    names for the subjects of the limit model)."""
 
     PER_API_KEY = "per_api_key"
     PER_MODEL = "per_model"
     GLOBAL = "global"
 
+    @property
+    def kind(self) -> SubjectKind:
+        return _KINDS[self]
 
-class Unit(StrEnum):
-    TOKENS = "tokens"
-    COST = "cost_micro_usd"
+
+_KINDS = {
+    Scope.PER_API_KEY: SubjectKind.API_KEY,
+    Scope.PER_MODEL: SubjectKind.MODEL,
+    Scope.GLOBAL: SubjectKind.FLEET,
+}
 
 
 def parse_period(text: str) -> int:
@@ -94,24 +102,6 @@ def parse_period(text: str) -> int:
     if seconds > MAX_PERIOD_SECONDS:
         raise ValueError(f"{text!r} is longer than {MAX_PERIOD_SECONDS // 86_400} days")
     return seconds
-
-
-@dataclass(frozen=True, slots=True)
-class BudgetWindow:
-    """A rolling window of ``seconds``, cut into :data:`SLICES` slices."""
-
-    id: str
-    period: str  # as configured, for display
-    seconds: int
-
-    @property
-    def period_ms(self) -> int:
-        return self.seconds * 1000
-
-    @property
-    def slice_ms(self) -> int:
-        # Every period is a whole number of minutes, so a slice is a whole number of ms.
-        return self.period_ms // SLICES
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +125,7 @@ class BudgetsConfig:
     enabled: bool = False
     storage: Storage = Storage.MEMORY
     fail_open: bool = True
-    windows: tuple[BudgetWindow, ...] = ()
+    windows: tuple[Rolling, ...] = ()
     per_api_key: BudgetLimit | None = None
     per_model: Mapping[str, BudgetLimit] = field(default_factory=dict)
     global_: BudgetLimit | None = None
@@ -157,7 +147,7 @@ class BudgetsConfig:
     def longest_ms(self) -> int:
         return max((w.period_ms for w in self.windows), default=0)
 
-    def window(self, window_id: str) -> BudgetWindow | None:
+    def window(self, window_id: str) -> Rolling | None:
         return next((w for w in self.windows if w.id == window_id), None)
 
     def as_json(self) -> dict[str, Any]:
@@ -269,13 +259,13 @@ def _cost(value: object, where: str, problems: _Problems) -> int | None:
     return micros
 
 
-def _windows(value: object, problems: _Problems) -> tuple[BudgetWindow, ...]:
+def _windows(value: object, problems: _Problems) -> tuple[Rolling, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
         problems.add("budgets.windows", "must be a list of {id, period}")
         return ()
-    out: list[BudgetWindow] = []
+    out: list[Rolling] = []
     seen: set[str] = set()
     for i, item in enumerate(value):
         where = f"budgets.windows[{i}]"
@@ -298,7 +288,7 @@ def _windows(value: object, problems: _Problems) -> tuple[BudgetWindow, ...]:
             problems.add(f"{where}.period", str(exc))
             ok = False
         if ok:
-            out.append(BudgetWindow(str(window_id), str(period), seconds))
+            out.append(Rolling(str(window_id), str(period), seconds))
     return tuple(out)
 
 

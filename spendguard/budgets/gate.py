@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from functools import partial
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from ..clock import from_micros, to_micros, utcnow
 from ..engine.decision import Lasting
@@ -38,22 +38,15 @@ from ..engine.singleflight import SingleFlight
 from ..errors import LedgerUnavailable, StoreFull, StoreUnavailable
 from ..identity import Identity, encode_id
 from ..ledger import BudgetOverride, Ledger
+from ..limits.model import Unit
+from ..limits.windows import SLICES, Rolling
 from ..usage import Usage
 from . import metrics
-from .config import (
-    SLICES,
-    BudgetLimit,
-    BudgetsConfig,
-    BudgetWindow,
-    Scope,
-    Storage,
-    Unit,
-    parse_period,
-)
+from .config import BudgetLimit, BudgetsConfig, Scope, Storage, parse_period
 from .memory import MemoryBudgetStore
 from .overrides import OverrideCache
 from .source import BudgetsSource
-from .store import Bucket, BucketCheck, BudgetStore, Hold, Reserved, WindowCheck, reset_at_ms
+from .store import Bucket, BucketCheck, BudgetStore, Hold, Reserved, WindowCheck
 
 if TYPE_CHECKING:
     from ..engine.decision import InferenceRequest
@@ -64,6 +57,8 @@ log = logging.getLogger("spendguard.budgets")
 
 _SCOPE_RANK = {Scope.PER_API_KEY: 0, Scope.PER_MODEL: 1, Scope.GLOBAL: 2}
 OUTAGE_RETRY_AFTER = 5
+# The budgets' names of the units, in 429 details and metric labels (seed 001's).
+UNIT_NAMES: Final = {Unit.TOKENS: "tokens", Unit.USD: "cost_micro_usd"}
 _MAX_PLANS = 10_000  # budget plans kept per gate; beyond, start over
 
 EnsureConnected = Callable[[], Awaitable[None]]
@@ -103,7 +98,7 @@ class Denial:
         out: dict[str, object] = {
             "scope": self.scope.value,
             "window": self.window,
-            "unit": self.unit.value,
+            "unit": UNIT_NAMES[self.unit],
         }
         tokens = self.unit is Unit.TOKENS
         out["limit" if tokens else "limit_micro_usd"] = self.limit
@@ -142,7 +137,7 @@ class BudgetAdmission:
     headers: tuple[tuple[bytes, bytes], ...] = ()
     model: str = ""
     count_cost: bool = False
-    windows: dict[Scope, tuple[BudgetWindow, ...]] = field(default_factory=dict)
+    windows: dict[Scope, tuple[Rolling, ...]] = field(default_factory=dict)
     done: bool = False
 
     @property
@@ -491,7 +486,7 @@ class BudgetGate:
                 if tokens is not None and hold.tokens > tokens:
                     unit, limit = Unit.TOKENS, tokens
                 elif hold.count_cost and cost is not None and hold.cost > cost:
-                    unit, limit = Unit.COST, cost
+                    unit, limit = Unit.USD, cost
                 else:
                     continue
                 order = (w, _SCOPE_RANK[call.bucket.scope])
@@ -535,7 +530,7 @@ class BudgetGate:
         never an admission nobody counts."""
         call = calls[0]
         check = call.checks[0]
-        unit = Unit.TOKENS if check.limit.tokens is not None else Unit.COST
+        unit = Unit.TOKENS if check.limit.tokens is not None else Unit.USD
         limit = check.limit.tokens if unit is Unit.TOKENS else check.limit.cost_micros
         scope = call.bucket.scope
         log.error("budget tracker full: refusing a request it can't count")
@@ -604,8 +599,8 @@ class BudgetGate:
                 children = counted.get((scope, window.id))
                 if children is None:
                     children = counted[(scope, window.id)] = (
-                        metrics.USED.labels(scope.value, window.id, Unit.TOKENS.value),
-                        metrics.USED.labels(scope.value, window.id, Unit.COST.value),
+                        metrics.USED.labels(scope.value, window.id, UNIT_NAMES[Unit.TOKENS]),
+                        metrics.USED.labels(scope.value, window.id, UNIT_NAMES[Unit.USD]),
                     )
                 children[0].inc(tokens)
                 if cost:
@@ -641,9 +636,9 @@ async def _no_budget() -> None:
 _NO_BUDGET = _no_budget
 
 
-def override_window(override: BudgetOverride) -> BudgetWindow:
+def override_window(override: BudgetOverride) -> Rolling:
     """A key's own window: named after its period (``24h``), separate from the fleet's."""
-    return BudgetWindow(
+    return Rolling(
         override.budget_window, override.budget_window, parse_period(override.budget_window)
     )
 
@@ -657,7 +652,7 @@ def _key_headers(
         if check.limit.tokens is None:
             continue
         remaining = max(0, check.limit.tokens - used)
-        reset = -(-reset_at_ms(check.window, now_ms) // 1000)
+        reset = -(-check.window.reset_ms(now_ms) // 1000)
         if best is None or remaining < best[0]:
             best = (remaining, check.limit.tokens, reset)
     if best is None:

@@ -11,7 +11,8 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import StoreFull
-from .config import SLICES, BudgetWindow, Unit
+from ..limits.model import Unit
+from ..limits.windows import SLICES, Rolling
 from .store import (
     Bucket,
     BucketCheck,
@@ -23,7 +24,7 @@ from .store import (
 )
 
 
-def _window_key(window: BudgetWindow) -> tuple[str, int]:
+def _window_key(window: Rolling) -> tuple[str, int]:
     # A window whose period changes (a reload) starts a new series: old slices meant other times.
     return (window.id, window.seconds)
 
@@ -38,7 +39,7 @@ class _Slices:
             for idx in [i for i in series if i < lo]:
                 del series[idx]
 
-    def current(self, window: BudgetWindow, now_ms: int) -> tuple[int, int]:
+    def current(self, window: Rolling, now_ms: int) -> tuple[int, int]:
         self.drop_before(now_ms // window.slice_ms - SLICES + 1)
         return sum(self.tokens.values()), sum(self.cost.values())
 
@@ -57,7 +58,7 @@ class _Bucket:
             sum(c for _, _, c in self.holds.values()),
         )
 
-    def slices(self, window: BudgetWindow) -> _Slices:
+    def slices(self, window: Rolling) -> _Slices:
         key = _window_key(window)
         found = self.windows.get(key)
         if found is None:
@@ -156,7 +157,7 @@ class MemoryBudgetStore:
                     hold.cost,
                     limit.cost_micros,
                 )
-                return Reserved(False, window=i, unit=Unit.COST, retry_ms=wait)
+                return Reserved(False, window=i, unit=Unit.USD, retry_ms=wait)
             used.append(tokens + held_t + hold.tokens)
         state.holds[hold.id] = (hold.expires_ms, hold.tokens, hold.cost)
         return Reserved(True, tuple(used))
@@ -207,7 +208,7 @@ class MemoryBudgetStore:
     async def buckets(self) -> list[Bucket]:
         return list(self._buckets)
 
-    async def reset(self, bucket: Bucket, windows: Sequence[BudgetWindow]) -> None:
+    async def reset(self, bucket: Bucket, windows: Sequence[Rolling]) -> None:
         state = self._buckets.get(bucket)
         if state is not None:
             for window in windows:

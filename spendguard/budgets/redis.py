@@ -28,14 +28,15 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from ..limits.model import Unit
+from ..limits.windows import Rolling
 from ..store.pipeline import ScriptPipeline, bounded_call, store_error
 from ..store.redis import client_for
-from .config import BudgetWindow, Unit
 from .store import Bucket, BucketCheck, BucketUsage, Hold, Reserved, WindowUsage
 
 T = TypeVar("T")
 _SCRIPTS = ("reserve", "commit", "release", "inspect", "seed")
-_UNITS = {1: Unit.TOKENS, 2: Unit.COST}
+_UNITS = {1: Unit.TOKENS, 2: Unit.USD}
 
 
 def _reserved(reply: Any) -> bool:
@@ -90,7 +91,7 @@ class RedisBudgetStore:
     def _base(self, bucket: Bucket) -> str:
         return f"{self._prefix}:{{{bucket.tag}}}:budget"
 
-    def keys(self, bucket: Bucket, windows: Sequence[BudgetWindow]) -> list[str]:
+    def keys(self, bucket: Bucket, windows: Sequence[Rolling]) -> list[str]:
         """The bucket's keys: holds, expiry, then one per window (one hash tag, one slot)."""
         base = self._base(bucket)
         return [
@@ -261,7 +262,7 @@ class RedisBudgetStore:
         )
         return BucketUsage(call.bucket, values[0], values[1], rows)
 
-    async def reset(self, bucket: Bucket, windows: Sequence[BudgetWindow]) -> None:
+    async def reset(self, bucket: Bucket, windows: Sequence[Rolling]) -> None:
         keys = self.keys(bucket, windows)[2:]
         if keys:
             await self._call(lambda: self._client.delete(*keys))

@@ -18,7 +18,9 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .config import SLICES, BudgetLimit, BudgetWindow, Scope, Unit
+from ..limits.model import Unit
+from ..limits.windows import SLICES, Rolling
+from .config import BudgetLimit, Scope
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,7 @@ class Bucket:
 # Made per request: not frozen (see LimitState, spendguard/store/base.py).
 @dataclass(slots=True, unsafe_hash=True)
 class WindowCheck:
-    window: BudgetWindow
+    window: Rolling
     limit: BudgetLimit
 
 
@@ -52,7 +54,7 @@ class BucketCheck:
     checks: tuple[WindowCheck, ...]
 
     @property
-    def windows(self) -> tuple[BudgetWindow, ...]:
+    def windows(self) -> tuple[Rolling, ...]:
         return tuple(c.window for c in self.checks)
 
 
@@ -88,7 +90,7 @@ class Reserved:
 # Made per request: not frozen (see LimitState, spendguard/store/base.py).
 @dataclass(slots=True, unsafe_hash=True)
 class WindowUsage:
-    window: BudgetWindow
+    window: Rolling
     tokens: int  # committed in the window
     cost: int
 
@@ -151,7 +153,7 @@ class BudgetStore(Protocol):
 
     async def inspect(self, call: BucketCheck, now_ms: int) -> BucketUsage: ...
 
-    async def reset(self, bucket: Bucket, windows: Sequence[BudgetWindow]) -> None:
+    async def reset(self, bucket: Bucket, windows: Sequence[Rolling]) -> None:
         """Forget the committed usage of ``windows`` (holds stay: their requests still end)."""
         ...
 
@@ -171,7 +173,7 @@ class BudgetStore(Protocol):
 
 def retry_ms(
     slices: dict[int, int],
-    window: BudgetWindow,
+    window: Rolling,
     now_ms: int,
     used: int,
     wanted: int,
@@ -201,9 +203,3 @@ def retry_ms(
         if drained >= need:
             return max(last, 1)
     return max(last, 1000)
-
-
-def reset_at_ms(window: BudgetWindow, now_ms: int) -> int:
-    """When the window will have emptied if nothing more is counted: the current slice (which
-    holds this request) leaves it."""
-    return (now_ms // window.slice_ms + SLICES) * window.slice_ms

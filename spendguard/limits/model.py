@@ -19,10 +19,14 @@ from .windows import Period, Window
 
 
 class SubjectKind(StrEnum):
+    """Who or what a limit applies to. Spend limits have team and API key subjects; budgets
+    (their own section) API keys, models and the fleet; the provider pool its keys."""
+
     TEAM = "team"
     API_KEY = "api_key"
-    # Model and fleet-wide subjects are further members; a subject's kind decides which
-    # records count against it (``Subject.covers``).
+    MODEL = "model"
+    FLEET = "fleet"
+    PROVIDER_KEY = "provider_key"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,7 @@ class Subject:
 
 class Unit(StrEnum):
     USD = "usd"  # amounts are integer micro-USD (1 USD = 1,000,000)
+    TOKENS = "tokens"  # prompt, output, cached and cache-write tokens together
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,17 +12,19 @@ from typing import Any
 
 import pytest
 
-from spendguard.budgets.config import SLICES, BudgetLimit, BudgetWindow, Scope, Unit
+from spendguard.budgets.config import BudgetLimit, Scope
 from spendguard.budgets.memory import MemoryBudgetStore
 from spendguard.budgets.redis import RedisBudgetStore
 from spendguard.budgets.store import Bucket, BucketCheck, BudgetStore, Hold, WindowCheck
 from spendguard.errors import StoreFull, StoreUnavailable
+from spendguard.limits.model import Unit
+from spendguard.limits.windows import SLICES, Rolling
 from tests.support import RedisCluster
 
 pytestmark = pytest.mark.anyio
 
-HOUR = BudgetWindow("hourly", "1h", 3600)  # 60 slices of one minute
-DAY = BudgetWindow("daily", "24h", 86_400)
+HOUR = Rolling("hourly", "1h", 3600)  # 60 slices of one minute
+DAY = Rolling("daily", "24h", 86_400)
 KEY = Bucket(Scope.PER_API_KEY, "acme:alpha")
 MODEL = Bucket(Scope.PER_MODEL, "gpt-4o")
 FLEET = Bucket(Scope.GLOBAL, "")
@@ -30,7 +32,7 @@ T0 = 1_800_000_000_000  # ms, on a slice boundary of both windows
 MINUTE = 60_000
 
 
-def tokens(limit: int, *windows: BudgetWindow, bucket: Bucket = KEY) -> BucketCheck:
+def tokens(limit: int, *windows: Rolling, bucket: Bucket = KEY) -> BucketCheck:
     return BucketCheck(bucket, tuple(WindowCheck(w, BudgetLimit(tokens=limit)) for w in windows))
 
 
@@ -163,7 +165,7 @@ async def test_cost_limits_apply_only_to_priced_requests(store: BudgetStore) -> 
     priced = hold(T0, 10, cost=1000)
     assert (await store.reserve([call], priced))[0].ok
     [denied] = await store.reserve([call], hold(T0, 10, cost=1))
-    assert not denied.ok and denied.unit is Unit.COST
+    assert not denied.ok and denied.unit is Unit.USD
     unpriced = hold(T0, 10)  # count_cost False
     assert (await store.reserve([call], unpriced))[0].ok
 

@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from spendguard.limits import Period
+from spendguard.limits.windows import SLICES, Rolling
 
 PLUS_2 = timezone(timedelta(hours=2))
 
@@ -84,3 +85,24 @@ def test_a_naive_datetime_is_refused_everywhere(period: Period, method: str) -> 
 def test_period_names_are_the_ledger_and_cli_spellings() -> None:
     assert [p.value for p in Period] == ["day", "month"]
     assert Period("month") is Period.MONTH
+
+
+def test_a_rolling_window_drains_by_sixtieths() -> None:
+    day = Rolling("daily", "24h", 86_400)
+    assert SLICES == 60 and day.slice_ms == 1_440_000  # 24 minutes
+    t = 1_800_000_000_000  # a slice boundary
+    assert day.slice_of(t) == day.slice_of(t + day.slice_ms - 1) == day.slice_of(t - 1) + 1
+    # Empty (if nothing more is counted) once the newest slice, the one of now, has left it.
+    assert day.reset_ms(t) == t + day.period_ms
+    assert day.reset_ms(t + day.slice_ms - 1) == t + day.period_ms
+
+
+def test_budget_scopes_are_subjects_of_the_limit_model() -> None:
+    from spendguard.budgets import Scope
+    from spendguard.limits import SubjectKind
+
+    assert {s: s.kind for s in Scope} == {
+        Scope.PER_API_KEY: SubjectKind.API_KEY,
+        Scope.PER_MODEL: SubjectKind.MODEL,
+        Scope.GLOBAL: SubjectKind.FLEET,
+    }
