@@ -306,18 +306,37 @@ def _then(refusal: Refusal, cleanup: list[Awaitable[object]]) -> Refusal:
     """``refusal``, then ``cleanup`` (what other checks of the round took, given back; sent
     already): the client has its answer without waiting for it, and it is done when the ASGI
     call ends. The cleanup is awaited even if sending fails; it never raises."""
+    return _ThenGiveBack(refusal, cleanup)
 
-    async def send_then_clean(send: Send) -> None:
+
+class _ThenGiveBack:
+    """A refusal that gives back what the round's other checks took once it is sent, or when
+    it is abandoned unsent (``abandon``: the app had answered already)."""
+
+    __slots__ = ("_cleanup", "_refusal")
+
+    def __init__(self, refusal: Refusal, cleanup: list[Awaitable[object]]) -> None:
+        self._refusal, self._cleanup = refusal, cleanup
+
+    async def __call__(self, send: Send) -> None:
         try:
-            await refusal(send)
+            await self._refusal(send)
         finally:
-            for done in cleanup:
-                try:
-                    await done
-                except Exception as exc:  # each part bounds and logs its own failures
-                    log.warning("spendguard could not give back a refused admission: %r", exc)
+            await self.abandon()
 
-    return send_then_clean
+    async def abandon(self) -> None:
+        cleanup, self._cleanup = self._cleanup, []
+        for done in cleanup:
+            try:
+                await done
+            except Exception as exc:  # each part bounds and logs its own failures
+                log.warning("spendguard could not give back a refused admission: %r", exc)
+
+
+async def abandon(refusal: Refusal) -> None:
+    """Give back what a refusal that will not be sent holds (nothing, for most)."""
+    if isinstance(refusal, _ThenGiveBack):
+        await refusal.abandon()
 
 
 def retry_of(state: dict[str, Any]) -> tuple[datetime | None, str | None]:

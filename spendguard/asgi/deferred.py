@@ -23,6 +23,7 @@ from .admission import (
     Disconnected,
     Exchange,
     RoutedBy,
+    abandon,
     admit_inference,
     bad_request,
 )
@@ -103,6 +104,7 @@ async def deferred_inference(
         await app(scope, replay(body, receive), observed_send)
     except Refused as refused:
         if started:
+            await abandon(refused.respond)  # no answer can be sent: give back what it holds
             raise
         await refused.respond(send)
     finally:
