@@ -154,3 +154,22 @@ def find_guard(app: Any) -> SpendGuard | None:
         if node is None:
             return None
     return None
+
+
+def section_args(prog: str) -> Any:
+    """The options of a section run alone (``python -m benchmarks.<section>``): ``--quick``,
+    ``--repeat N`` and ``--postgres-url`` (default: ``SPENDGUARD_TEST_POSTGRES_URL`` or the
+    local server as user postgres)."""
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--postgres-url",
+        default=os.environ.get(
+            "SPENDGUARD_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+        ),
+    )
+    return parser.parse_args()

@@ -40,7 +40,7 @@ from tests.support import RedisCluster
 
 from .apps import HEALTH_PATH, INFERENCE_PATH, MODEL, chat_body
 from .asgi import Call, http_scope, lifespan
-from .common import HIGH_LIMIT_MICROS, Services, Sizes, find_guard
+from .common import HIGH_LIMIT_MICROS, Services, Sizes, find_guard, section_args
 from .stats import percentile, summary
 
 HIGH = 10**12  # never denies during a run
@@ -208,9 +208,7 @@ async def measure(services: Services, sizes: Sizes, repeats: int) -> dict[str, A
 
 def main() -> None:
     """``python -m benchmarks.features [--quick] [--repeat N]``: section 6 alone, printed."""
-    import argparse
     import asyncio
-    import os
     import tempfile
     from contextlib import ExitStack
     from pathlib import Path
@@ -218,16 +216,7 @@ def main() -> None:
     from .report import features_section
     from .services import PrivatePostgres, PrivateRedis
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.features")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument(
-        "--postgres-url",
-        default=os.environ.get(
-            "SPENDGUARD_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-        ),
-    )
-    args = parser.parse_args()
+    args = section_args("python -m benchmarks.features")
     sizes = Sizes.quick() if args.quick else Sizes.full()
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sg-features-")))

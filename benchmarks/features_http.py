@@ -26,7 +26,7 @@ from spendguard import SpendGuard
 from spendguard.settings import load_settings
 
 from .apps import MODEL
-from .common import HIGH_LIMIT_MICROS, Sizes, bench_identity, set_policies
+from .common import HIGH_LIMIT_MICROS, Sizes, bench_identity, section_args, set_policies
 from .features import BUDGETS
 from .http_load import _cpu_seconds, target
 from .loadgen import run_load
@@ -174,24 +174,13 @@ def section(results: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     """``python -m benchmarks.features_http [--quick] [--repeat N]``: section 6b alone."""
-    import argparse
-    import os
     import tempfile
     from contextlib import ExitStack
 
     from .loadgen import close_worker
     from .services import PrivateRedis
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.features_http")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument(
-        "--postgres-url",
-        default=os.environ.get(
-            "SPENDGUARD_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-        ),
-    )
-    args = parser.parse_args()
+    args = section_args("python -m benchmarks.features_http")
     sizes = Sizes.quick() if args.quick else Sizes.full()
     with ExitStack() as stack:
         stack.callback(close_worker)

@@ -262,7 +262,7 @@ class BudgetGate:
         from the ledger first: its calls then leave later, on their own."""
         config = self.config
         if not config.active:
-            return _NO_BUDGET()
+            return _no_budget()
         override: BudgetOverride | None = None
         if identity.api_key is not None and self.overrides is not None:
             known, override = self.overrides.peek(identity)
@@ -295,7 +295,7 @@ class BudgetGate:
             planned = self._plans[known] = (config, *self.plan(config, identity, model, override))
         _, calls, default_key = planned
         if not calls:
-            return _NO_BUDGET()
+            return _no_budget()
         output = self.output.tokens(request, self.prices, config.default_output_tokens)
         estimate = Usage(input_tokens=request.estimated_input_tokens, output_tokens=output)
         price = self.prices.lookup(model)
@@ -312,7 +312,7 @@ class BudgetGate:
             ttl_ms=max(w.period_ms for c in calls for w in c.windows) + hold_ms,
         )
         store = self.store_for(config)
-        reserving = store.reserve_soon(calls, hold)
+        reserving = store.reserve(calls, hold)
         return self._admitted(
             config, store, calls, hold, reserving, request, estimate, default_key, price is not None
         )
@@ -557,12 +557,12 @@ class BudgetGate:
         """:meth:`finish`, its store calls sent before this returns (see :meth:`begin`): on
         Redis in the same pipeline write as the spend limits' postflight. Must be awaited."""
         if admission.done or admission.hold is None or admission.store is None:
-            return _NO_BUDGET()
+            return _no_budget()
         admission.done = True
         hold, store = admission.hold, admission.store
         if usage is None:
             buckets = [c.bucket for c in admission.calls]
-            return self._released(store.release_soon(buckets, hold.id))
+            return self._released(store.release(buckets, hold.id))
         tokens = (
             usage.input_tokens
             + usage.output_tokens
@@ -573,7 +573,7 @@ class BudgetGate:
         if admission.count_cost:
             price = self.prices.lookup(model) or self.prices.lookup(admission.model)
             cost = 0 if price is None else int(price.cost(usage))
-        committing = store.commit_soon(
+        committing = store.commit(
             admission.calls,
             hold.id,
             now_ms=self._now_ms(),
@@ -631,9 +631,6 @@ class BudgetGate:
 
 async def _no_budget() -> None:
     return None
-
-
-_NO_BUDGET = _no_budget
 
 
 def override_window(override: BudgetOverride) -> Rolling:

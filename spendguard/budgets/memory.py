@@ -101,30 +101,12 @@ class MemoryBudgetStore:
             if state.empty:
                 del self._buckets[bucket]
 
-    async def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> list[Reserved]:
+    # In this process nothing is sent: each call's work runs when it is awaited.
+    def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> Awaitable[list[Reserved]]:
+        return self._reserve(calls, hold)
+
+    async def _reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> list[Reserved]:
         return [self.reserve_one(call, hold) for call in calls]
-
-    # In this process nothing is sent: the ``*_soon`` forms run when awaited.
-    def reserve_soon(self, calls: Sequence[BucketCheck], hold: Hold) -> Awaitable[list[Reserved]]:
-        return self.reserve(calls, hold)
-
-    def commit_soon(
-        self,
-        calls: Sequence[BucketCheck],
-        hold_id: str,
-        *,
-        now_ms: int,
-        at_ms: int,
-        tokens: int,
-        cost: int,
-        ttl_ms: int,
-    ) -> Awaitable[None]:
-        return self.commit(
-            calls, hold_id, now_ms=now_ms, at_ms=at_ms, tokens=tokens, cost=cost, ttl_ms=ttl_ms
-        )
-
-    def release_soon(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[None]:
-        return self.release(buckets, hold_id)
 
     def reserve_one(self, call: BucketCheck, hold: Hold) -> Reserved:
         state = self._bucket(call.bucket, hold.now_ms)
@@ -162,7 +144,7 @@ class MemoryBudgetStore:
         state.holds[hold.id] = (hold.expires_ms, hold.tokens, hold.cost)
         return Reserved(True, tuple(used))
 
-    async def commit(
+    def commit(
         self,
         calls: Sequence[BucketCheck],
         hold_id: str,
@@ -172,6 +154,17 @@ class MemoryBudgetStore:
         tokens: int,
         cost: int,
         ttl_ms: int,
+    ) -> Awaitable[None]:
+        return self._commit(calls, hold_id, now_ms, at_ms, tokens, cost)
+
+    async def _commit(
+        self,
+        calls: Sequence[BucketCheck],
+        hold_id: str,
+        now_ms: int,
+        at_ms: int,
+        tokens: int,
+        cost: int,
     ) -> None:
         for call in calls:
             state = self._bucket(call.bucket, now_ms)
@@ -189,7 +182,10 @@ class MemoryBudgetStore:
     ) -> bool:
         return False  # never unseeded: a process's counters live and die with it
 
-    async def release(self, buckets: Sequence[Bucket], hold_id: str) -> None:
+    def release(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[None]:
+        return self._release(buckets, hold_id)
+
+    async def _release(self, buckets: Sequence[Bucket], hold_id: str) -> None:
         for bucket in buckets:
             state = self._buckets.get(bucket)
             if state is not None:

@@ -57,12 +57,11 @@ class OverrideCache:
         return False, None
 
     async def get(self, identity: Identity) -> BudgetOverride | None:
-        if identity.api_key is None:
-            return None
+        known, found = self.peek(identity)
+        if known or identity.api_key is None:
+            return found
         key = (identity.team, identity.api_key)
         entry = self._entries.get(key)
-        if entry is not None and entry[0] > self._monotonic():
-            return entry[1]
         return await self._reads.do(key, lambda: self._read(key, entry))
 
     async def _read(

@@ -119,9 +119,9 @@ class RedisBudgetStore:
         return replies
 
     # -- BudgetStore ------------------------------------------------------------------------
-    def reserve_soon(self, calls: Sequence[BucketCheck], hold: Hold) -> Awaitable[list[Reserved]]:
-        """Submit every bucket's reserve now, into the pipeline's next write (with whatever
-        else this event-loop turn submits); await the result for the answers."""
+    # Each hot-path call is sent before it returns, into the pipeline's next write (with
+    # whatever else this event-loop turn sends); the awaitable it returns has the answer.
+    def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> Awaitable[list[Reserved]]:
         head = [
             str(hold.now_ms),
             hold.id,
@@ -160,9 +160,6 @@ class RedisBudgetStore:
         self._wires[id(call)] = (call, keys, limits, slices)
         return keys, limits, slices
 
-    async def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> list[Reserved]:
-        return await self.reserve_soon(calls, hold)
-
     async def _reserved(
         self, calls: Sequence[BucketCheck], hold: Hold, pending: Sequence[Awaitable[Any]]
     ) -> list[Reserved]:
@@ -192,7 +189,7 @@ class RedisBudgetStore:
                 out.append(Reserved(False, window=int(raw[1]) - 1, unit=unit, retry_ms=int(raw[3])))
         return out
 
-    def commit_soon(
+    def commit(
         self,
         calls: Sequence[BucketCheck],
         hold_id: str,
@@ -203,7 +200,6 @@ class RedisBudgetStore:
         cost: int,
         ttl_ms: int,
     ) -> Awaitable[list[Any]]:
-        """Submit the commits now (see :meth:`reserve_soon`)."""
         head = [str(now_ms), hold_id, str(at_ms), str(tokens), str(cost), str(ttl_ms)]
         script = self._scripts["commit"]
         pending = []
@@ -211,21 +207,6 @@ class RedisBudgetStore:
             keys, _, slices = self._wire_of(call)
             pending.append(self.pipeline.submit(script, keys, head + slices))
         return self._gather(pending)
-
-    async def commit(
-        self,
-        calls: Sequence[BucketCheck],
-        hold_id: str,
-        *,
-        now_ms: int,
-        at_ms: int,
-        tokens: int,
-        cost: int,
-        ttl_ms: int,
-    ) -> None:
-        await self.commit_soon(
-            calls, hold_id, now_ms=now_ms, at_ms=at_ms, tokens=tokens, cost=cost, ttl_ms=ttl_ms
-        )
 
     async def seed(
         self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
@@ -240,16 +221,12 @@ class RedisBudgetStore:
         keys = self.keys(call.bucket, call.windows)
         return bool(int(await self.pipeline.submit(self._scripts["seed"], keys, args)))
 
-    def release_soon(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[list[Any]]:
-        """Submit the releases now (see :meth:`reserve_soon`)."""
+    def release(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[list[Any]]:
         pending = [
             self.pipeline.submit(self._scripts["release"], self.keys(b, ()), [hold_id])
             for b in buckets
         ]
         return self._gather(pending)
-
-    async def release(self, buckets: Sequence[Bucket], hold_id: str) -> None:
-        await self.release_soon(buckets, hold_id)
 
     async def inspect(self, call: BucketCheck, now_ms: int) -> BucketUsage:
         script = self._scripts["inspect"]

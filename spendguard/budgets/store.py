@@ -107,33 +107,15 @@ class BucketUsage:
 class BudgetStore(Protocol):
     shared: bool  # True: every replica sees the same counters (Redis)
 
-    # The ``*_soon`` forms send their calls at once (on Redis: into the spend store's next
-    # pipeline write, so budgets and spend limits cost one round trip together) and return
-    # what to await for the answer; it must be awaited.
-    def reserve_soon(
-        self, calls: Sequence[BucketCheck], hold: Hold
-    ) -> Awaitable[list[Reserved]]: ...
-
-    def commit_soon(
-        self,
-        calls: Sequence[BucketCheck],
-        hold_id: str,
-        *,
-        now_ms: int,
-        at_ms: int,
-        tokens: int,
-        cost: int,
-        ttl_ms: int,
-    ) -> Awaitable[object]: ...
-
-    def release_soon(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[object]: ...
-
-    async def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> list[Reserved]:
+    # The request path's calls are sent before they return (on Redis: into the spend store's
+    # next pipeline write, so budgets and spend limits cost one round trip together); the
+    # awaitable they return has the answer, and must be awaited.
+    def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> Awaitable[list[Reserved]]:
         """Reserve ``hold`` in each bucket where every window can afford it (each bucket on
         its own, atomically); one answer per call, in order."""
         ...
 
-    async def commit(
+    def commit(
         self,
         calls: Sequence[BucketCheck],
         hold_id: str,
@@ -143,11 +125,11 @@ class BudgetStore(Protocol):
         tokens: int,
         cost: int,
         ttl_ms: int,
-    ) -> None:
+    ) -> Awaitable[object]:
         """Replace the hold by the actual usage, counted in the slice of ``at_ms``."""
         ...
 
-    async def release(self, buckets: Sequence[Bucket], hold_id: str) -> None:
+    def release(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[object]:
         """Return the hold (nothing is counted)."""
         ...
 

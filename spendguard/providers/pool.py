@@ -158,7 +158,7 @@ class ProviderPool:
         ids = list(dict.fromkeys(c.id if isinstance(c, ProviderKey) else c for c in candidates))
         now = self._clock()
         if not ids:
-            return _no_capacity(NoCapacity({}, None, now))
+            return _ready(NoCapacity({}, None, now))
         return self._leased(ids, tokens, now, self.store.acquire(ids, tokens, _ms(now)))
 
     @staticmethod
@@ -188,7 +188,7 @@ class ProviderPool:
         if tokens is not None:
             _check_tokens(tokens)
         if lease.done:
-            return _no_capacity(None)
+            return _ready(None)
         lease.done = True
         now_ms = _ms(self._clock())
         return self.store.settle(lease.key_id, lease.window, lease.tokens, tokens, now_ms)
@@ -230,7 +230,8 @@ class ProviderPool:
         await self.store.aclose()
 
 
-async def _no_capacity(value: T) -> T:
+async def _ready(value: T) -> T:
+    """An awaitable already answered (nothing to send)."""
     return value
 
 
