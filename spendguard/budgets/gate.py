@@ -57,7 +57,7 @@ log = logging.getLogger("spendguard.budgets")
 
 _SCOPE_RANK = {Scope.PER_API_KEY: 0, Scope.PER_MODEL: 1, Scope.GLOBAL: 2}
 OUTAGE_RETRY_AFTER = 5
-# The budgets' names of the units, in 429 details and metric labels (seed 001's).
+# The budgets' names of the units, in 429 details and metric labels (as docs/budgets.md states).
 UNIT_NAMES: Final = {Unit.TOKENS: "tokens", Unit.USD: "cost_micro_usd"}
 _MAX_PLANS = 10_000  # budget plans kept per gate; beyond, start over
 
