@@ -204,7 +204,7 @@ class SpendGuard:
         """The provider-key pool beside this guard's store (on its Redis client, or in this
         process): register keys here; ``provider_candidates`` lease from it at admission."""
         if self._pool is None:
-            self._pool = ProviderPool.beside(self.store, self.settings, clock=self.clock)
+            self._pool = ProviderPool.beside(self.store, clock=self.clock)
         return self._pool
 
     @property

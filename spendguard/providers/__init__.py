@@ -14,40 +14,32 @@ Or declared to the middleware (``provider_candidates``, or ``candidates=``): the
 taken in the admission's round trip and settled in the finishing one, and the app finds it in
 ``request.state.spendguard_provider_key`` (:data:`STATE_PROVIDER_KEY`).
 
-Modules: :mod:`.model` (values and :class:`NoCapacity`), :mod:`.base` (the store Protocol and
-its shared semantics), :mod:`.memory` and :mod:`.redis` (the stores; Lua in ``lua/``),
-:mod:`.pool` (the API), :mod:`.routing` (candidates declared at admission),
-:mod:`.retry_after` (reading a 429's wait).
+The keys' state lives in the gateway's one store (:class:`~spendguard.store.Store`, its
+provider-capacity calls), beside every other limit. Modules: :mod:`.model` (a lease and
+:class:`NoCapacity`), :mod:`.pool` (the API), :mod:`.routing` (candidates declared at
+admission), :mod:`.retry_after` (reading a 429's wait).
 """
 
 from __future__ import annotations
 
-from .base import Attempt, PoolStore, StoredKey
-from .memory import MemoryPoolStore
-from .model import WINDOW_MS, KeyState, Lease, NoCapacity, ProviderKey, Refusal
-from .pool import MAX_COOLDOWN, POOL_STORES, ProviderPool
-from .redis import RedisPoolStore
+from ..limits.capacity import WINDOW_MS, ProviderKey, Refusal
+from .model import KeyState, Lease, NoCapacity
+from .pool import MAX_COOLDOWN, ProviderPool
 from .retry_after import retry_after_seconds
 from .routing import STATE_PROVIDER_KEY, Candidates, ProviderRouting, candidates_of
 
 __all__ = [
     "MAX_COOLDOWN",
-    "POOL_STORES",
     "STATE_PROVIDER_KEY",
     "WINDOW_MS",
-    "Attempt",
     "Candidates",
     "KeyState",
     "Lease",
-    "MemoryPoolStore",
     "NoCapacity",
-    "PoolStore",
     "ProviderKey",
     "ProviderPool",
     "ProviderRouting",
-    "RedisPoolStore",
     "Refusal",
-    "StoredKey",
     "candidates_of",
     "retry_after_seconds",
 ]

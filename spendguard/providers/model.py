@@ -1,51 +1,15 @@
-"""The provider-key pool's values: a key's capacity, a lease on it, what a key looks like now,
-and why none of the candidates could take a request.
-
-A provider key here is an *id* the router chooses (``openai-prod-1``), never the secret: the
-secret stays in the router's own configuration and nothing of it reaches the store.
-"""
+"""The provider-key pool's values for a router: a lease on a key, what a key looks like now,
+and why none of the candidates could take a request (the key and its capacity are limit
+values: :mod:`spendguard.limits.capacity`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from enum import StrEnum
 
 from ..errors import SpendGuardError
-
-WINDOW_MS = 60_000
-"""TPM and RPM are per minute: each key counts in fixed windows aligned on the UTC minute."""
-
-MAX_AMOUNT = 10**12
-"""The largest token count or capacity accepted. It keeps every count and every epoch
-millisecond exact in Lua's doubles and in their decimal form (14 significant digits)."""
-
-
-def _check_count(name: str, value: int | None, *, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_AMOUNT:
-        raise ValueError(f"{name} must be an integer from 0 to {MAX_AMOUNT}, got {value!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class ProviderKey:
-    """One upstream API key as the pool knows it: its id, the provider it belongs to and its
-    capacity per minute. ``None`` leaves a dimension unlimited (it is still counted)."""
-
-    id: str
-    provider: str
-    tpm: int | None = None
-    rpm: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.id, str) or not self.id:
-            raise ValueError("a provider key needs a non-empty id")
-        if not isinstance(self.provider, str) or not self.provider:
-            raise ValueError("a provider key needs a non-empty provider name")
-        _check_count("tpm", self.tpm, allow_none=True)
-        _check_count("rpm", self.rpm, allow_none=True)
+from ..limits.capacity import MAX_AMOUNT, WINDOW_MS, ProviderKey, Refusal
 
 
 # Made per request: not frozen (see LimitState, spendguard/store/base.py).
@@ -65,15 +29,6 @@ class Lease:
     @property
     def window_start(self) -> int:
         return self.window * WINDOW_MS
-
-
-class Refusal(StrEnum):
-    """Why a candidate did not get the request."""
-
-    COOLING = "cooling"  # in a cooldown after the provider answered 429
-    FULL = "full"  # no request or not enough tokens left in this window
-    TOO_LARGE = "too_large"  # the estimate is more than the key's whole TPM
-    UNKNOWN = "unknown"  # not registered
 
 
 # Made per request: not frozen (see LimitState, spendguard/store/base.py).
@@ -108,3 +63,6 @@ class NoCapacity(SpendGuardError):
             self.retry_after = max(1, -int(-wait // 1))
         reasons = ", ".join(f"{k}: {r.value}" for k, r in self.refusals.items()) or "none"
         super().__init__(f"no provider key has capacity ({reasons})")
+
+
+__all__ = ["MAX_AMOUNT", "WINDOW_MS", "KeyState", "Lease", "NoCapacity", "ProviderKey", "Refusal"]

@@ -25,31 +25,12 @@ from datetime import datetime
 from typing import TypeVar
 
 from ..clock import from_micros, to_micros, utcnow
-from ..errors import ConfigurationError
+from ..limits.capacity import MAX_AMOUNT, WINDOW_MS, Acquired, ProviderKey, Refusal
 from ..settings import Settings, load_settings
-from ..store.redis import REDIS_SCHEMES, redis_parts
-from .base import Acquired, PoolStore
-from .memory import MemoryPoolStore
-from .model import MAX_AMOUNT, WINDOW_MS, KeyState, Lease, NoCapacity, ProviderKey, Refusal
-from .redis import RedisPoolStore
+from ..store import Store, make_store, store_for
+from .model import KeyState, Lease, NoCapacity
 
 T = TypeVar("T")
-PoolStoreFactory = Callable[[str, str, float], PoolStore]
-
-
-def _memory(url: str, prefix: str, timeout: float) -> PoolStore:
-    return MemoryPoolStore()
-
-
-def _redis(url: str, prefix: str, timeout: float) -> PoolStore:
-    return RedisPoolStore.from_url(url, prefix=prefix, timeout=timeout)
-
-
-POOL_STORES: dict[str, PoolStoreFactory] = {
-    "memory": _memory,
-    **dict.fromkeys(REDIS_SCHEMES, _redis),
-}
-"""URL scheme -> pool store (``memory://``: in this process only)."""
 
 MAX_COOLDOWN = 3600.0
 """Seconds a single cooldown may last by default: a provider's absurd Retry-After must not
@@ -70,16 +51,18 @@ class ProviderPool:
 
     def __init__(
         self,
-        store: PoolStore,
+        store: Store,
         *,
         clock: Callable[[], datetime] = utcnow,
         max_cooldown: float = MAX_COOLDOWN,
+        owned: bool = True,
     ) -> None:
         if not max_cooldown > 0:
             raise ValueError("max_cooldown must be positive")
         self.store = store
         self._clock = clock
         self._max_cooldown = max_cooldown
+        self._owned = owned  # False: the store is a gateway's, closed with its guard
 
     @classmethod
     def from_url(
@@ -92,14 +75,8 @@ class ProviderPool:
     ) -> ProviderPool:
         """The pool on ``memory://`` or a Redis URL (``redis://``, ``rediss://``, ``unix://``,
         ``redis+cluster://``); ``timeout`` bounds each Redis call."""
-        scheme = url.partition("://")[0]
-        factory = POOL_STORES.get(scheme)
-        if factory is None:
-            raise ConfigurationError(
-                f"unsupported pool URL scheme {scheme!r}: use one of "
-                + ", ".join(f"{s}://" for s in POOL_STORES)
-            )
-        return cls(factory(url, prefix, timeout), clock=clock)
+        settings = Settings.model_construct(key_prefix=prefix, redis_timeout=timeout)
+        return cls(store_for(url, settings, clock), clock=clock)
 
     @classmethod
     def from_settings(
@@ -108,34 +85,22 @@ class ProviderPool:
         """The pool where spendguard's cache is: on ``SPENDGUARD_REDIS_URL`` (with its key
         prefix and timeout) when it is set, else in this process."""
         settings = settings or load_settings()
-        url = "memory://" if settings.redis_url is None else settings.redis_url.get_secret_value()
-        return cls.from_url(
-            url, prefix=settings.key_prefix, timeout=settings.redis_timeout, clock=clock
-        )
+        return cls(make_store(settings, clock), clock=clock)
 
     @classmethod
-    def beside(
-        cls, store: object, settings: Settings, *, clock: Callable[[], datetime] = utcnow
-    ) -> ProviderPool:
-        """The pool next to a gateway's spend store: on a Redis store's client and pipeline
-        (one connection pool; its calls leave in the same pipeline writes as the spend
-        limits'), else in this process."""
-        parts = redis_parts(store)
-        if parts is None:
-            return cls(MemoryPoolStore(), clock=clock)
-        pooled = RedisPoolStore(
-            parts.client, prefix=settings.key_prefix, timeout=parts.timeout, pipeline=parts.pipeline
-        )
-        return cls(pooled, clock=clock)
+    def beside(cls, store: Store, *, clock: Callable[[], datetime] = utcnow) -> ProviderPool:
+        """The pool in a gateway's own store: on Redis its calls leave in the same pipeline
+        writes as the spend limits'; the store stays the gateway's to close."""
+        return cls(store, clock=clock, owned=False)
 
     async def register(self, *keys: ProviderKey) -> None:
         """Add keys, or change their provider and capacity; their counters and cooldowns
         stay, so every replica may register its keys at start."""
         for key in keys:
-            await self.store.register(key)
+            await self.store.register_key(key)
 
     async def remove(self, key_id: str) -> None:
-        await self.store.remove(key_id)
+        await self.store.remove_key(key_id)
 
     async def acquire(self, candidates: Iterable[str | ProviderKey], *, tokens: int) -> Lease:
         """Reserve one request and ``tokens`` on the first candidate, in order, that is
@@ -191,7 +156,7 @@ class ProviderPool:
             return _ready(None)
         lease.done = True
         now_ms = _ms(self._clock())
-        return self.store.settle(lease.key_id, lease.window, lease.tokens, tokens, now_ms)
+        return self.store.settle_lease(lease.key_id, lease.window, lease.tokens, tokens, now_ms)
 
     async def release(self, lease: Lease) -> None:
         """Give the lease back: the call was not made, or the provider refused it."""
@@ -210,7 +175,7 @@ class ProviderPool:
     async def state(self, key_id: str) -> KeyState | None:
         """What the store holds for ``key_id`` now (None: not registered)."""
         now_ms = _ms(self._clock())
-        found = await self.store.state(key_id, now_ms)
+        found = await self.store.key_state(key_id, now_ms)
         if found is None:
             return None
         return KeyState(
@@ -227,7 +192,8 @@ class ProviderPool:
         )
 
     async def aclose(self) -> None:
-        await self.store.aclose()
+        if self._owned:
+            await self.store.aclose()
 
 
 async def _ready(value: T) -> T:
@@ -240,4 +206,4 @@ def _check_tokens(tokens: int) -> None:
         raise ValueError(f"tokens must be an integer from 0 to {MAX_AMOUNT}, got {tokens!r}")
 
 
-__all__ = ["POOL_STORES", "ProviderPool"]
+__all__ = ["ProviderPool"]

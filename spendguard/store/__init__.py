@@ -34,7 +34,7 @@ def _memory(url: str, settings: Settings, clock: Callable[[], datetime]) -> Stor
 
 
 def _redis(url: str, settings: Settings, clock: Callable[[], datetime]) -> Store:
-    return RedisStore.from_url(url, timeout=settings.redis_timeout)
+    return RedisStore.from_url(url, prefix=settings.key_prefix, timeout=settings.redis_timeout)
 
 
 STORES: dict[str, StoreFactory] = {"memory": _memory, **dict.fromkeys(REDIS_SCHEMES, _redis)}
@@ -46,7 +46,11 @@ def store_url(settings: Settings) -> str:
 
 def make_store(settings: Settings, clock: Callable[[], datetime] = utcnow) -> Store:
     """The store the settings ask for: Redis when a URL is set, else the embedded one."""
-    url = store_url(settings)
+    return store_for(store_url(settings), settings, clock)
+
+
+def store_for(url: str, settings: Settings, clock: Callable[[], datetime] = utcnow) -> Store:
+    """The store of ``url`` (``memory://`` or a Redis URL), the rest from ``settings``."""
     scheme = url.partition("://")[0]
     factory = STORES.get(scheme)
     if factory is None:
@@ -71,4 +75,5 @@ __all__ = [
     "Store",
     "UsageFill",
     "make_store",
+    "store_for",
 ]

@@ -21,13 +21,14 @@ Lua script. The store speaks the cache's language (key names and policy-hash fie
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from ..limits import Balance, Check, KeyPlan
+from ..limits.capacity import Acquired, ProviderKey, StoredKey
 from ..limits.rates import RateDenial, RateKind, RateState, Scope, parse_state
 
 
@@ -262,6 +263,40 @@ class Store(Protocol):
     async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:
         """Cached usage (settled + pending) per key, None when absent; for the CLI and tests."""
         ...
+
+    # -- provider capacity (design.md, "Provider keys") --------------------------------------
+    # A provider key holds its capacity (rpm, tpm; absent: unlimited), the counters of one
+    # rate window (requests, tokens, and which window they belong to) and the end of its
+    # cooldown. Counters of a window that is over read as 0. Time is always the caller's.
+    async def register_key(self, key: ProviderKey) -> None:
+        """Set provider and capacity; the counters and the cooldown stay, so re-registering
+        at start (every replica does) never resets a window."""
+        ...
+
+    async def remove_key(self, key_id: str) -> None: ...
+
+    def acquire(self, key_ids: Sequence[str], tokens: int, now_ms: int) -> Awaitable[Acquired]:
+        """Reserve 1 request and ``tokens`` in the current window on the first candidate, in
+        order, that is registered, not cooling down and where both fit (``requests + 1 <=
+        rpm``, ``tokens_used + tokens <= tpm``): choice, check and reservation are one step.
+        Sent at once (on Redis, in the next pipeline write); await the answer."""
+        ...
+
+    def settle_lease(
+        self, key_id: str, window: int, reserved: int, actual: int | None, now_ms: int
+    ) -> Awaitable[object]:
+        """In the lease's window, replace the reservation with the ``actual`` tokens (never
+        below 0); in a later window add only what the call used beyond its reservation, to the
+        current window. ``actual`` None releases: in the lease's window the request and the
+        reserved tokens are given back; later, nothing is left to give. Sent at once."""
+        ...
+
+    async def cooldown(self, key_id: str, until_ms: int) -> int | None:
+        """Move the key's cooldown end to the later of the stored and the given time (a
+        replica never shortens another's); the end after this call, None if unregistered."""
+        ...
+
+    async def key_state(self, key_id: str, now_ms: int) -> StoredKey | None: ...
 
     async def aclose(self) -> None: ...
 

@@ -7,13 +7,15 @@ raises :class:`StoreFull` and the request is refused, never allowed untracked.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from ..clock import to_millis, utcnow
 from ..errors import StoreFull
 from ..limits import Balance, Check, KeyPlan
+from ..limits.capacity import Acquired, Attempt, ProviderKey, Refusal, StoredKey
 from ..limits.codec import HARD_PREFIX, LOADED_FIELD
 from ..limits.models import ALLOW_PREFIX, allows
 from ..limits.rates import RATE_PREFIX, WINDOW_MS, Rates, RateState, Scope, exceeds, minute_of
@@ -84,6 +86,39 @@ class _Rate:
         self.minute = max(self.minute, minute)
 
 
+@dataclass(slots=True)
+class _ProviderKey:
+    """A provider key's capacity, its one-minute counters and its cooldown end."""
+
+    provider: str
+    tpm: int | None
+    rpm: int | None
+    window: int = -1
+    requests: int = 0
+    tokens: int = 0
+    cooling_until: int = 0
+
+    def open(self, window: int) -> None:
+        """Make ``window`` the counted one (a window that is over counts as 0)."""
+        if self.window != window:
+            self.window, self.requests, self.tokens = window, 0, 0
+
+    def attempt(self, tokens: int, now_ms: int) -> Attempt:
+        if self.cooling_until > now_ms:
+            return Attempt(Refusal.COOLING, free_at_ms=self.cooling_until)
+        if self.tpm is not None and tokens > self.tpm:
+            return Attempt(Refusal.TOO_LARGE)
+        window = now_ms // WINDOW_MS
+        self.open(window)
+        if (self.rpm is not None and self.requests + 1 > self.rpm) or (
+            self.tpm is not None and self.tokens + tokens > self.tpm
+        ):
+            return Attempt(Refusal.FULL, free_at_ms=(window + 1) * WINDOW_MS)
+        self.requests += 1
+        self.tokens += tokens
+        return Attempt(None, window=window)
+
+
 class MemoryStore:
     shared = False  # lives in one process: other processes (a CLI) can't reach it
 
@@ -98,6 +133,8 @@ class MemoryStore:
         # with everything else, so the engine writes none here; kept for the one contract).
         self._entries: dict[str, dict[str, str]] = {}
         self._rates: dict[str, _Rate] = {}
+        # Provider keys are few (the operator registers them): outside the bound.
+        self._provider_keys: dict[str, _ProviderKey] = {}
 
     # -- helpers --------------------------------------------------------------------------
     def _live_usage(self, key: str, now: datetime) -> _Usage | None:
@@ -422,13 +459,82 @@ class MemoryStore:
             out[key] = None if usage is None else usage.settled + usage.pending
         return out
 
+    # -- provider capacity ------------------------------------------------------------------
+    async def register_key(self, key: ProviderKey) -> None:
+        found = self._provider_keys.get(key.id)
+        if found is None:
+            self._provider_keys[key.id] = _ProviderKey(key.provider, key.tpm, key.rpm)
+        else:
+            found.provider, found.tpm, found.rpm = key.provider, key.tpm, key.rpm
+
+    async def remove_key(self, key_id: str) -> None:
+        self._provider_keys.pop(key_id, None)
+
+    def acquire(self, key_ids: Sequence[str], tokens: int, now_ms: int) -> Awaitable[Acquired]:
+        refused: list[Attempt] = []
+        for i, key_id in enumerate(key_ids):
+            key = self._provider_keys.get(key_id)
+            attempt = Attempt(Refusal.UNKNOWN) if key is None else key.attempt(tokens, now_ms)
+            if attempt.granted:
+                return _ready(Acquired(i, attempt.window))
+            refused.append(attempt)
+        return _ready(Acquired(None, refused=tuple(refused)))
+
+    def settle_lease(
+        self, key_id: str, window: int, reserved: int, actual: int | None, now_ms: int
+    ) -> Awaitable[None]:
+        key = self._provider_keys.get(key_id)
+        current = now_ms // WINDOW_MS
+        if key is None:
+            pass
+        elif window == current and key.window == current:
+            if actual is None:
+                key.requests = max(0, key.requests - 1)
+                key.tokens = max(0, key.tokens - reserved)
+            else:
+                key.tokens = max(0, key.tokens - reserved + actual)
+        elif actual is not None and actual > reserved:
+            key.open(current)
+            key.tokens += actual - reserved
+        return _ready(None)
+
+    async def cooldown(self, key_id: str, until_ms: int) -> int | None:
+        key = self._provider_keys.get(key_id)
+        if key is None:
+            return None
+        key.cooling_until = max(key.cooling_until, until_ms)
+        return key.cooling_until
+
+    async def key_state(self, key_id: str, now_ms: int) -> StoredKey | None:
+        key = self._provider_keys.get(key_id)
+        if key is None:
+            return None
+        live = key.window == now_ms // WINDOW_MS
+        return StoredKey(
+            key.provider,
+            key.tpm,
+            key.rpm,
+            key.requests if live else 0,
+            key.tokens if live else 0,
+            key.cooling_until,
+        )
+
     async def aclose(self) -> None:
+        self._provider_keys.clear()
         self._usage.clear()
         self._policies.clear()
         self._rates.clear()
 
     def __len__(self) -> int:
         return len(self._usage) + len(self._policies) + len(self._rates)
+
+
+T = TypeVar("T")
+
+
+async def _ready(value: T) -> T:
+    """An answer already decided: the call is as atomic as a script, and its awaitable has it."""
+    return value
 
 
 def _check_amount(value: int) -> None:

@@ -28,7 +28,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ..clock import to_millis, utcnow
 from ..errors import ConfigurationError, StoreUnavailable
+from ..identity import encode_id
 from ..limits import Check, KeyPlan
+from ..limits.capacity import Acquired, Attempt, ProviderKey, Refusal, StoredKey
+from ..limits.rates import WINDOW_MS as RATE_WINDOW_MS
 from .base import (
     CachedParts,
     EntryWrite,
@@ -44,7 +47,18 @@ from .pipeline import ScriptPipeline, bounded_call
 log = logging.getLogger("spendguard.store")
 
 T = TypeVar("T")
-_SCRIPTS = ("preflight", "fill", "postflight", "refresh")
+_SCRIPTS = (
+    "preflight",
+    "fill",
+    "postflight",
+    "refresh",
+    "pool_register",
+    "pool_acquire",
+    "pool_settle",
+    "pool_cooldown",
+)
+# pool_acquire.lua's answer codes.
+_REFUSALS = {0: Refusal.UNKNOWN, 2: Refusal.COOLING, 3: Refusal.FULL, 4: Refusal.TOO_LARGE}
 # Hash fields per HSCAN step when reading markers: a call of about a millisecond in Redis.
 MARKER_PAGE = 1000
 # Record ids (over all its keys) per refresh call: a few milliseconds of Redis each.
@@ -79,11 +93,15 @@ class RedisStore:
         self,
         client: aioredis.Redis | RedisCluster,
         *,
+        prefix: str = "quota",
         timeout: float = 0.5,
         max_batch: int = 256,
         max_in_flight: int = 4,
     ) -> None:
         self._client = client
+        # The prefix of the keys this store names itself (provider keys, budget windows); the
+        # spend limits' keys come named in their plans.
+        self._prefix = prefix
         self._timeout = timeout
         self._scripts = {name: client.register_script(_lua(name)) for name in _SCRIPTS}
         # Plans' keys and arguments, by the plan's id (see _plan_wire).
@@ -108,6 +126,7 @@ class RedisStore:
         cls,
         url: str,
         *,
+        prefix: str = "quota",
         timeout: float = 0.5,
         max_connections: int = 512,
         max_batch: int = 256,
@@ -117,7 +136,13 @@ class RedisStore:
         batch of hot-path calls (a call then ends within about twice it, queueing included),
         or any other call on its own."""
         client = client_for(url, timeout, max_connections=max_connections)
-        return cls(client, timeout=timeout, max_batch=max_batch, max_in_flight=max_in_flight)
+        return cls(
+            client,
+            prefix=prefix,
+            timeout=timeout,
+            max_batch=max_batch,
+            max_in_flight=max_in_flight,
+        )
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """One call on its own (off the hot path), bounded by the timeout from its start."""
@@ -379,6 +404,53 @@ class RedisStore:
             )
         return policy
 
+    # -- provider capacity ------------------------------------------------------------------
+    # Each key's state is one hash, ``{prefix}:{pool}:<encoded id>`` (the id, never a secret).
+    # Every provider key shares the ``{pool}`` hash tag, so on a Cluster they live in one slot
+    # and one script chooses among a request's candidates and reserves on the first with room.
+    def pool_key(self, key_id: str) -> str:
+        return f"{self._prefix}:{{pool}}:{encode_id(key_id)}"
+
+    async def register_key(self, key: ProviderKey) -> None:
+        args = [key.provider, _opt(key.rpm), _opt(key.tpm)]
+        await self._script("pool_register", [self.pool_key(key.id)], args)
+
+    async def remove_key(self, key_id: str) -> None:
+        name = self.pool_key(key_id)
+        await self._call(lambda: self._client.delete(name))
+
+    def acquire(self, key_ids: Sequence[str], tokens: int, now_ms: int) -> Awaitable[Acquired]:
+        keys = [self.pool_key(k) for k in key_ids]
+        args = [str(now_ms), str(tokens), str(RATE_WINDOW_MS)]
+        return _acquired(self._batched("pool_acquire", keys, args))
+
+    def settle_lease(
+        self, key_id: str, window: int, reserved: int, actual: int | None, now_ms: int
+    ) -> Awaitable[object]:
+        used = "-" if actual is None else str(actual)
+        args = [str(window), str(reserved), used, str(now_ms), str(RATE_WINDOW_MS)]
+        return self._batched("pool_settle", [self.pool_key(key_id)], args)
+
+    async def cooldown(self, key_id: str, until_ms: int) -> int | None:
+        ends = int(await self._script("pool_cooldown", [self.pool_key(key_id)], [str(until_ms)]))
+        return None if ends < 0 else ends
+
+    async def key_state(self, key_id: str, now_ms: int) -> StoredKey | None:
+        name = self.pool_key(key_id)
+        fields = ["p", "tpm", "rpm", "w", "r", "t", "cu"]
+        p, tpm, rpm, w, r, t, cu = await self._call(lambda: self._client.hmget(name, fields))
+        if p is None:
+            return None
+        live = w is not None and int(w) == now_ms // RATE_WINDOW_MS
+        return StoredKey(
+            str(p),
+            None if tpm is None else int(tpm),
+            None if rpm is None else int(rpm),
+            int(r or 0) if live else 0,
+            int(t or 0) if live else 0,
+            int(cu or 0),
+        )
+
     async def ping(self) -> None:
         await self._call(self._client.ping)
 
@@ -436,6 +508,22 @@ def client_for(
             "or redis+cluster://"
         )
     return client
+
+
+async def _acquired(reply: Awaitable[Any]) -> Acquired:
+    raw = [int(x) for x in await reply]
+    if raw[0] == 1:
+        return Acquired(raw[1] - 1, raw[2])
+    refused = []
+    for code, n in zip(raw[1::2], raw[2::2], strict=True):
+        refusal = _REFUSALS[code]
+        frees = refusal in (Refusal.COOLING, Refusal.FULL)
+        refused.append(Attempt(refusal, free_at_ms=n if frees else None))
+    return Acquired(None, refused=tuple(refused))
+
+
+def _opt(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def _uint(value: int) -> str:

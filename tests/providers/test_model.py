@@ -6,14 +6,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from spendguard.providers import (
-    MemoryPoolStore,
-    NoCapacity,
-    ProviderKey,
-    ProviderPool,
-    Refusal,
-)
-from spendguard.providers.model import MAX_AMOUNT
+from spendguard.limits.capacity import MAX_AMOUNT
+from spendguard.providers import NoCapacity, ProviderKey, ProviderPool, Refusal
+from spendguard.store.memory import MemoryStore
 from tests.support import Clock
 
 pytestmark = pytest.mark.anyio
@@ -45,7 +40,7 @@ def test_no_capacity_says_when_to_retry_in_whole_seconds() -> None:
 
 @pytest.mark.parametrize("tokens", [-1, 1.0, MAX_AMOUNT + 1, True])
 async def test_bad_token_counts_are_refused(tokens: object) -> None:
-    pool = ProviderPool(MemoryPoolStore(), clock=Clock())
+    pool = ProviderPool(MemoryStore(), clock=Clock())
     await pool.register(ProviderKey("a", "openai"))
     with pytest.raises(ValueError):
         await pool.acquire(["a"], tokens=tokens)  # type: ignore[arg-type]
@@ -56,7 +51,7 @@ async def test_bad_token_counts_are_refused(tokens: object) -> None:
 
 @pytest.mark.parametrize("seconds", [-1, float("nan")])
 async def test_bad_cooldowns_are_refused(seconds: float) -> None:
-    pool = ProviderPool(MemoryPoolStore(), clock=Clock())
+    pool = ProviderPool(MemoryStore(), clock=Clock())
     await pool.register(ProviderKey("a", "openai"))
     with pytest.raises(ValueError):
         await pool.cooldown("a", seconds)

@@ -6,23 +6,25 @@ import pytest
 from pydantic import SecretStr
 
 from spendguard import ConfigurationError, Settings
-from spendguard.providers import MemoryPoolStore, ProviderPool, RedisPoolStore
+from spendguard.providers import ProviderPool
+from spendguard.store.memory import MemoryStore
+from spendguard.store.redis import RedisStore
 
 pytestmark = pytest.mark.anyio
 
 
 async def test_without_a_redis_url_the_pool_is_in_process() -> None:
     pool = ProviderPool.from_settings(Settings())
-    assert isinstance(pool.store, MemoryPoolStore)
-    assert isinstance(ProviderPool.from_url("memory://").store, MemoryPoolStore)
+    assert isinstance(pool.store, MemoryStore)
+    assert isinstance(ProviderPool.from_url("memory://").store, MemoryStore)
 
 
 async def test_the_pool_follows_spendguards_redis_url_and_prefix() -> None:
     settings = Settings(redis_url=SecretStr("redis://127.0.0.1:1/0"), key_prefix="gw")
     pool = ProviderPool.from_settings(settings)
     try:
-        assert isinstance(pool.store, RedisPoolStore)
-        assert pool.store.key_name("openai-1") == "gw:{pool}:openai-1"
+        assert isinstance(pool.store, RedisStore)
+        assert pool.store.pool_key("openai-1") == "gw:{pool}:openai-1"
     finally:
         await pool.aclose()
 

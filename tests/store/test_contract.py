@@ -1,8 +1,6 @@
-"""One contract, every store: the embedded store and the Redis store (a real redis-server).
-
-Time is real for Redis, so the harness exposes ``advance(seconds)``: the memory store's clock
-jumps, Redis sleeps. Expiry tests use sub-second TTLs to stay fast. Every test runs on asyncio's
-event loop and on uvloop (uvicorn's default wherever it is installed).
+"""One contract, every store (the harness in conftest.py): spend limits, balances, rates and
+model lists. Expiry tests use sub-second TTLs to stay fast. Every test runs on asyncio's event
+loop and on uvloop (uvicorn's default wherever it is installed).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from spendguard.limits.rates import RateKind, Rates, Scope, rate_field
 from spendguard.store import CachedParts, EntryWrite, Outcome, RefreshEntry, Store, UsageFill
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
-from tests.support import Clock
+from tests.store.conftest import Harness
 
 pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
@@ -37,41 +35,6 @@ BALANCE = Balance(ALPHA.team)
 def fields(limits: dict[Target, int]) -> dict[str, int]:
     """A team's policy hash, as the engine writes it (through the codec)."""
     return {field_of(target): amount for target, amount in limits.items()}
-
-
-@dataclass
-class Harness:
-    store: Store
-    now: Callable[[], datetime]
-    advance: Callable[[float], Awaitable[None]]
-    kind: str
-
-
-@pytest.fixture(params=["memory", "redis", "cluster"])
-async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
-    if request.param == "memory":
-        clock = Clock(datetime.now(UTC))
-
-        async def jump(seconds: float) -> None:
-            clock.now += timedelta(seconds=seconds)
-
-        yield Harness(MemoryStore(max_keys=1000, clock=clock), clock, jump, "memory")
-    else:
-        if request.param == "redis":
-            url: str = request.getfixturevalue("redis_url")
-        else:
-            cluster = request.getfixturevalue("redis_cluster")
-            cluster.flushall()
-            url = cluster.url  # redis+cluster://127.0.0.1:port
-        store = RedisStore.from_url(url, timeout=2.0)
-
-        async def sleep(seconds: float) -> None:
-            await anyio.sleep(seconds)
-
-        try:
-            yield Harness(store, lambda: datetime.now(UTC), sleep, "redis")
-        finally:
-            await store.aclose()
 
 
 def keys_for(h: Harness, team: str = "acme", key: str | None = "alpha", **kw: object) -> KeyPlan:

@@ -1,4 +1,5 @@
-"""One contract, every pool store: the embedded one, one Redis server and a 3-master Cluster.
+"""The store contract's provider-capacity part, through the pool's API, on every store (the
+harness in conftest.py).
 
 The pool's clock is injected and every store call carries the time, so the same frozen clock
 drives windows and cooldowns on all three: no test sleeps.
@@ -7,22 +8,15 @@ drives windows and cooldowns on all three: no test sleeps.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import anyio
 import pytest
 
-from spendguard.providers import (
-    MemoryPoolStore,
-    NoCapacity,
-    PoolStore,
-    ProviderKey,
-    ProviderPool,
-    RedisPoolStore,
-    Refusal,
-)
+from spendguard.providers import NoCapacity, ProviderKey, ProviderPool, Refusal
+from spendguard.store import Store
+from tests.store.conftest import Harness
 from tests.support import Clock
 
 pytestmark = pytest.mark.anyio
@@ -33,35 +27,23 @@ NEXT_MINUTE = datetime(2026, 9, 30, 12, 1, tzinfo=UTC)
 
 
 @dataclass
-class Harness:
+class PoolHarness:
     pool: ProviderPool
-    store: PoolStore
+    store: Store
     clock: Clock
 
     def advance(self, seconds: float) -> None:
         self.clock.now += timedelta(seconds=seconds)
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
-async def h(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+@pytest.fixture
+def h(harness: Harness) -> PoolHarness:
+    """The pool on the store under test, its clock frozen (every call carries the time)."""
     clock = Clock(START)
-    store: PoolStore
-    if request.param == "memory":
-        store = MemoryPoolStore()
-    elif request.param == "redis":
-        store = RedisPoolStore.from_url(request.getfixturevalue("redis_url"), timeout=2.0)
-    else:
-        cluster = request.getfixturevalue("redis_cluster")
-        cluster.flushall()
-        store = RedisPoolStore.from_url(cluster.url, timeout=2.0)
-    pool = ProviderPool(store, clock=clock)
-    try:
-        yield Harness(pool, store, clock)
-    finally:
-        await pool.aclose()
+    return PoolHarness(ProviderPool(harness.store, clock=clock, owned=False), harness.store, clock)
 
 
-async def test_acquire_reserves_a_request_and_tokens(h: Harness) -> None:
+async def test_acquire_reserves_a_request_and_tokens(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai", tpm=1000, rpm=10))
     lease = await h.pool.acquire(["a"], tokens=300)
     assert (lease.key_id, lease.tokens) == ("a", 300)
@@ -72,7 +54,7 @@ async def test_acquire_reserves_a_request_and_tokens(h: Harness) -> None:
     assert state.window_ends == NEXT_MINUTE
 
 
-async def test_rpm_is_a_hard_cap_per_window(h: Harness) -> None:
+async def test_rpm_is_a_hard_cap_per_window(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai", rpm=2))
     await h.pool.acquire(["a"], tokens=1)
     await h.pool.acquire(["a"], tokens=1)
@@ -87,7 +69,7 @@ async def test_rpm_is_a_hard_cap_per_window(h: Harness) -> None:
     assert state is not None and state.requests == 1
 
 
-async def test_tpm_takes_what_fits_and_refuses_the_rest(h: Harness) -> None:
+async def test_tpm_takes_what_fits_and_refuses_the_rest(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai", tpm=100))
     await h.pool.acquire(["a"], tokens=60)
     with pytest.raises(NoCapacity):
@@ -99,7 +81,7 @@ async def test_tpm_takes_what_fits_and_refuses_the_rest(h: Harness) -> None:
     assert state is not None and (state.requests, state.tokens) == (2, 100)
 
 
-async def test_an_estimate_over_the_whole_tpm_never_fits(h: Harness) -> None:
+async def test_an_estimate_over_the_whole_tpm_never_fits(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai", tpm=100))
     with pytest.raises(NoCapacity) as refused:
         await h.pool.acquire(["a"], tokens=101)
@@ -107,7 +89,7 @@ async def test_an_estimate_over_the_whole_tpm_never_fits(h: Harness) -> None:
     assert refused.value.retry_at is None and refused.value.retry_after is None
 
 
-async def test_candidates_are_tried_in_order(h: Harness) -> None:
+async def test_candidates_are_tried_in_order(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai", rpm=1), ProviderKey("b", "openai", rpm=1))
     assert (await h.pool.acquire(["a", "b"], tokens=1)).key_id == "a"
     assert (await h.pool.acquire(["a", "b"], tokens=1)).key_id == "b"  # a is full
@@ -117,7 +99,7 @@ async def test_candidates_are_tried_in_order(h: Harness) -> None:
     assert full.value.retry_at == NEXT_MINUTE
 
 
-async def test_unknown_keys_are_refused(h: Harness) -> None:
+async def test_unknown_keys_are_refused(h: PoolHarness) -> None:
     with pytest.raises(NoCapacity) as refused:
         await h.pool.acquire(["ghost"], tokens=1)
     assert refused.value.refusals == {"ghost": Refusal.UNKNOWN}
@@ -126,7 +108,7 @@ async def test_unknown_keys_are_refused(h: Harness) -> None:
     assert await h.pool.cooldown("ghost", 5) is None
 
 
-async def test_settle_trues_up_the_reservation_in_its_window(h: Harness) -> None:
+async def test_settle_trues_up_the_reservation_in_its_window(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai", tpm=100))
     lease = await h.pool.acquire(["a"], tokens=80)
     await h.pool.settle(lease, tokens=20)  # the call used less than its estimate
@@ -139,7 +121,7 @@ async def test_settle_trues_up_the_reservation_in_its_window(h: Harness) -> None
     assert state is not None and state.tokens == 130
 
 
-async def test_settle_in_a_later_window_charges_only_the_excess(h: Harness) -> None:
+async def test_settle_in_a_later_window_charges_only_the_excess(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai", tpm=100))
     short = await h.pool.acquire(["a"], tokens=50)
     long = await h.pool.acquire(["a"], tokens=10)
@@ -153,7 +135,7 @@ async def test_settle_in_a_later_window_charges_only_the_excess(h: Harness) -> N
     await h.pool.acquire(["a"], tokens=70)
 
 
-async def test_release_gives_back_the_request_and_tokens(h: Harness) -> None:
+async def test_release_gives_back_the_request_and_tokens(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai", tpm=100, rpm=1))
     lease = await h.pool.acquire(["a"], tokens=100)
     await h.pool.release(lease)
@@ -162,7 +144,7 @@ async def test_release_gives_back_the_request_and_tokens(h: Harness) -> None:
     await h.pool.acquire(["a"], tokens=100)
 
 
-async def test_release_in_a_later_window_leaves_that_window_alone(h: Harness) -> None:
+async def test_release_in_a_later_window_leaves_that_window_alone(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai", tpm=100, rpm=5))
     old = await h.pool.acquire(["a"], tokens=60)
     h.clock.now = NEXT_MINUTE
@@ -172,7 +154,7 @@ async def test_release_in_a_later_window_leaves_that_window_alone(h: Harness) ->
     assert state is not None and (state.requests, state.tokens) == (1, 50)
 
 
-async def test_cooldown_is_skipped_until_it_ends(h: Harness) -> None:
+async def test_cooldown_is_skipped_until_it_ends(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai"), ProviderKey("b", "openai"))
     ends = await h.pool.cooldown("a", 30)
     assert ends == START + timedelta(seconds=30)
@@ -190,7 +172,7 @@ async def test_cooldown_is_skipped_until_it_ends(h: Harness) -> None:
     assert state is not None and state.cooling_until is None
 
 
-async def test_a_cooldown_is_never_shortened(h: Harness) -> None:
+async def test_a_cooldown_is_never_shortened(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai"))
     await h.pool.cooldown("a", 60)
     assert await h.pool.cooldown("a", 5) == START + timedelta(seconds=60)
@@ -201,13 +183,13 @@ async def test_a_cooldown_is_never_shortened(h: Harness) -> None:
     await h.pool.acquire(["a"], tokens=1)
 
 
-async def test_a_cooldown_is_bounded(h: Harness) -> None:
-    pool = ProviderPool(h.store, clock=h.clock, max_cooldown=120)
+async def test_a_cooldown_is_bounded(h: PoolHarness) -> None:
+    pool = ProviderPool(h.store, clock=h.clock, max_cooldown=120, owned=False)
     await pool.register(ProviderKey("a", "openai"))
     assert await pool.cooldown("a", 86_400) == START + timedelta(seconds=120)
 
 
-async def test_registering_again_keeps_counters_and_cooldown(h: Harness) -> None:
+async def test_registering_again_keeps_counters_and_cooldown(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai", tpm=100, rpm=10))
     await h.pool.acquire(["a"], tokens=70)
     await h.pool.cooldown("a", 5)
@@ -226,7 +208,7 @@ async def test_registering_again_keeps_counters_and_cooldown(h: Harness) -> None
     await h.pool.acquire(["a"], tokens=130)  # the new capacity, counted on the old usage
 
 
-async def test_removed_keys_are_unknown(h: Harness) -> None:
+async def test_removed_keys_are_unknown(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai"))
     await h.pool.remove("a")
     with pytest.raises(NoCapacity) as refused:
@@ -234,7 +216,7 @@ async def test_removed_keys_are_unknown(h: Harness) -> None:
     assert refused.value.refusals == {"a": Refusal.UNKNOWN}
 
 
-async def test_ids_are_kept_apart_whatever_they_contain(h: Harness) -> None:
+async def test_ids_are_kept_apart_whatever_they_contain(h: PoolHarness) -> None:
     ids = ["a:b", "a}b{", "a%3Ab", "x" * 500, "ключ 🔑"]
     await h.pool.register(*(ProviderKey(i, "openai", rpm=1) for i in ids))
     for i in ids:
@@ -244,7 +226,7 @@ async def test_ids_are_kept_apart_whatever_they_contain(h: Harness) -> None:
         assert state is not None and state.requests == 1
 
 
-async def test_100_concurrent_callers_at_a_capacity_of_5(h: Harness) -> None:
+async def test_100_concurrent_callers_at_a_capacity_of_5(h: PoolHarness) -> None:
     await h.pool.register(ProviderKey("a", "openai", rpm=5), ProviderKey("b", "openai", tpm=50))
     granted: list[str] = []
 

@@ -1,4 +1,5 @@
-"""What only the Redis pool store has: key names and slots, script reloads, failures."""
+"""What only the Redis store's provider capacity has: key names and slots, script reloads,
+failures."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from datetime import UTC, datetime
 import pytest
 
 from spendguard.errors import StoreUnavailable
-from spendguard.providers import NoCapacity, ProviderKey, ProviderPool, RedisPoolStore, Refusal
+from spendguard.providers import NoCapacity, ProviderKey, ProviderPool, Refusal
+from spendguard.store.redis import RedisStore
 from tests.support import Clock, RedisCluster, RedisServer, free_port
 
 pytestmark = pytest.mark.anyio
@@ -17,12 +19,12 @@ NOW = datetime(2026, 9, 30, 12, 0, 10, tzinfo=UTC)
 
 async def test_keys_share_one_slot_and_one_script_chooses(redis_cluster: RedisCluster) -> None:
     redis_cluster.flushall()
-    store = RedisPoolStore.from_url(redis_cluster.url, timeout=2.0)
+    store = RedisStore.from_url(redis_cluster.url, timeout=2.0)
     pool = ProviderPool(store, clock=Clock(NOW))
     try:
         ids = [f"openai-{i}" for i in range(8)]
         await pool.register(*(ProviderKey(i, "openai", rpm=1) for i in ids))
-        names = [store.key_name(i) for i in ids]
+        names = [store.pool_key(i) for i in ids]
         assert names[0] == "quota:{pool}:openai-0"
         # One hash tag for the whole pool: one slot, so one script sees every candidate.
         assert len({redis_cluster.slot_of(n) for n in names}) == 1
@@ -40,7 +42,7 @@ async def test_keys_share_one_slot_and_one_script_chooses(redis_cluster: RedisCl
 
 
 async def test_nothing_secret_is_stored(redis_server: RedisServer) -> None:
-    pool = ProviderPool(RedisPoolStore.from_url(redis_server.url, timeout=2.0), clock=Clock(NOW))
+    pool = ProviderPool(RedisStore.from_url(redis_server.url, timeout=2.0), clock=Clock(NOW))
     try:
         await pool.register(ProviderKey("openai-1", "openai", tpm=10, rpm=5))
         lease = await pool.acquire(["openai-1"], tokens=3)
@@ -62,7 +64,7 @@ async def test_nothing_secret_is_stored(redis_server: RedisServer) -> None:
 
 
 async def test_scripts_come_back_after_a_script_flush(redis_server: RedisServer) -> None:
-    pool = ProviderPool(RedisPoolStore.from_url(redis_server.url, timeout=2.0), clock=Clock(NOW))
+    pool = ProviderPool(RedisStore.from_url(redis_server.url, timeout=2.0), clock=Clock(NOW))
     try:
         await pool.register(ProviderKey("a", "openai", rpm=2))
         await pool.acquire(["a"], tokens=1)
@@ -75,7 +77,7 @@ async def test_scripts_come_back_after_a_script_flush(redis_server: RedisServer)
 
 
 async def test_an_unreachable_redis_is_store_unavailable() -> None:
-    store = RedisPoolStore.from_url(f"redis://127.0.0.1:{free_port()}/0", timeout=0.5)
+    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0", timeout=0.5)
     pool = ProviderPool(store, clock=Clock(NOW))
     try:
         with pytest.raises(StoreUnavailable) as failed:
@@ -88,9 +90,9 @@ async def test_an_unreachable_redis_is_store_unavailable() -> None:
 
 
 async def test_scripts_refuse_bad_input_as_value_error(redis_url: str) -> None:
-    store = RedisPoolStore.from_url(redis_url, timeout=2.0)
+    store = RedisStore.from_url(redis_url, timeout=2.0)
     try:
-        await store.register(ProviderKey("a", "openai"))
+        await store.register_key(ProviderKey("a", "openai"))
         with pytest.raises(ValueError, match="spendguard pool acquire"):
             await store.acquire(["a"], 10**14, 0)  # past what Lua's doubles keep exact
         with pytest.raises(ValueError, match="spendguard pool cooldown"):
