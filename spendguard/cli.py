@@ -24,19 +24,29 @@ import anyio
 from .budgets import cli as budgets_cli
 from .describe import ledger_description, store_description
 from .doctor import DoctorContext, run_checks
-from .engine.admin import Admin, BalanceReport, LimitUsage
+from .engine.admin import Admin, BalanceReport
 from .engine.costing import DEFAULT_ENTRY, Coster
 from .engine.price_files import LITELLM, litellm_file
 from .engine.price_refresh import shipped_document
 from .engine.pricing import Price, PriceTable
 from .engine.recovery import Recovery
-from .engine.views import model_lists_json, policy_json, usd_text
+from .engine.views import (
+    RATE_FIELDS,
+    balance_json,
+    balance_report_json,
+    model_lists_json,
+    policies_json,
+    policy_json,
+    rate_values,
+    rates_json,
+    removed_json,
+    usage_json,
+    usd_text,
+)
 from .engine.worker import SettlementWorker
 from .errors import ConfigurationError, SpendGuardError
 from .ledger import Ledger
 from .limits import KeyCodec, Period
-from .limits.codec import field_of
-from .limits.rates import Rates
 from .money import checked_amount, usd_to_micros
 from .settings import Settings, UnknownModel, load_settings
 from .store import OwnerLog, Store, make_store
@@ -85,7 +95,7 @@ async def cmd_policy_set(args: argparse.Namespace, ctx: Ctx) -> int:
     policy = await ctx.admin.set_policy(
         args.team, args.api_key, window=args.period, limit_usd=amount, hard=args.mode == "hard"
     )
-    who = f"team {policy.team_id}" + (f" key {policy.api_key_id}" if policy.api_key_id else "")
+    who = _who(policy.team_id, policy.api_key_id)
     window = policy.limit.window.value
     mode = "hard" if policy.hard else "soft"
     text = f"policy set: {who} {window} limit ${usd_text(policy.amount)} ({mode})"
@@ -95,13 +105,13 @@ async def cmd_policy_set(args: argparse.Namespace, ctx: Ctx) -> int:
 
 async def cmd_policy_rm(args: argparse.Namespace, ctx: Ctx) -> int:
     removed = await ctx.admin.remove_policy(args.team, args.api_key, window=args.period)
-    _emit(args, {"removed": removed}, "policy removed" if removed else "no such active policy")
+    _emit(args, removed_json(removed), "policy removed" if removed else "no such active policy")
     return 0 if removed else 1
 
 
 async def cmd_policy_ls(args: argparse.Namespace, ctx: Ctx) -> int:
     rows = await ctx.admin.list_policies(args.team or None)
-    data = [policy_json(p) for p in rows]
+    data = policies_json(rows, args.team or None)
     lines = [f"{'TEAM':<20} {'API KEY':<20} {'PERIOD':<6} LIMIT USD"] + [
         f"{p.team_id:<20} {p.api_key_id or '-':<20} {p.limit.window.value:<6} {usd_text(p.amount)}"
         for p in rows
@@ -112,26 +122,18 @@ async def cmd_policy_ls(args: argparse.Namespace, ctx: Ctx) -> int:
 
 async def cmd_usage(args: argparse.Namespace, ctx: Ctx) -> int:
     report = await ctx.admin.usage(args.team, args.api_key)
+    # The embedded store lives inside the gateway process: out of the CLI's reach, so each
+    # limit's "cache" is null there and "used" is the settled spend.
+    data = usage_json(report, args.api_key)
     day, month = Period.DAY.bucket(report.at), Period.MONTH.bucket(report.at)
-    scopes = [_usage_json(row) for row in report.limits]
-    count, estimates = report.unsettled_records, report.unsettled_estimate
-    data = {
-        "team": report.team_id,
-        "day": day,
-        "month": month,
-        "scopes": scopes,
-        "charges_total_micros": report.charges_total,
-        "unsettled_records": count,
-        "unsettled_estimate_micros": estimates,
-        # The embedded store lives inside the gateway process: the CLI can't read its cache.
-        "cached": _cached_json(ctx, report.limits, report.cache_error),
-    }
     lines = [f"team {report.team_id}: day {day}, month {month}"]
-    for s in scopes:
-        who = "team" if s["scope"] == "team" else f"key {s['api_key']}"
-        lim = f" of ${s['limit_usd']}" if s["limit_usd"] is not None else " (no limit)"
-        lines.append(f"  {who:<24} {s['period']:<6} settled ${s['settled_usd']}{lim}")
-    lines.append(f"  unsettled records: {count} (estimated ${usd_text(estimates)})")
+    lines += [_usage_line(row) for row in data["limits"]]
+    if report.cache_error is not None:
+        lines.append(f"  cache not readable ({report.cache_error}): usage from the ledger alone")
+    count = report.unsettled_records
+    lines.append(
+        f"  {_count(count, 'unsettled record')} (estimated ${usd_text(report.unsettled_estimate)})"
+    )
     _emit(args, data, "\n".join(lines))
     known = (
         any(row.amount is not None for row in report.limits)
@@ -139,54 +141,51 @@ async def cmd_usage(args: argparse.Namespace, ctx: Ctx) -> int:
         or count
         or await ctx.admin.balance(args.team) is not None
     )
+    where = ledger_description(ctx.settings)
     if not known:
         print(
             f"spendguard: team {report.team_id!r} has no policy, no records and no balance "
-            f"in {ledger_description(ctx.settings)}",
+            f"in {where}",
+            file=sys.stderr,
+        )
+        return 1
+    if args.api_key is not None and not any(r.api_key_id is not None for r in report.limits):
+        # Only the team's own rows: nothing of that key (a typo shows here, not as a success).
+        print(
+            f"spendguard: key {args.api_key!r} of team {report.team_id!r} has no policy and no "
+            f"spend this day or month in {where}",
             file=sys.stderr,
         )
         return 1
     return 0
 
 
-def _usage_json(row: LimitUsage) -> dict[str, Any]:
-    return {
-        "scope": row.limit.subject.kind.value,
-        "api_key": row.api_key_id,
-        "period": row.limit.window.value,
-        "period_id": row.bucket,
-        "settled_micros": row.settled,
-        "settled_usd": usd_text(row.settled),
-        "limit_micros": row.amount,
-        "limit_usd": usd_text(row.amount),
-        "aggregate_micros": row.aggregate,
-        "remaining_micros": row.remaining,
-        "resets_at": row.resets_at.isoformat(),
-        # The shared cache's view (None without one): what settlement folded in, estimates of
-        # finished inferences still pending, and holds of running ones on a hard limit.
-        "cache": None
-        if row.parts is None
-        else {
-            "settled_micros": row.parts.settled,
-            "pending_micros": row.parts.pending,
-            "held_micros": row.parts.held,
-        },
-    }
+def _usage_line(row: dict[str, Any]) -> str:
+    """One limit of ``usage``'s readable output: used, limit, what is left, when it resets."""
+    who = "team" if row["scope"] == "team" else f"key {row['api_key']}"
+    spent = f"used ${row['used_usd']}"
+    if row["used_micros"] != row["settled_micros"]:
+        spent += f" (settled ${row['settled_usd']})"
+    if row["limit_usd"] is None:
+        limit = ", no limit"
+    else:
+        limit = f" of ${row['limit_usd']}, ${row['remaining_usd']} left"
+    return f"  {who:<24} {row['period']:<6} {spent}{limit}; resets {row['resets_at']}"
 
 
-def _cached_json(ctx: Ctx, rows: tuple[LimitUsage, ...], error: str | None) -> Any:
-    """Cached usage (settled + pending) of the policy-bearing limits, when Redis is used."""
-    if ctx.store is None:
-        return None
-    if error is not None:
-        return {"error": error}
-    return {f"{field_of(r.limit)}:{r.bucket}": r.cached for r in rows if r.amount is not None}
+def _count(n: int, noun: str) -> str:
+    """``1 record``, ``2 records``, ``0 records``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _who(team_id: str, api_key_id: str | None) -> str:
+    return f"team {team_id}" + (f" key {api_key_id}" if api_key_id else "")
 
 
 async def cmd_balance_topup(args: argparse.Namespace, ctx: Ctx) -> int:
     amount = _amount("--usd", args.usd, "a top-up", allow_zero=False)
     account = await ctx.admin.topup(args.team, amount)
-    data = _balance_json(args.team, account.topped_up, account.charged)
+    data = balance_json(args.team, account)
     _emit(args, data, f"team {args.team}: balance ${data['balance_usd']}")
     return 0
 
@@ -204,11 +203,12 @@ async def cmd_models(args: argparse.Namespace, ctx: Ctx) -> int:
     return 0
 
 
-def _rates_json(value: Rates) -> dict[str, int | None]:
-    return {"rpm": value.rpm, "tpm": value.tpm, "max_parallel": value.max_parallel}
+def _rates_text(value: dict[str, int | None]) -> str:
+    return ", ".join(f"{name} {v}" for name, v in value.items() if v is not None)
 
 
 async def cmd_rate(args: argparse.Namespace, ctx: Ctx) -> int:
+    removed: str | None = None  # after rm: what was removed
     if args.rate_cmd == "set":
         given = (args.rpm, args.tpm, args.max_parallel)
         if all(v is None for v in given):
@@ -217,23 +217,31 @@ async def cmd_rate(args: argparse.Namespace, ctx: Ctx) -> int:
             args.team, args.api_key, rpm=args.rpm, tpm=args.tpm, max_parallel=args.max_parallel
         )
     elif args.rate_cmd == "rm":
-        await ctx.admin.remove_rates(args.team, args.api_key)
-    rates = await ctx.admin.list_rates(args.team)
-    data = {"team": args.team, "rates": {k or "": _rates_json(v) for k, v in rates.items()}}
+        before = (await ctx.admin.list_rates(args.team)).get(args.api_key)
+        who = _who(args.team, args.api_key)
+        if not await ctx.admin.remove_rates(args.team, args.api_key):
+            data = rates_json(args.team, await ctx.admin.list_rates(args.team))
+            _emit(args, data, f"{who} has no rates to remove")
+            return 1
+        removed = f"removed the rates of {who}"
+        if before is not None:
+            removed += f": {_rates_text(rate_values(before))}"
+    data = rates_json(args.team, await ctx.admin.list_rates(args.team))
     lines = [
-        f"{key or '(team)'}: "
-        + ", ".join(f"{name} {v}" for name, v in _rates_json(value).items() if v is not None)
-        for key, value in rates.items()
+        f"{row['api_key'] or '(team)'}: {_rates_text({f: row[f] for f in RATE_FIELDS})}"
+        for row in data["rates"]
     ]
-    _emit(args, data, "\n".join(lines) or "no rates")
+    if removed is None:
+        text = "\n".join(lines) or "no rates"
+    else:  # what was removed, then what is left (if anything)
+        text = "\n".join([removed] + (["rates left:"] + [f"  {x}" for x in lines] if lines else []))
+    _emit(args, data, text)
     return 0
 
 
 async def cmd_balance_mode(args: argparse.Namespace, ctx: Ctx) -> int:
     account = await ctx.admin.set_balance_mode(args.team, hard=args.mode == "hard")
-    data = _balance_json(args.team, account.topped_up, account.charged)
-    data["mode"] = args.mode
-    _emit(args, data, f"team {args.team}: {args.mode} balance")
+    _emit(args, balance_json(args.team, account), f"team {args.team}: {args.mode} balance")
     return 0
 
 
@@ -243,30 +251,19 @@ async def cmd_balance_show(args: argparse.Namespace, ctx: Ctx) -> int:
         _emit(args, {"team": args.team, "account": None}, "no balance account (unlimited)")
         return 1
     account = report.account
-    data = _balance_json(args.team, account.topped_up, account.charged)
-    data["unsettled_estimate_micros"] = report.unsettled_estimate
-    data["cached_micros"] = (
-        None if report.cached_used is None else account.topped_up - report.cached_used
-    )
+    data = balance_report_json(report)
+    left = ""
+    if report.remaining != account.balance:  # the cache knows of usage not settled yet
+        left = f", ${data['remaining_usd']} left counting it"
     _emit(
         args,
         data,
-        f"team {args.team}: balance ${data['balance_usd']} (topped up "
-        f"${usd_text(account.topped_up)}, charged ${usd_text(account.charged)}; "
-        f"{report.unsettled_records} records unsettled, "
-        f"estimated ${usd_text(report.unsettled_estimate)})",
+        f"team {args.team}: {data['mode']} balance ${data['balance_usd']} (topped up "
+        f"${data['topped_up_usd']}, charged ${data['charged_usd']}; "
+        f"{_count(report.unsettled_records, 'record')} unsettled, "
+        f"estimated ${data['unsettled_estimate_usd']}{left})",
     )
     return 0
-
-
-def _balance_json(team_id: str, topped_up: int, charged: int) -> dict[str, Any]:
-    return {
-        "team": team_id,
-        "topped_up_micros": topped_up,
-        "charged_micros": charged,
-        "balance_micros": topped_up - charged,
-        "balance_usd": usd_text(topped_up - charged),
-    }
 
 
 def _worker(ctx: Ctx) -> SettlementWorker:
@@ -292,7 +289,8 @@ def _worker(ctx: Ctx) -> SettlementWorker:
 async def cmd_settle(args: argparse.Namespace, ctx: Ctx) -> int:
     result = await _worker(ctx).run_once()
     data = {"settled": result.settled, "total_micros": result.total_micros}
-    _emit(args, data, f"settled {result.settled} records (${usd_text(result.total_micros)})")
+    total = usd_text(result.total_micros)
+    _emit(args, data, f"settled {_count(result.settled, 'record')} (${total})")
     return 0
 
 
@@ -430,8 +428,18 @@ def _plain(amount: Decimal) -> str:
 
 
 # -- wiring ----------------------------------------------------------------------------------
+def _version() -> str:
+    try:
+        return importlib.metadata.version("spendguard")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a bare checkout
+        from . import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spendguard", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="machine-readable output")
     sub = parser.add_subparsers(dest="command", required=True)

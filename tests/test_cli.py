@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from decimal import Decimal
 from importlib import resources
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ def test_policy_lifecycle(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "limit $5.000000" in out
     run_json(capsys, "policy", "set", "--team", "acme", "--period", "month", "--limit-usd", "200")
     listed = run_json(capsys, "policy", "ls", "--team", "acme")
-    assert {(p["api_key"], p["period"], p["limit_micros"]) for p in listed} == {
+    assert listed["team"] == "acme"
+    assert {(p["api_key"], p["period"], p["limit_micros"]) for p in listed["policies"]} == {
         ("alpha", "day", 5_000_000),
         (None, "month", 200_000_000),
     }
@@ -51,8 +53,10 @@ def test_policy_lifecycle(db: str, capsys: pytest.CaptureFixture[str]) -> None:
         == 1
     )
     usage = run_json(capsys, "usage", "--team", "acme")
-    month = [s for s in usage["scopes"] if s["scope"] == "team" and s["period"] == "month"]
+    month = [s for s in usage["limits"] if s["scope"] == "team" and s["period"] == "month"]
     assert month[0]["limit_micros"] == 200_000_000 and month[0]["settled_micros"] == 0
+    assert month[0]["used_micros"] == 0 and month[0]["remaining_micros"] == 200_000_000
+    assert month[0]["resets_at"].endswith("T00:00:00Z") and usage["at"].endswith("Z")
     assert run_json(capsys, "settle") == {"settled": 0, "total_micros": 0}
 
 
@@ -82,6 +86,11 @@ def test_cli_balance_topup_and_show(db: str, capsys: pytest.CaptureFixture[str])
     run_json(capsys, "balance", "topup", "--team", "acme", "--usd", "0.5")
     shown = run_json(capsys, "balance", "show", "--team", "acme")
     assert shown["topped_up_micros"] == 100_500_000 and shown["charged_micros"] == 0
+    assert shown["mode"] == "soft" and shown["remaining_micros"] == 100_500_000
+    assert run(capsys, "balance", "show", "--team", "acme")[1].strip() == (
+        "team acme: soft balance $100.500000 (topped up $100.500000, charged $0.000000; "
+        "0 records unsettled, estimated $0.000000)"
+    )
     assert main(["balance", "topup", "--team", "acme", "--usd", "-1"]) == 2
 
 
@@ -129,7 +138,7 @@ def test_every_command_names_its_database_and_store_on_stderr(
 ) -> None:
     assert main(["policy", "ls", "--json"]) == 0
     captured = capsys.readouterr()
-    assert json.loads(captured.out) == []  # stdout stays machine-readable
+    assert json.loads(captured.out) == {"policies": []}  # stdout stays machine-readable
     assert "spendguard: database " in captured.err and "; store embedded" in captured.err
     assert db.rsplit("/", 1)[-1] in captured.err or "***" in captured.err
 
@@ -151,6 +160,61 @@ def test_usage_of_an_unknown_team_exits_1(db: str, capsys: pytest.CaptureFixture
     assert run(capsys, "usage", "--team", "acme")[0] == 0  # a policy: known
     run(capsys, "balance", "topup", "--team", "funded", "--usd", "5")
     assert run(capsys, "usage", "--team", "funded")[0] == 0  # an account: known
+
+
+def test_usage_of_an_unknown_key_exits_1_and_says_so(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(capsys, "policy", "set", "--team", "acme", "--period", "month", "--limit-usd", "5")
+    assert main(["usage", "--team", "acme", "--api-key", "nosuchkey"]) == 1
+    err = capsys.readouterr().err
+    assert "key 'nosuchkey' of team 'acme' has no policy and no spend" in err
+    run(capsys, "policy", "set", *ALPHA_DAY, "--limit-usd", "1")
+    usage = run_json(capsys, "usage", "--team", "acme", "--api-key", "alpha")
+    assert usage["api_key"] == "alpha"
+    rows = {(r["api_key"], r["period"]) for r in usage["limits"]}
+    assert {(None, "month"), ("alpha", "day")} <= rows
+    assert {key for key, _ in rows} == {None, "alpha"}
+
+
+def test_usage_text_shows_what_is_left_and_when_it_resets(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(capsys, "policy", "set", "--team", "acme", "--period", "month", "--limit-usd", "5")
+    usage = run_json(capsys, "usage", "--team", "acme")
+    resets = {r["period"]: r["resets_at"] for r in usage["limits"]}
+    code, out = run(capsys, "usage", "--team", "acme")
+    assert code == 0
+    lines = out.splitlines()
+    assert (
+        f"  {'team':<24} month  used $0.000000 of $5.000000, $5.000000 left; "
+        f"resets {resets['month']}"
+    ) in lines
+    assert lines[-1] == "  0 unsettled records (estimated $0.000000)"
+
+
+def test_rate_rm_says_what_it_removed(db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    run(capsys, "rate", "set", "--team", "acme", "--api-key", "k", "--rpm", "60", "--tpm", "9")
+    code, out = run(capsys, "rate", "rm", "--team", "acme", "--api-key", "k")
+    assert code == 0 and out.strip() == "removed the rates of team acme key k: rpm 60, tpm 9"
+    run(capsys, "rate", "set", "--team", "acme", "--max-parallel", "4")
+    run(capsys, "rate", "set", "--team", "acme", "--api-key", "k", "--rpm", "1")
+    code, out = run(capsys, "rate", "rm", "--team", "acme", "--api-key", "k")
+    assert code == 0
+    assert out.splitlines() == [
+        "removed the rates of team acme key k: rpm 1",
+        "rates left:",
+        "  (team): max_parallel 4",
+    ]
+    code, out = run(capsys, "rate", "rm", "--team", "acme", "--api-key", "k")
+    assert code == 1 and out.strip() == "team acme key k has no rates to remove"
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"spendguard {version('spendguard')}"
 
 
 # -- prices show: no database is opened (the URL below could not be) ----------------------

@@ -42,9 +42,21 @@ from ..budgets import BudgetGate
 from ..budgets.admin import BudgetAdmin
 from ..describe import redact_url
 from ..doctor import effective_settings
-from ..engine.admin import Admin, LimitUsage
+from ..engine.admin import Admin
 from ..engine.guard import SpendGuard
-from ..engine.views import model_lists_json, policy_json, usd_text
+from ..engine.views import (
+    RATE_FIELDS,
+    balance_json,
+    balance_report_json,
+    budget_report_json,
+    budget_reset_json,
+    model_lists_json,
+    policies_json,
+    policy_json,
+    rates_json,
+    removed_json,
+    usage_json,
+)
 from ..errors import LedgerUnavailable, SpendGuardError, StoreUnavailable
 from ..identity import Identity
 from ..limits import Period
@@ -58,7 +70,6 @@ log = logging.getLogger("spendguard.admin")
 MAX_PATH_ID = 256
 MAX_BODY_BYTES = 64 * 1024
 _DOT_SEGMENTS = frozenset({".", ".."})
-_RATE_FIELDS = ("rpm", "tpm", "max_parallel")
 
 
 class AdminError(Exception):
@@ -172,31 +183,6 @@ def _mode(body: dict[str, Any], default: str | None = None) -> bool:
     if mode not in ("soft", "hard"):
         raise AdminError(400, "invalid_request", 'mode: "soft" or "hard"')
     return mode == "hard"
-
-
-def usage_json(row: LimitUsage) -> dict[str, Any]:
-    return {
-        "scope": row.limit.subject.kind.value,
-        "api_key": row.api_key_id,
-        "period": row.limit.window.value,
-        "period_id": row.bucket,
-        "settled_micros": row.settled,
-        "settled_usd": usd_text(row.settled),
-        "used_micros": row.used,
-        "used_usd": usd_text(row.used),
-        "limit_micros": row.amount,
-        "limit_usd": usd_text(row.amount),
-        "remaining_micros": row.remaining,
-        "remaining_usd": usd_text(row.remaining),
-        "resets_at": row.resets_at.isoformat().replace("+00:00", "Z"),
-        "cache": None
-        if row.parts is None
-        else {
-            "settled_micros": row.parts.settled,
-            "pending_micros": row.parts.pending,
-            "held_micros": row.parts.held,
-        },
-    }
 
 
 Handler = Callable[[Request, "_Target"], Awaitable[Response]]
@@ -390,13 +376,13 @@ class AdminApp:
 
     async def all_policies(self, request: Request, target: _Target) -> Response:
         admin = await self._admin(target)
-        return JSONResponse({"policies": [policy_json(p) for p in await admin.list_policies()]})
+        return JSONResponse(policies_json(await admin.list_policies()))
 
     async def policies(self, request: Request, target: _Target) -> Response:
         identity = _identity(request)
         admin = await self._admin(target)
         rows = await admin.list_policies(identity.team_id)
-        return JSONResponse({"team": identity.team_id, "policies": [policy_json(p) for p in rows]})
+        return JSONResponse(policies_json(rows, identity.team_id))
 
     async def policy(self, request: Request, target: _Target) -> Response:
         identity = _identity(request)
@@ -408,7 +394,7 @@ class AdminApp:
             )
             if not removed:
                 raise AdminError(404, "not_found", "no such active policy")
-            return JSONResponse({"removed": True})
+            return JSONResponse(removed_json(True))
         body = await _body(request, {"limit_usd", "mode"}, {"limit_usd"})
         micros = _amount(body, "limit_usd", "a limit", allow_zero=True)
         hard = _mode(body, "soft")
@@ -426,19 +412,7 @@ class AdminApp:
         identity = _identity(request)
         admin = await self._admin(target)
         report = await admin.usage(identity.team_id, identity.api_key_id)
-        return JSONResponse(
-            {
-                "team": report.team_id,
-                "api_key": identity.api_key_id,
-                "at": report.at.isoformat().replace("+00:00", "Z"),
-                "limits": [usage_json(row) for row in report.limits],
-                "charges_total_micros": report.charges_total,
-                "charges_total_usd": usd_text(report.charges_total),
-                "unsettled_records": report.unsettled_records,
-                "unsettled_estimate_micros": report.unsettled_estimate,
-                "cache_error": report.cache_error,
-            }
-        )
+        return JSONResponse(usage_json(report, identity.api_key_id))
 
     async def balance(self, request: Request, target: _Target) -> Response:
         identity = _identity(request)
@@ -446,16 +420,7 @@ class AdminApp:
         report = await admin.balance(identity.team_id)
         if report is None:
             raise AdminError(404, "no_account", "no balance account (the team is not prepaid)")
-        account = report.account
-        return JSONResponse(
-            _balance_json(identity.team_id, account.topped_up, account.charged, account.hard)
-            | {
-                "remaining_micros": report.remaining,
-                "remaining_usd": usd_text(report.remaining),
-                "unsettled_records": report.unsettled_records,
-                "unsettled_estimate_micros": report.unsettled_estimate,
-            }
-        )
+        return JSONResponse(balance_report_json(report))
 
     async def topup(self, request: Request, target: _Target) -> Response:
         identity = _identity(request)
@@ -463,9 +428,7 @@ class AdminApp:
         micros = _amount(body, "usd", "a top-up", allow_zero=False)
         admin = await self._admin(target)
         account = await admin.topup(identity.team_id, micros_to_usd(micros))
-        return JSONResponse(
-            _balance_json(identity.team_id, account.topped_up, account.charged, account.hard)
-        )
+        return JSONResponse(balance_json(identity.team_id, account))
 
     async def balance_mode(self, request: Request, target: _Target) -> Response:
         identity = _identity(request)
@@ -476,9 +439,7 @@ class AdminApp:
             account = await admin.set_balance_mode(identity.team_id, hard=hard)
         except ValueError as exc:
             raise AdminError(404, "no_account", str(exc)) from None
-        return JSONResponse(
-            _balance_json(identity.team_id, account.topped_up, account.charged, account.hard)
-        )
+        return JSONResponse(balance_json(identity.team_id, account))
 
     async def models(self, request: Request, target: _Target) -> Response:
         identity = _identity(request)
@@ -510,7 +471,7 @@ class AdminApp:
         identity = _identity(request)
         admin = await self._admin(target)
         if request.method == "PUT":
-            body = await _body(request, set(_RATE_FIELDS), set())
+            body = await _body(request, set(RATE_FIELDS), set())
             if not body:
                 raise AdminError(400, "invalid_request", "give rpm, tpm or max_parallel")
             for name, value in body.items():
@@ -524,16 +485,7 @@ class AdminApp:
             identity.team_id, identity.api_key_id
         ):
             raise AdminError(404, "not_found", "no rates to remove")
-        listed = await admin.list_rates(identity.team_id)
-        return JSONResponse(
-            {
-                "team": identity.team_id,
-                "rates": [
-                    {"api_key": key, **{f: getattr(r, f) for f in _RATE_FIELDS}}
-                    for key, r in sorted(listed.items(), key=lambda kv: kv[0] or "")
-                ],
-            }
-        )
+        return JSONResponse(rates_json(identity.team_id, await admin.list_rates(identity.team_id)))
 
     @staticmethod
     def _budget_admin(target: _Target) -> BudgetAdmin:
@@ -545,7 +497,7 @@ class AdminApp:
 
     async def budgets_inspect(self, request: Request, target: _Target) -> Response:
         budgets = self._budget_admin(target)
-        return JSONResponse((await budgets.inspect()).as_json())
+        return JSONResponse(budget_report_json(await budgets.inspect()))
 
     async def budgets_reset(self, request: Request, target: _Target) -> Response:
         budgets = self._budget_admin(target)
@@ -567,7 +519,7 @@ class AdminApp:
             api_key_id=body.get("api_key_id"),
             model=body.get("model"),
         )
-        return JSONResponse({"reset": n})
+        return JSONResponse(budget_reset_json(n))
 
 
 def _raw_header(scope: Scope, name: bytes) -> bytes:
@@ -575,19 +527,6 @@ def _raw_header(scope: Scope, name: bytes) -> bytes:
         if key.lower() == name:
             return bytes(value)
     return b""
-
-
-def _balance_json(team_id: str, topped_up: int, charged: int, hard: bool) -> dict[str, Any]:
-    return {
-        "team": team_id,
-        "mode": "hard" if hard else "soft",
-        "topped_up_micros": topped_up,
-        "topped_up_usd": usd_text(topped_up),
-        "charged_micros": charged,
-        "charged_usd": usd_text(charged),
-        "balance_micros": topped_up - charged,
-        "balance_usd": usd_text(topped_up - charged),
-    }
 
 
 def _version() -> str | None:

@@ -13,6 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..engine.views import (
+    budget_report_json,
+    budget_reset_json,
+    key_budget_json,
+    removed_json,
+)
 from ..errors import ConfigurationError
 from ..ledger import BudgetOverride, Ledger
 from ..settings import Settings
@@ -73,15 +79,6 @@ def admin_for(settings: Settings, ledger: Ledger) -> tuple[BudgetAdmin, BudgetSt
     return BudgetAdmin(config, store or MemoryBudgetStore(), ledger=ledger), store
 
 
-def _override_json(o: BudgetOverride) -> dict[str, Any]:
-    return {
-        "team": o.team_id,
-        "api_key": o.api_key_id,
-        "max_tokens_budget": o.max_tokens,
-        "budget_window": o.budget_window,
-    }
-
-
 async def run(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
     admin, store = admin_for(settings, ledger)
     try:
@@ -100,7 +97,7 @@ async def _dispatch(args: argparse.Namespace, admin: BudgetAdmin, store: BudgetS
         )
     if cmd == "inspect":
         report = await admin.inspect()
-        data = report.as_json()
+        data = budget_report_json(report)
         lines = [f"budgets: {'enabled' if report.config.enabled else 'disabled'}"]
         lines += [
             f"  {c.scope.value:<12} {c.subject or '-':<30} {c.window:<10} "
@@ -117,22 +114,31 @@ async def _dispatch(args: argparse.Namespace, admin: BudgetAdmin, store: BudgetS
             api_key_id=args.api_key,
             model=args.model,
         )
-        print(json.dumps({"reset": n}) if args.json else f"reset {n} buckets")
+        bucket = "bucket" if n == 1 else "buckets"
+        print(json.dumps(budget_reset_json(n), indent=2) if args.json else f"reset {n} {bucket}")
         return 0
     if cmd == "key-set":
         o = await admin.set_key_budget(
             args.team, args.api_key, max_tokens=args.max_tokens, budget_window=args.window
         )
-        data = _override_json(o)
-        print(json.dumps(data) if args.json else f"key budget set: {data}")
+        data = key_budget_json(o)
+        text = f"key budget set: team {o.team_id} key {o.api_key_id}: {_key_budget_text(o)}"
+        print(json.dumps(data, indent=2) if args.json else text)
         return 0
     if cmd == "key-rm":
         removed = await admin.remove_key_budget(args.team, args.api_key)
-        print(json.dumps({"removed": removed}) if args.json else f"removed: {removed}")
+        text = "key budget removed" if removed else "no such key budget"
+        print(json.dumps(removed_json(removed), indent=2) if args.json else text)
         return 0 if removed else 1
-    rows = [_override_json(o) for o in await admin.key_budgets()]
-    print(json.dumps(rows, indent=2) if args.json else "\n".join(map(str, rows)) or "none")
+    overrides = await admin.key_budgets()
+    rows = [key_budget_json(o) for o in overrides]
+    lines = [f"{o.team_id:<20} {o.api_key_id:<20} {_key_budget_text(o)}" for o in overrides]
+    print(json.dumps(rows, indent=2) if args.json else "\n".join(lines) or "no key budgets")
     return 0
+
+
+def _key_budget_text(o: BudgetOverride) -> str:
+    return f"{o.max_tokens:,} tokens per {o.budget_window}"
 
 
 def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:

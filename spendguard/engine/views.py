@@ -1,13 +1,31 @@
 """JSON views of what the admin API returns, shared by the CLI's ``--json`` output and the
-admin HTTP routes so the two never drift: money as integer micro-USD next to an exact
-decimal string."""
+admin HTTP routes so the two never drift: each view is defined here once, and for the same data
+``spendguard ... --json`` prints the structure the matching route answers (docs/admin-http.md
+has every shape).
+
+One vocabulary for both: money as integer micro-USD (``*_micros``) next to an exact decimal
+string (``*_usd``); a limit's usage is ``used_micros`` (the cache's settled plus pending when
+readable, else the settled spend) and what is left of it ``remaining_micros``; times are RFC
+3339 in UTC ending in ``Z`` (``2026-12-02T00:00:00Z``); an API key is its raw id, with the
+team's own entry under ``"api_key": null`` (model lists, keyed by encoded id, use ``""``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 from ..limits import Policy
+from ..limits.rates import Rates
 from ..money import micros_to_usd
+from .admin import BalanceReport, LimitUsage, UsageReport
+
+if TYPE_CHECKING:
+    from ..budgets.admin import BudgetReport
+    from ..ledger import Account, BudgetOverride
+
+RATE_FIELDS = ("rpm", "tpm", "max_parallel")
 
 
 def usd_text(micros: int | None) -> str | None:
@@ -15,6 +33,12 @@ def usd_text(micros: int | None) -> str | None:
     return None if micros is None else str(micros_to_usd(micros))
 
 
+def time_text(at: datetime) -> str:
+    """A time as RFC 3339 in UTC with a ``Z`` (``2026-12-02T00:00:00Z``)."""
+    return at.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+# -- policies --------------------------------------------------------------------------------
 def policy_json(policy: Policy) -> dict[str, Any]:
     return {
         "team": policy.team_id,
@@ -26,6 +50,122 @@ def policy_json(policy: Policy) -> dict[str, Any]:
     }
 
 
-def model_lists_json(team_id: str, lists: dict[str | None, list[str]]) -> dict[str, Any]:
+def policies_json(policies: Iterable[Policy], team_id: str | None = None) -> dict[str, Any]:
+    """Active policies: of one team (``"team"`` named) or of every team (no ``"team"``)."""
+    listed = [policy_json(p) for p in policies]
+    return {"policies": listed} if team_id is None else {"team": team_id, "policies": listed}
+
+
+def removed_json(removed: bool) -> dict[str, Any]:
+    return {"removed": removed}
+
+
+# -- usage -----------------------------------------------------------------------------------
+def limit_usage_json(row: LimitUsage) -> dict[str, Any]:
+    """One subject's spend in one current period, with its limit if it has one."""
+    return {
+        "scope": row.limit.subject.kind.value,
+        "api_key": row.api_key_id,
+        "period": row.limit.window.value,
+        "period_id": row.bucket,
+        "settled_micros": row.settled,
+        "settled_usd": usd_text(row.settled),
+        "used_micros": row.used,
+        "used_usd": usd_text(row.used),
+        "limit_micros": row.amount,
+        "limit_usd": usd_text(row.amount),
+        "remaining_micros": row.remaining,
+        "remaining_usd": usd_text(row.remaining),
+        "resets_at": time_text(row.resets_at),
+        # The shared cache's view (None when not readable here): what settlement folded in,
+        # estimates of finished inferences still pending, holds of running ones on a hard limit.
+        "cache": None
+        if row.parts is None
+        else {
+            "settled_micros": row.parts.settled,
+            "pending_micros": row.parts.pending,
+            "held_micros": row.parts.held,
+        },
+    }
+
+
+def usage_json(report: UsageReport, api_key_id: str | None = None) -> dict[str, Any]:
+    """A team's usage (``api_key_id``: asked for that key's rows and the team's only)."""
+    return {
+        "team": report.team_id,
+        "api_key": api_key_id,
+        "at": time_text(report.at),
+        "limits": [limit_usage_json(row) for row in report.limits],
+        "charges_total_micros": report.charges_total,
+        "charges_total_usd": usd_text(report.charges_total),
+        "unsettled_records": report.unsettled_records,
+        "unsettled_estimate_micros": report.unsettled_estimate,
+        "unsettled_estimate_usd": usd_text(report.unsettled_estimate),
+        "cache_error": report.cache_error,
+    }
+
+
+# -- balances --------------------------------------------------------------------------------
+def balance_json(team_id: str, account: Account) -> dict[str, Any]:
+    """A prepaid account: what a top-up or a mode change answers."""
+    return {
+        "team": team_id,
+        "mode": "hard" if account.hard else "soft",
+        "topped_up_micros": account.topped_up,
+        "topped_up_usd": usd_text(account.topped_up),
+        "charged_micros": account.charged,
+        "charged_usd": usd_text(account.charged),
+        "balance_micros": account.balance,
+        "balance_usd": usd_text(account.balance),
+    }
+
+
+def balance_report_json(report: BalanceReport) -> dict[str, Any]:
+    """A prepaid account with what is left of it and what is not settled yet."""
+    return balance_json(report.team_id, report.account) | {
+        "remaining_micros": report.remaining,
+        "remaining_usd": usd_text(report.remaining),
+        "unsettled_records": report.unsettled_records,
+        "unsettled_estimate_micros": report.unsettled_estimate,
+        "unsettled_estimate_usd": usd_text(report.unsettled_estimate),
+    }
+
+
+# -- model lists and rates -------------------------------------------------------------------
+def model_lists_json(team_id: str, lists: Mapping[str | None, list[str]]) -> dict[str, Any]:
     """A team's model lists, keyed by the encoded API key id ("" is the team's own list)."""
     return {"team": team_id, "lists": {key or "": pats for key, pats in lists.items()}}
+
+
+def rate_values(value: Rates) -> dict[str, int | None]:
+    """A subject's rates by name (None: not limited)."""
+    return {name: getattr(value, name) for name in RATE_FIELDS}
+
+
+def rates_json(team_id: str, rates: Mapping[str | None, Rates]) -> dict[str, Any]:
+    """A team's rates, the team's own first (``"api_key": null``), then its keys' by id."""
+    ordered = sorted(rates.items(), key=lambda kv: (kv[0] is not None, kv[0] or ""))
+    return {
+        "team": team_id,
+        "rates": [{"api_key": key, **rate_values(value)} for key, value in ordered],
+    }
+
+
+# -- budgets ---------------------------------------------------------------------------------
+def budget_report_json(report: BudgetReport) -> dict[str, Any]:
+    """The effective budgets config and every scope x window's counters."""
+    return report.as_json()
+
+
+def budget_reset_json(buckets: int) -> dict[str, Any]:
+    return {"reset": buckets}
+
+
+def key_budget_json(override: BudgetOverride) -> dict[str, Any]:
+    """A key's own token budget."""
+    return {
+        "team": override.team_id,
+        "api_key": override.api_key_id,
+        "max_tokens_budget": override.max_tokens,
+        "budget_window": override.budget_window,
+    }

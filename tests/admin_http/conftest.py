@@ -93,3 +93,24 @@ async def gw(backend: str, settings: Settings) -> AsyncIterator[AdminGateway]:
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
     ):
         yield AdminGateway(app, settings, client, backend)
+
+
+@pytest.fixture
+def budget_settings(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Settings:
+    section = {
+        "enabled": True,
+        "storage": "memory" if backend == "sqlite" else "redis",
+        "windows": [{"id": "hourly", "period": "1h"}],
+        "scopes": {"global": {"tokens": 1000}, "per_api_key": {"tokens": 500}},
+    }
+    return make_settings(tmp_path, backend, request, budgets=section)
+
+
+@pytest.fixture
+async def bgw(backend: str, budget_settings: Settings) -> AsyncIterator[AdminGateway]:
+    app = build_app(budget_settings)
+    async with (
+        lifespan(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
+    ):
+        yield AdminGateway(app, budget_settings, client, backend)

@@ -4,7 +4,6 @@ the first inference request (no lifespan), stopped."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -12,31 +11,10 @@ import httpx
 import pytest
 
 from spendguard import Settings
-from tests.admin_http.conftest import AUTH, PREFIX, AdminGateway, build_app, make_settings
-from tests.support import chat_body, lifespan, write_unit_prices
+from tests.admin_http.conftest import AUTH, PREFIX, AdminGateway, build_app
+from tests.support import chat_body, write_unit_prices
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def budget_settings(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Settings:
-    section = {
-        "enabled": True,
-        "storage": "memory" if backend == "sqlite" else "redis",
-        "windows": [{"id": "hourly", "period": "1h"}],
-        "scopes": {"global": {"tokens": 1000}, "per_api_key": {"tokens": 500}},
-    }
-    return make_settings(tmp_path, backend, request, budgets=section)
-
-
-@pytest.fixture
-async def bgw(backend: str, budget_settings: Settings) -> AsyncIterator[AdminGateway]:
-    app = build_app(budget_settings)
-    async with (
-        lifespan(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
-    ):
-        yield AdminGateway(app, budget_settings, client, backend)
 
 
 def tokens(report: dict[str, object], scope: str) -> int:

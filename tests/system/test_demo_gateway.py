@@ -119,9 +119,9 @@ def test_demo_gateway_acceptance(gateway: str, env: dict[str, str]) -> None:
             break
         assert time.monotonic() < deadline, usage
         time.sleep(0.2)
-    team_month = next(s for s in usage["scopes"] if s["scope"] == "team" and s["period"] == "month")
+    team_month = next(s for s in usage["limits"] if s["scope"] == "team" and s["period"] == "month")
     assert team_month["settled_micros"] == usage["charges_total_micros"]
     estimated = usage["charges_total_micros"] - expected
     assert 0 < estimated < 100  # the one usage-less stream: a few tokens of gpt-4o-mini
-    alpha_day = next(s for s in usage["scopes"] if s["api_key"] == "alpha" and s["period"] == "day")
+    alpha_day = next(s for s in usage["limits"] if s["api_key"] == "alpha" and s["period"] == "day")
     assert alpha_day["limit_micros"] == 0 and alpha_day["settled_micros"] == 0

@@ -162,7 +162,7 @@ async def test_usage_json_shows_holds_next_to_settled_and_pending(
         report = await anyio.to_thread.run_sync(
             lambda: run_cli(env, "usage", "--team", "acme", "--api-key", "alpha")
         )
-        day = next(r for r in report["scopes"] if (r["scope"], r["period"]) == ("api_key", "day"))
+        day = next(r for r in report["limits"] if (r["scope"], r["period"]) == ("api_key", "day"))
         hold = worst_case(request, gw.guard.coster)
         assert day["cache"] == {"settled_micros": 0, "pending_micros": 0, "held_micros": hold}, (
             report

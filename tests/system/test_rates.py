@@ -169,20 +169,23 @@ async def test_parallel_cap_with_streams_held_open(tmp_path: Path, store: Store)
 def test_cli_rate_set_rm_ls(tmp_path: Path) -> None:
     env = clean_env(SPENDGUARD_DATABASE_URL=f"sqlite:///{tmp_path / 'l.db'}")
     out = run_cli(env, "rate", "set", "--team", "acme", "--api-key", "k", "--rpm", "60")
-    assert out["rates"] == {"k": {"rpm": 60, "tpm": None, "max_parallel": None}}
+    assert out == {
+        "team": "acme",
+        "rates": [{"api_key": "k", "rpm": 60, "tpm": None, "max_parallel": None}],
+    }
     run_cli(env, "rate", "set", "--team", "acme", "--max-parallel", "4", "--rpm", "600")
     # A rate not given is kept; 0 removes one.
     out = run_cli(
         env, "rate", "set", "--team", "acme", "--api-key", "k", "--rpm", "0", "--tpm", "9"
     )
-    assert out["rates"] == {
-        "": {"rpm": 600, "tpm": None, "max_parallel": 4},
-        "k": {"rpm": None, "tpm": 9, "max_parallel": None},
-    }
+    assert out["rates"] == [  # the team's own first, as the admin HTTP routes answer
+        {"api_key": None, "rpm": 600, "tpm": None, "max_parallel": 4},
+        {"api_key": "k", "rpm": None, "tpm": 9, "max_parallel": None},
+    ]
     run_cli(env, "rate", "rm", "--team", "acme")
-    assert run_cli(env, "rate", "ls", "--team", "acme")["rates"] == {
-        "k": {"rpm": None, "tpm": 9, "max_parallel": None}
-    }
+    assert run_cli(env, "rate", "ls", "--team", "acme")["rates"] == [
+        {"api_key": "k", "rpm": None, "tpm": 9, "max_parallel": None}
+    ]
 
 
 async def test_anthropic_routes_get_their_rate_limit_error(tmp_path: Path, store: Store) -> None:
