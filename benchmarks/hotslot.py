@@ -9,13 +9,14 @@ three ways past it.
 
 1. **Ceiling, measured** (needs ``redis-server`` on PATH): a private ``redis-server`` on a free
    loopback port (never a shared one) runs spendguard's scripts, loaded as spendguard loads
-   them (a budget script is ``common.lua`` + ``<name>.lua``; the spend scripts are read as is),
+   them (a budget script is ``bucket_common.lua`` + ``bucket_<name>.lua``; the spend scripts
+   are read as is),
    driven over several connections, each with a pipeline of calls in flight, so that the
    server's command thread, not the client, is the bottleneck. Scenarios:
 
    * ``admission``: the budget ``reserve`` then ``commit`` scripts on ONE bucket (the fleet's
      ``{bg}`` bucket: holds hash, expiry zset and two window hashes, named as
-     ``RedisBudgetStore.keys`` names them), one pair per admission; the windows are full (60
+     ``RedisStore.bucket_keys`` names them), one pair per admission; the windows are full (60
      slices each, tokens and cost) and 1,000 other holds are in flight, as on a busy bucket;
    * ``reserve only`` then ``commit only``: the same two scripts apart, to split the cost;
    * ``preflight``: the spend-limit ``preflight`` script on one team's keys (a key with a daily
@@ -57,11 +58,10 @@ from typing import Any
 from .services import PrivateRedis
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET_LUA = ROOT / "spendguard" / "budgets" / "lua"
 STORE_LUA = ROOT / "spendguard" / "store" / "lua"
 
 PREFIX = "sg"
-SLICES = 60  # spendguard/budgets/lua/common.lua
+SLICES = 60  # spendguard/store/lua/bucket_common.lua
 HIGH = 10**15  # limits no run reaches: every call is admitted
 
 
@@ -70,9 +70,9 @@ HIGH = 10**15  # limits no run reaches: every call is admitted
 
 
 def budget_lua(name: str) -> str:
-    """``spendguard.budgets.redis._lua``: common.lua, a newline, then the script."""
-    common = (BUDGET_LUA / "common.lua").read_text("utf-8")
-    return common + "\n" + (BUDGET_LUA / f"{name}.lua").read_text("utf-8")
+    """``spendguard.store.redis._lua``: bucket_common.lua, a newline, then the script."""
+    common = (STORE_LUA / "bucket_common.lua").read_text("utf-8")
+    return common + "\n" + (STORE_LUA / f"bucket_{name}.lua").read_text("utf-8")
 
 
 def store_lua(name: str) -> str:
@@ -97,13 +97,13 @@ TTL_MS = max(w.seconds for w in WINDOWS) * 1000 + HOLD_MS
 
 
 def bucket_keys(tag: str = "bg") -> list[str]:
-    """``RedisBudgetStore.keys``: holds, expiry, one hash per window, one hash tag."""
+    """``RedisStore.bucket_keys``: holds, expiry, one hash per window, one hash tag."""
     base = f"{PREFIX}:{{{tag}}}:budget"
     return [f"{base}:holds", f"{base}:expiry", *(f"{base}:w:{w.id}:{w.seconds}" for w in WINDOWS)]
 
 
 def reserve_args(now_ms: int, hold_id: str, tokens: int, cost: int) -> list[str]:
-    """``RedisBudgetStore.reserve``'s ARGV for one bucket with a token and a cost limit on
+    """``RedisStore.reserve_buckets``'s ARGV for one bucket with a token and a cost limit on
     each window (require_seed on, as with a ledger)."""
     args = [str(now_ms), hold_id, str(now_ms + HOLD_MS), str(tokens), str(cost), "1"]
     args += [str(TTL_MS), "1"]
@@ -113,7 +113,7 @@ def reserve_args(now_ms: int, hold_id: str, tokens: int, cost: int) -> list[str]
 
 
 def commit_args(now_ms: int, hold_id: str, tokens: int, cost: int) -> list[str]:
-    """``RedisBudgetStore.commit``'s ARGV: counted in the slice of the request's start."""
+    """``RedisStore.commit_buckets``'s ARGV: counted in the slice of the request's start."""
     args = [str(now_ms), hold_id, str(now_ms), str(tokens), str(cost), str(TTL_MS)]
     return args + [str(w.slice_ms) for w in WINDOWS]
 

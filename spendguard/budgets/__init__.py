@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..limits.model import Unit
+from ..limits.model import BudgetLimit, Unit
 from ..limits.windows import Rolling
+from ..store import make_store
 from .config import (
     BudgetConfigError,
-    BudgetLimit,
     BudgetsConfig,
     Scope,
     Storage,
@@ -38,16 +38,14 @@ def gate_for(guard: SpendGuard) -> BudgetGate | None:
         source = BudgetsSource(parse_budgets(settings.budgets))
     else:
         return None
-    url = None if settings.redis_url is None else settings.redis_url.get_secret_value()
-    from ..store.redis import redis_parts
-
-    spend_store = redis_parts(guard.store)
+    store, owned = guard.store, False
+    if not store.shared and settings.redis_url is not None:
+        # A guard given a store of its own in this process: budgets still count where the
+        # settings say (storage: redis), on a store the gate owns.
+        store, owned = make_store(settings, guard.clock), True
     return make_gate(
         source,
         guard.prices,
-        redis_url=url,
-        key_prefix=settings.key_prefix,
-        redis_timeout=settings.redis_timeout,
         ledger=guard.ledger,
         override_ttl=settings.policy_ttl,
         fallback_max_buckets=settings.fail_open_max_keys,
@@ -56,7 +54,8 @@ def gate_for(guard: SpendGuard) -> BudgetGate | None:
         ensure_connected=guard._ensure_connected,
         clock=guard.clock,
         output=guard.output,  # the spend limits' reservation rule: the two engines agree
-        spend_store=spend_store,
+        store=store,
+        owned=owned,
         override_timeout=settings.db_timeout,
     )
 

@@ -19,10 +19,12 @@ from typing import Any
 from ..clock import to_micros, utcnow
 from ..identity import Identity, encode_id
 from ..ledger import BudgetOverride, Ledger
+from ..limits.model import BudgetLimit
 from ..limits.windows import Rolling
-from .config import BudgetLimit, BudgetsConfig, Scope, parse_period
-from .gate import BudgetGate, override_window
-from .store import Bucket, BucketCheck, BudgetStore, WindowCheck
+from ..store import Store
+from ..store.rolling import Bucket, BucketCheck, WindowCheck
+from .config import BudgetsConfig, Scope, parse_period
+from .gate import BudgetGate, override_window, scope_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +65,7 @@ class BudgetAdmin:
     def __init__(
         self,
         config: BudgetsConfig,
-        store: BudgetStore,
+        store: Store,
         *,
         ledger: Ledger | None = None,
         gate: BudgetGate | None = None,
@@ -88,13 +90,13 @@ class BudgetAdmin:
     async def _checks(self, bucket: Bucket) -> tuple[WindowCheck, ...]:
         config = self.config
         limit: BudgetLimit | None
-        if bucket.scope is Scope.PER_API_KEY:
+        if bucket.kind is Scope.PER_API_KEY.kind:
             override = await self._override_of(bucket)
             if override is not None:
                 limit = BudgetLimit(tokens=override.max_tokens)
                 return (WindowCheck(override_window(override), limit),)
             limit = config.per_api_key
-        elif bucket.scope is Scope.PER_MODEL:
+        elif bucket.kind is Scope.PER_MODEL.kind:
             limit = next(
                 (lim for m, lim in config.per_model.items() if encode_id(m) == bucket.subject),
                 None,
@@ -118,18 +120,18 @@ class BudgetAdmin:
         now_ms = self._now_ms()
         counters: list[Counter] = []
         buckets = set(await self._buckets())
-        buckets.add(Bucket(Scope.GLOBAL, ""))
+        buckets.add(Bucket(Scope.GLOBAL.kind, ""))
         for model in self.config.per_model:
-            buckets.add(Bucket(Scope.PER_MODEL, encode_id(model)))
-        for bucket in sorted(buckets, key=lambda b: (b.scope.value, b.subject)):
+            buckets.add(Bucket(Scope.PER_MODEL.kind, encode_id(model)))
+        for bucket in sorted(buckets, key=lambda b: (scope_of(b).value, b.subject)):
             checks = await self._checks(bucket)
             if not checks:
                 continue
-            usage = await self.store.inspect(BucketCheck(bucket, checks), now_ms)
+            usage = await self.store.inspect_bucket(BucketCheck(bucket, checks), now_ms)
             for check, row in zip(checks, usage.windows, strict=True):
                 counters.append(
                     Counter(
-                        bucket.scope,
+                        scope_of(bucket),
                         bucket.subject,
                         check.window.id,
                         row.tokens + usage.held_tokens,
@@ -168,21 +170,21 @@ class BudgetAdmin:
             if team_id is None:
                 raise ValueError("a per_api_key reset of one key needs team_id and api_key_id")
             ident = Identity(team_id, api_key_id)
-            buckets = [Bucket(scope, f"{ident.team}:{ident.api_key}")]
+            buckets = [Bucket(scope.kind, f"{ident.team}:{ident.api_key}")]
         elif scope is Scope.PER_MODEL and model is not None:
-            buckets = [Bucket(scope, encode_id(model))]
+            buckets = [Bucket(scope.kind, encode_id(model))]
         elif scope is Scope.GLOBAL:
-            buckets = [Bucket(scope, "")]
+            buckets = [Bucket(scope.kind, "")]
         else:
-            buckets = [b for b in await self._buckets() if b.scope is scope]
+            buckets = [b for b in await self._buckets() if b.kind is scope.kind]
         for bucket in buckets:
             windows = await self._reset_windows(bucket, window)
-            await self.store.reset(bucket, windows)
+            await self.store.reset_bucket(bucket, windows)
         return len(buckets)
 
     async def _reset_windows(self, bucket: Bucket, window: str | None) -> list[Rolling]:
         windows = list(self.config.windows)
-        if bucket.scope is Scope.PER_API_KEY:
+        if bucket.kind is Scope.PER_API_KEY.kind:
             override = await self._override_of(bucket)
             if override is not None:
                 windows.append(override_window(override))

@@ -22,6 +22,7 @@ from ..engine.views import (
 from ..errors import ConfigurationError
 from ..ledger import BudgetOverride, Ledger
 from ..settings import Settings
+from ..store import MemoryStore, Store, make_store
 from .admin import BudgetAdmin
 from .config import (
     DISABLED,
@@ -32,7 +33,6 @@ from .config import (
     parse_budgets,
     read_budgets,
 )
-from .store import BudgetStore
 
 
 def validate(args: argparse.Namespace) -> int:
@@ -62,21 +62,13 @@ def configured(settings: Settings) -> BudgetsConfig:
     return DISABLED
 
 
-def admin_for(settings: Settings, ledger: Ledger) -> tuple[BudgetAdmin, BudgetStore | None]:
+def admin_for(settings: Settings, ledger: Ledger) -> tuple[BudgetAdmin, Store | None]:
     """An admin on the shared counters (None as the store without Redis)."""
     config = configured(settings)
-    store: BudgetStore | None = None
+    store: Store | None = None
     if settings.redis_url is not None and config.storage is Storage.REDIS:
-        from .redis import RedisBudgetStore
-
-        store = RedisBudgetStore.from_url(
-            settings.redis_url.get_secret_value(),
-            prefix=settings.key_prefix,
-            timeout=settings.redis_timeout,
-        )
-    from .memory import MemoryBudgetStore
-
-    return BudgetAdmin(config, store or MemoryBudgetStore(), ledger=ledger), store
+        store = make_store(settings)
+    return BudgetAdmin(config, store or MemoryStore(), ledger=ledger), store
 
 
 async def run(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> int:
@@ -88,7 +80,7 @@ async def run(args: argparse.Namespace, settings: Settings, ledger: Ledger) -> i
             await store.aclose()
 
 
-async def _dispatch(args: argparse.Namespace, admin: BudgetAdmin, store: BudgetStore | None) -> int:
+async def _dispatch(args: argparse.Namespace, admin: BudgetAdmin, store: Store | None) -> int:
     cmd = args.budgets_cmd
     if cmd in ("inspect", "reset") and store is None:
         raise ConfigurationError(

@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigurationError
-from ..limits.model import SubjectKind
+from ..limits.model import BudgetLimit, SubjectKind
 from ..limits.windows import Rolling
 from ..money import MAX_AMOUNT_MICROS, usd_to_micros
 
@@ -102,22 +102,6 @@ def parse_period(text: str) -> int:
     if seconds > MAX_PERIOD_SECONDS:
         raise ValueError(f"{text!r} is longer than {MAX_PERIOD_SECONDS // 86_400} days")
     return seconds
-
-
-@dataclass(frozen=True, slots=True)
-class BudgetLimit:
-    """``tokens``, ``cost_micros`` or both (each > 0)."""
-
-    tokens: int | None = None
-    cost_micros: int | None = None
-
-    def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.tokens is not None:
-            out["tokens"] = self.tokens
-        if self.cost_micros is not None:
-            out["cost_usd"] = str(Decimal(self.cost_micros) / 1_000_000)
-        return out
 
 
 @dataclass(frozen=True, slots=True)

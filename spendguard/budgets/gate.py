@@ -38,24 +38,24 @@ from ..engine.singleflight import SingleFlight
 from ..errors import LedgerUnavailable, StoreFull, StoreUnavailable
 from ..identity import Identity, encode_id
 from ..ledger import BudgetOverride, Ledger
-from ..limits.model import Unit
+from ..limits.model import BudgetLimit, SubjectKind, Unit
 from ..limits.windows import SLICES, Rolling
+from ..store import MemoryStore, Store
+from ..store.rolling import Bucket, BucketCheck, Hold, Reserved, WindowCheck
 from ..usage import Usage
 from . import metrics
-from .config import BudgetLimit, BudgetsConfig, Scope, Storage, parse_period
-from .memory import MemoryBudgetStore
+from .config import BudgetsConfig, Scope, Storage, parse_period
 from .overrides import OverrideCache
 from .source import BudgetsSource
-from .store import Bucket, BucketCheck, BudgetStore, Hold, Reserved, WindowCheck
 
 if TYPE_CHECKING:
     from ..engine.decision import InferenceRequest
     from ..engine.pricing import PriceTable
-    from ..store.redis import RedisStore
 
 log = logging.getLogger("spendguard.budgets")
 
-_SCOPE_RANK = {Scope.PER_API_KEY: 0, Scope.PER_MODEL: 1, Scope.GLOBAL: 2}
+_SCOPE_RANK = {SubjectKind.API_KEY: 0, SubjectKind.MODEL: 1, SubjectKind.FLEET: 2}
+_SCOPES = {scope.kind: scope for scope in Scope}  # a bucket's subject kind -> the YAML's name
 OUTAGE_RETRY_AFTER = 5
 # The budgets' names of the units, in 429 details and metric labels (as docs/budgets.md states).
 UNIT_NAMES: Final = {Unit.TOKENS: "tokens", Unit.USD: "cost_micro_usd"}
@@ -132,7 +132,7 @@ class BudgetAdmission:
     verdict: BudgetVerdict
     calls: tuple[BucketCheck, ...] = ()
     hold: Hold | None = None
-    store: BudgetStore | None = None
+    store: Store | None = None
     denial: Denial | None = None
     headers: tuple[tuple[bytes, bytes], ...] = ()
     model: str = ""
@@ -167,8 +167,9 @@ class BudgetGate:
         source: BudgetsSource,
         prices: PriceTable,
         *,
-        redis_store: BudgetStore | None = None,
-        memory_store: MemoryBudgetStore | None = None,
+        redis_store: Store | None = None,
+        owns_redis: bool = False,
+        memory_store: Store | None = None,
         fallback_max_buckets: int = 10_000,
         overrides: OverrideCache | None = None,
         ledger: Ledger | None = None,
@@ -183,10 +184,13 @@ class BudgetGate:
         self._rebuilding: SingleFlight[None] = SingleFlight()
         self._ensure_connected = ensure_connected
         self.prices = prices
+        # The gateway's shared store (its Redis, closed with its guard), and the gate's own
+        # in this process for ``storage: memory``.
         self.redis = redis_store
-        self.memory = memory_store if memory_store is not None else MemoryBudgetStore()
+        self._owns_redis = owns_redis
+        self.memory = memory_store if memory_store is not None else MemoryStore(clock=clock)
         # Fail open: what a replica admits while Redis is down, bounded (full: refused).
-        self.fallback = MemoryBudgetStore(max_buckets=fallback_max_buckets)
+        self.fallback = MemoryStore(max_keys=fallback_max_buckets, clock=clock)
         self.overrides = overrides
         self.clock = clock
         self._warned_no_redis = False
@@ -202,7 +206,7 @@ class BudgetGate:
     def config(self) -> BudgetsConfig:
         return self.source.current()
 
-    def store_for(self, config: BudgetsConfig) -> BudgetStore:
+    def store_for(self, config: BudgetsConfig) -> Store:
         if config.storage is Storage.REDIS:
             if self.redis is not None:
                 return self.redis
@@ -227,7 +231,7 @@ class BudgetGate:
         calls: list[BucketCheck] = []
         default_key = False
         if identity.api_key is not None:
-            subject = Bucket(Scope.PER_API_KEY, f"{identity.team}:{identity.api_key}")
+            subject = Bucket(SubjectKind.API_KEY, f"{identity.team}:{identity.api_key}")
             if override is not None:
                 window = override_window(override)
                 limit = BudgetLimit(tokens=override.max_tokens)
@@ -239,10 +243,10 @@ class BudgetGate:
         model_limit = config.per_model.get(model)
         if model_limit is not None:
             checks = tuple(WindowCheck(w, model_limit) for w in config.windows)
-            calls.append(BucketCheck(Bucket(Scope.PER_MODEL, encode_id(model)), checks))
+            calls.append(BucketCheck(Bucket(SubjectKind.MODEL, encode_id(model)), checks))
         if config.global_ is not None:
             checks = tuple(WindowCheck(w, config.global_) for w in config.windows)
-            calls.append(BucketCheck(Bucket(Scope.GLOBAL, ""), checks))
+            calls.append(BucketCheck(Bucket(SubjectKind.FLEET, ""), checks))
         return tuple(calls), default_key
 
     # -- admission --------------------------------------------------------------------------
@@ -312,7 +316,7 @@ class BudgetGate:
             ttl_ms=max(w.period_ms for c in calls for w in c.windows) + hold_ms,
         )
         store = self.store_for(config)
-        reserving = store.reserve(calls, hold)
+        reserving = store.reserve_buckets(calls, hold, require_seed=self.ledger is not None)
         return self._admitted(
             config, store, calls, hold, reserving, request, estimate, default_key, price is not None
         )
@@ -320,7 +324,7 @@ class BudgetGate:
     async def _admitted(
         self,
         config: BudgetsConfig,
-        store: BudgetStore,
+        store: Store,
         calls: tuple[BucketCheck, ...],
         hold: Hold,
         reserving: Awaitable[list[Reserved]],
@@ -345,7 +349,7 @@ class BudgetGate:
             metrics.STORAGE_UNAVAILABLE.labels("fallback").inc()
             store = self.fallback
             try:
-                answers = await store.reserve(calls, hold)
+                answers = await store.reserve_buckets(calls, hold)
             except StoreFull:
                 return self._tracker_full(calls, model)
         admission = BudgetAdmission(
@@ -355,7 +359,7 @@ class BudgetGate:
         if denied:
             taken = [calls[i].bucket for i, a in enumerate(answers) if a.ok]
             if taken:
-                await self._release(store, taken, hold.id)
+                await self._released(store.release_buckets(taken, hold.id))
             return self._deny(admission, denied, request, estimate)
         if default_key:
             admission.headers = _key_headers(calls[0], answers[0], hold.now_ms)
@@ -363,7 +367,7 @@ class BudgetGate:
 
     async def _reserve(
         self,
-        store: BudgetStore,
+        store: Store,
         calls: tuple[BucketCheck, ...],
         hold: Hold,
         model: str,
@@ -374,12 +378,13 @@ class BudgetGate:
         if unseeded:  # Redis lost these buckets: rebuild them, then ask them again
             lost = [calls[i] for i in unseeded]
             await self._rebuild(store, lost, model, hold)
-            for i, answer in zip(unseeded, await store.reserve(lost, hold), strict=True):
+            again = await store.reserve_buckets(lost, hold, require_seed=True)
+            for i, answer in zip(unseeded, again, strict=True):
                 answers[i] = answer
         return answers
 
     async def _rebuild(
-        self, store: BudgetStore, calls: list[BucketCheck], model: str, hold: Hold
+        self, store: Store, calls: list[BucketCheck], model: str, hold: Hold
     ) -> None:
         """Seed buckets Redis lost (a restart, a flush) from the ledger's records instead of
         starting them from zero. A ledger that can't be read either: they start from zero.
@@ -389,16 +394,14 @@ class BudgetGate:
                 call.bucket, partial(self._rebuild_one, store, call, model, hold)
             )
 
-    async def _rebuild_one(
-        self, store: BudgetStore, call: BucketCheck, model: str, hold: Hold
-    ) -> None:
+    async def _rebuild_one(self, store: Store, call: BucketCheck, model: str, hold: Hold) -> None:
         try:
             slices = await self._used_slices(call, model, hold.now_ms)
         except (LedgerUnavailable, TimeoutError) as exc:
             log.warning("budget bucket lost by Redis starts from zero (ledger: %r)", exc)
             slices = [[] for _ in call.windows]
-        await store.seed(call, slices, hold.ttl_ms)
-        log.info("budget bucket %s rebuilt from the ledger", call.bucket.scope.value)
+        await store.seed_bucket(call, slices, hold.ttl_ms)
+        log.info("budget bucket %s rebuilt from the ledger", scope_of(call.bucket).value)
 
     async def _used_slices(
         self, call: BucketCheck, model: str, now_ms: int
@@ -410,9 +413,9 @@ class BudgetGate:
             await self._ensure_connected()
         bucket = call.bucket
         filters: dict[str, str] = {}
-        if bucket.scope is Scope.PER_API_KEY:
+        if bucket.kind is SubjectKind.API_KEY:
             filters["team"], _, filters["api_key"] = bucket.subject.partition(":")
-        elif bucket.scope is Scope.PER_MODEL:
+        elif bucket.kind is SubjectKind.MODEL:
             filters["model"] = model
         out = []
         for window in call.windows:
@@ -450,13 +453,13 @@ class BudgetGate:
             # The first failing window in config order; within it, the first scope.
             i, answer = min(
                 denied,
-                key=lambda d: (d[1].window, _SCOPE_RANK[admission.calls[d[0]].bucket.scope]),
+                key=lambda d: (d[1].window, _SCOPE_RANK[admission.calls[d[0]].bucket.kind]),
             )
             call = admission.calls[i]
             check = call.checks[answer.window]
             limit = check.limit.tokens if answer.unit is Unit.TOKENS else check.limit.cost_micros
             assert limit is not None  # a unit is only denied where it has a limit
-            scope, window = call.bucket.scope, check.window.id
+            scope, window = scope_of(call.bucket), check.window.id
             denial = Denial(
                 scope=scope,
                 window=window,
@@ -489,7 +492,7 @@ class BudgetGate:
                     unit, limit = Unit.USD, cost
                 else:
                     continue
-                order = (w, _SCOPE_RANK[call.bucket.scope])
+                order = (w, _SCOPE_RANK[call.bucket.kind])
                 if found is None or order < found[0]:
                     found = (order, call, check, unit, limit)
         if found is None:
@@ -513,7 +516,7 @@ class BudgetGate:
 
             explained = f"it reserves {usd(reserved)}: {made_of}. "
             explained += advice(request, largest_fitting(cost_of, limit, output // choices))
-        scope = call.bucket.scope
+        scope = scope_of(call.bucket)
         return Denial(
             scope=scope,
             window=check.window.id,
@@ -532,7 +535,7 @@ class BudgetGate:
         check = call.checks[0]
         unit = Unit.TOKENS if check.limit.tokens is not None else Unit.USD
         limit = check.limit.tokens if unit is Unit.TOKENS else check.limit.cost_micros
-        scope = call.bucket.scope
+        scope = scope_of(call.bucket)
         log.error("budget tracker full: refusing a request it can't count")
         metrics.REJECTIONS.labels(scope.value, check.window.id).inc()
         denial = Denial(
@@ -562,7 +565,7 @@ class BudgetGate:
         hold, store = admission.hold, admission.store
         if usage is None:
             buckets = [c.bucket for c in admission.calls]
-            return self._released(store.release(buckets, hold.id))
+            return self._released(store.release_buckets(buckets, hold.id))
         tokens = (
             usage.input_tokens
             + usage.output_tokens
@@ -573,7 +576,7 @@ class BudgetGate:
         if admission.count_cost:
             price = self.prices.lookup(model) or self.prices.lookup(admission.model)
             cost = 0 if price is None else int(price.cost(usage))
-        committing = store.commit(
+        committing = store.commit_buckets(
             admission.calls,
             hold.id,
             now_ms=self._now_ms(),
@@ -594,7 +597,7 @@ class BudgetGate:
             return
         counted = self._counted
         for call in admission.calls:
-            scope = call.bucket.scope
+            scope = scope_of(call.bucket)
             for window in call.windows:
                 children = counted.get((scope, window.id))
                 if children is None:
@@ -617,20 +620,21 @@ class BudgetGate:
         except Exception as exc:  # the holds expire by themselves
             log.warning("budget holds could not be returned (they expire): %r", exc)
 
-    @staticmethod
-    async def _release(store: BudgetStore, buckets: list[Bucket], hold_id: str) -> None:
-        try:
-            await store.release(buckets, hold_id)
-        except Exception as exc:  # the holds expire by themselves
-            log.warning("budget holds could not be returned (they expire): %r", exc)
-
     async def aclose(self) -> None:
-        if self.redis is not None:
+        # The shared store is the gateway's, closed with its guard, unless the gate made it.
+        if self.redis is not None and self._owns_redis:
             await self.redis.aclose()
+        await self.memory.aclose()
+        await self.fallback.aclose()
 
 
 async def _no_budget() -> None:
     return None
+
+
+def scope_of(bucket: Bucket) -> Scope:
+    """The section's name for a bucket's subject kind."""
+    return _SCOPES[bucket.kind]
 
 
 def override_window(override: BudgetOverride) -> Rolling:
@@ -666,9 +670,6 @@ def make_gate(
     source: BudgetsSource,
     prices: PriceTable,
     *,
-    redis_url: str | None,
-    key_prefix: str,
-    redis_timeout: float,
     ledger: Ledger | None,
     override_ttl: float,
     fallback_max_buckets: int,
@@ -676,30 +677,13 @@ def make_gate(
     ensure_connected: EnsureConnected | None = None,
     clock: Callable[[], datetime] = utcnow,
     output: OutputReservation = DEFAULT_RESERVATION,
-    spend_store: RedisStore | None = None,
+    store: Store | None = None,
+    owned: bool = False,
     override_timeout: float = 5.0,
 ) -> BudgetGate:
-    """A gate with the stores the settings allow: Redis when a URL is set (used whenever the
-    section says ``storage: redis``, also after a reload), memory always. With the spend
-    limits' Redis store, budgets use its client and pipeline: one connection pool, and a
-    request's budget and spend-limit calls leave in the same pipeline writes."""
-    redis_store: BudgetStore | None = None
-    if spend_store is not None:
-        from .redis import RedisBudgetStore
-
-        redis_store = RedisBudgetStore(
-            spend_store.client,
-            prefix=key_prefix,
-            timeout=spend_store.timeout,
-            require_seed=ledger is not None,
-            pipeline=spend_store.pipeline,
-        )
-    elif redis_url is not None:
-        from .redis import RedisBudgetStore
-
-        redis_store = RedisBudgetStore.from_url(
-            redis_url, prefix=key_prefix, timeout=redis_timeout, require_seed=ledger is not None
-        )
+    """A gate on the gateway's store: its Redis (shared by every replica, the calls leaving
+    in the same pipeline writes as the spend limits') when it is one, used whenever the
+    section says ``storage: redis``, also after a reload; one in this process always."""
     overrides = (
         OverrideCache(
             ledger,
@@ -713,8 +697,9 @@ def make_gate(
     return BudgetGate(
         source,
         prices,
-        redis_store=redis_store,
-        memory_store=MemoryBudgetStore(max_buckets=memory_max_buckets),
+        redis_store=store if store is not None and store.shared else None,
+        owns_redis=owned,
+        memory_store=MemoryStore(max_keys=memory_max_buckets, clock=clock),
         fallback_max_buckets=fallback_max_buckets,
         overrides=overrides,
         ledger=ledger,

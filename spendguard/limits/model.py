@@ -12,7 +12,9 @@ Turning these values into cache keys and back happens in one place only,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal
 from enum import StrEnum
+from typing import Any
 
 from ..identity import Identity
 from .windows import Period, Window
@@ -59,6 +61,23 @@ class Limit:
     @property
     def team(self) -> str:
         return self.subject.team
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetLimit:
+    """A budget's amounts over one rolling window: ``tokens``, ``cost_micros`` or both (each
+    > 0); the request must fit under each (a hard limit: its estimate is held)."""
+
+    tokens: int | None = None
+    cost_micros: int | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.tokens is not None:
+            out["tokens"] = self.tokens
+        if self.cost_micros is not None:
+            out["cost_usd"] = str(Decimal(self.cost_micros) / 1_000_000)
+        return out
 
 
 @dataclass(frozen=True, slots=True)

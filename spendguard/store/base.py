@@ -30,6 +30,8 @@ from typing import Protocol, runtime_checkable
 from ..limits import Balance, Check, KeyPlan
 from ..limits.capacity import Acquired, ProviderKey, StoredKey
 from ..limits.rates import RateDenial, RateKind, RateState, Scope, parse_state
+from ..limits.windows import Rolling
+from .rolling import Bucket, BucketCheck, BucketUsage, Hold, Reserved
 
 
 class Outcome(StrEnum):
@@ -262,6 +264,53 @@ class Store(Protocol):
 
     async def read_usage(self, usage_keys: Sequence[str]) -> dict[str, int | None]:
         """Cached usage (settled + pending) per key, None when absent; for the CLI and tests."""
+        ...
+
+    # -- rolling windows (budgets; :mod:`spendguard.store.rolling`) --------------------------
+    # The request path's calls are sent before they return (on Redis into the pipeline's
+    # next write, so they cost no round trip of their own); the awaitable they return has
+    # the answer, and must be awaited.
+    def reserve_buckets(
+        self, calls: Sequence[BucketCheck], hold: Hold, *, require_seed: bool = False
+    ) -> Awaitable[list[Reserved]]:
+        """Reserve ``hold`` in each bucket where every window can afford it (each bucket on
+        its own, atomically); one answer per call, in order. ``require_seed``: a bucket the
+        store has no seed marker for (Redis lost it) is answered ``unseeded``, nothing held."""
+        ...
+
+    def commit_buckets(
+        self,
+        calls: Sequence[BucketCheck],
+        hold_id: str,
+        *,
+        now_ms: int,
+        at_ms: int,
+        tokens: int,
+        cost: int,
+        ttl_ms: int,
+    ) -> Awaitable[object]:
+        """Replace the hold by the actual usage, counted in the slice of ``at_ms``."""
+        ...
+
+    def release_buckets(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[object]:
+        """Return the hold (nothing is counted)."""
+        ...
+
+    async def inspect_bucket(self, call: BucketCheck, now_ms: int) -> BucketUsage: ...
+
+    async def reset_bucket(self, bucket: Bucket, windows: Sequence[Rolling]) -> None:
+        """Forget the committed usage of ``windows`` (holds stay: their requests still end)."""
+        ...
+
+    async def seed_bucket(
+        self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
+    ) -> bool:
+        """Fill a bucket the store lost with rebuilt usage: per window, (slice index, tokens,
+        cost) triples. False when another process seeded it first (nothing written)."""
+        ...
+
+    async def buckets(self) -> list[Bucket]:
+        """Every bucket the store has counters for."""
         ...
 
     # -- provider capacity (design.md, "Provider keys") --------------------------------------

@@ -10,15 +10,17 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..clock import to_millis, utcnow
 from ..errors import StoreFull
 from ..limits import Balance, Check, KeyPlan
 from ..limits.capacity import Acquired, Attempt, ProviderKey, Refusal, StoredKey
 from ..limits.codec import HARD_PREFIX, LOADED_FIELD
+from ..limits.model import Unit
 from ..limits.models import ALLOW_PREFIX, allows
 from ..limits.rates import RATE_PREFIX, WINDOW_MS, Rates, RateState, Scope, exceeds, minute_of
+from ..limits.windows import SLICES, Rolling
 from .base import (
     CachedParts,
     EntryWrite,
@@ -29,6 +31,7 @@ from .base import (
     decide,
     with_rates,
 )
+from .rolling import Bucket, BucketCheck, BucketUsage, Hold, Reserved, WindowUsage, retry_ms
 
 
 @dataclass(slots=True)
@@ -86,6 +89,54 @@ class _Rate:
         self.minute = max(self.minute, minute)
 
 
+def _window_key(window: Rolling) -> tuple[str, int]:
+    # A window whose period changes (a reload) starts a new series: old slices meant other times.
+    return (window.id, window.seconds)
+
+
+@dataclass(slots=True)
+class _Slices:
+    tokens: dict[int, int] = field(default_factory=dict)
+    cost: dict[int, int] = field(default_factory=dict)
+
+    def drop_before(self, lo: int) -> None:
+        for series in (self.tokens, self.cost):
+            for idx in [i for i in series if i < lo]:
+                del series[idx]
+
+    def current(self, window: Rolling, now_ms: int) -> tuple[int, int]:
+        self.drop_before(now_ms // window.slice_ms - SLICES + 1)
+        return sum(self.tokens.values()), sum(self.cost.values())
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """A rolling-window bucket: its live holds and each window's slices."""
+
+    holds: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # id: exp, tok, cost
+    windows: dict[tuple[str, int], _Slices] = field(default_factory=dict)
+
+    def prune(self, now_ms: int) -> tuple[int, int]:
+        expired = [h for h, (exp, _, _) in self.holds.items() if exp <= now_ms]
+        for hold_id in expired:
+            del self.holds[hold_id]
+        return (
+            sum(t for _, t, _ in self.holds.values()),
+            sum(c for _, _, c in self.holds.values()),
+        )
+
+    def slices(self, window: Rolling) -> _Slices:
+        key = _window_key(window)
+        found = self.windows.get(key)
+        if found is None:
+            found = self.windows[key] = _Slices()
+        return found
+
+    @property
+    def empty(self) -> bool:
+        return not self.holds and not any(s.tokens or s.cost for s in self.windows.values())
+
+
 @dataclass(slots=True)
 class _ProviderKey:
     """A provider key's capacity, its one-minute counters and its cooldown end."""
@@ -133,6 +184,7 @@ class MemoryStore:
         # with everything else, so the engine writes none here; kept for the one contract).
         self._entries: dict[str, dict[str, str]] = {}
         self._rates: dict[str, _Rate] = {}
+        self._buckets: dict[Bucket, _Bucket] = {}
         # Provider keys are few (the operator registers them): outside the bound.
         self._provider_keys: dict[str, _ProviderKey] = {}
 
@@ -459,6 +511,122 @@ class MemoryStore:
             out[key] = None if usage is None else usage.settled + usage.pending
         return out
 
+    # -- rolling windows --------------------------------------------------------------------
+    def _bucket(self, bucket: Bucket, now_ms: int) -> _Bucket:
+        found = self._buckets.get(bucket)
+        if found is not None:
+            return found
+        if len(self) >= self._max_keys:
+            self._sweep_buckets(now_ms)
+            self._make_room(1, self._clock())
+        found = self._buckets[bucket] = _Bucket()
+        return found
+
+    def _sweep_buckets(self, now_ms: int) -> None:
+        """Forget buckets whose windows have drained and whose holds have ended."""
+        for bucket, state in list(self._buckets.items()):
+            state.prune(now_ms)
+            for window_key, slices in state.windows.items():
+                seconds = window_key[1]
+                slices.drop_before(now_ms // (seconds * 1000 // SLICES) - SLICES + 1)
+            if state.empty:
+                del self._buckets[bucket]
+
+    def reserve_buckets(
+        self, calls: Sequence[BucketCheck], hold: Hold, *, require_seed: bool = False
+    ) -> Awaitable[list[Reserved]]:
+        # Never unseeded: a process's counters live and die with it. Each bucket is decided
+        # on its own (as each is its own script on Redis), all of them now.
+        try:
+            return _ready([self._reserve(call, hold) for call in calls])
+        except StoreFull as exc:
+            return _failed(exc)
+
+    def _reserve(self, call: BucketCheck, hold: Hold) -> Reserved:
+        state = self._bucket(call.bucket, hold.now_ms)
+        held_t, held_c = state.prune(hold.now_ms)
+        used: list[int] = []
+        for i, check in enumerate(call.checks):
+            slices = state.slices(check.window)
+            tokens, cost = slices.current(check.window, hold.now_ms)
+            limit = check.limit
+            if limit.tokens is not None and tokens + held_t + hold.tokens > limit.tokens:
+                held = tokens + held_t
+                wait = retry_ms(
+                    slices.tokens, check.window, hold.now_ms, held, hold.tokens, limit.tokens
+                )
+                return Reserved(False, window=i, unit=Unit.TOKENS, retry_ms=wait)
+            if (
+                hold.count_cost
+                and limit.cost_micros is not None
+                and cost + held_c + hold.cost > limit.cost_micros
+            ):
+                held = cost + held_c
+                wait = retry_ms(
+                    slices.cost, check.window, hold.now_ms, held, hold.cost, limit.cost_micros
+                )
+                return Reserved(False, window=i, unit=Unit.USD, retry_ms=wait)
+            used.append(tokens + held_t + hold.tokens)
+        state.holds[hold.id] = (hold.expires_ms, hold.tokens, hold.cost)
+        return Reserved(True, tuple(used))
+
+    def commit_buckets(
+        self,
+        calls: Sequence[BucketCheck],
+        hold_id: str,
+        *,
+        now_ms: int,
+        at_ms: int,
+        tokens: int,
+        cost: int,
+        ttl_ms: int,
+    ) -> Awaitable[None]:
+        try:
+            for call in calls:
+                state = self._bucket(call.bucket, now_ms)
+                state.holds.pop(hold_id, None)
+                for window in call.windows:
+                    idx = at_ms // window.slice_ms
+                    if idx < now_ms // window.slice_ms - SLICES + 1:
+                        continue  # the request's slice already left this window
+                    slices = state.slices(window)
+                    slices.tokens[idx] = slices.tokens.get(idx, 0) + tokens
+                    slices.cost[idx] = slices.cost.get(idx, 0) + cost
+        except StoreFull as exc:
+            return _failed(exc)
+        return _ready(None)
+
+    def release_buckets(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[None]:
+        for bucket in buckets:
+            state = self._buckets.get(bucket)
+            if state is not None:
+                state.holds.pop(hold_id, None)
+        return _ready(None)
+
+    async def seed_bucket(
+        self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
+    ) -> bool:
+        return False  # never unseeded (see reserve_buckets)
+
+    async def inspect_bucket(self, call: BucketCheck, now_ms: int) -> BucketUsage:
+        state = self._buckets.get(call.bucket) or _Bucket()
+        held_t, held_c = state.prune(now_ms)
+        rows = []
+        for window in call.windows:
+            slices = state.windows.get(_window_key(window)) or _Slices()
+            tokens, cost = slices.current(window, now_ms)
+            rows.append(WindowUsage(window, tokens, cost))
+        return BucketUsage(call.bucket, held_t, held_c, tuple(rows))
+
+    async def buckets(self) -> list[Bucket]:
+        return list(self._buckets)
+
+    async def reset_bucket(self, bucket: Bucket, windows: Sequence[Rolling]) -> None:
+        state = self._buckets.get(bucket)
+        if state is not None:
+            for window in windows:
+                state.windows.pop(_window_key(window), None)
+
     # -- provider capacity ------------------------------------------------------------------
     async def register_key(self, key: ProviderKey) -> None:
         found = self._provider_keys.get(key.id)
@@ -520,13 +688,14 @@ class MemoryStore:
         )
 
     async def aclose(self) -> None:
+        self._buckets.clear()
         self._provider_keys.clear()
         self._usage.clear()
         self._policies.clear()
         self._rates.clear()
 
     def __len__(self) -> int:
-        return len(self._usage) + len(self._policies) + len(self._rates)
+        return len(self._usage) + len(self._policies) + len(self._rates) + len(self._buckets)
 
 
 T = TypeVar("T")
@@ -535,6 +704,11 @@ T = TypeVar("T")
 async def _ready(value: T) -> T:
     """An answer already decided: the call is as atomic as a script, and its awaitable has it."""
     return value
+
+
+async def _failed(exc: Exception) -> Any:
+    """A call that failed when it was made: its awaitable raises, as a script's reply would."""
+    raise exc
 
 
 def _check_amount(value: int) -> None:

@@ -13,6 +13,7 @@ URLs: ``redis://``, ``rediss://``, ``unix://`` for one server; ``redis+cluster:/
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
@@ -20,18 +21,22 @@ from functools import partial
 from importlib import resources
 from typing import Any, TypeVar
 
+import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from ..clock import to_millis, utcnow
 from ..errors import ConfigurationError, StoreUnavailable
 from ..identity import encode_id
 from ..limits import Check, KeyPlan
 from ..limits.capacity import Acquired, Attempt, ProviderKey, Refusal, StoredKey
+from ..limits.model import Unit
 from ..limits.rates import WINDOW_MS as RATE_WINDOW_MS
+from ..limits.windows import Rolling
 from .base import (
     CachedParts,
     EntryWrite,
@@ -42,7 +47,16 @@ from .base import (
     decide,
     with_rates,
 )
-from .pipeline import ScriptPipeline, bounded_call
+from .pipeline import ScriptPipeline, bounded_call, store_error
+from .rolling import (
+    BUCKET_TAGS,
+    Bucket,
+    BucketCheck,
+    BucketUsage,
+    Hold,
+    Reserved,
+    WindowUsage,
+)
 
 log = logging.getLogger("spendguard.store")
 
@@ -56,7 +70,15 @@ _SCRIPTS = (
     "pool_acquire",
     "pool_settle",
     "pool_cooldown",
+    "bucket_reserve",
+    "bucket_commit",
+    "bucket_release",
+    "bucket_inspect",
+    "bucket_seed",
 )
+_BUCKET_UNITS = {1: Unit.TOKENS, 2: Unit.USD}  # bucket_reserve.lua's unit codes
+_BUCKET_KINDS = {tag: kind for kind, tag in BUCKET_TAGS.items()}
+_MAX_BUCKET_WIRES = 10_000
 # pool_acquire.lua's answer codes.
 _REFUSALS = {0: Refusal.UNKNOWN, 2: Refusal.COOLING, 3: Refusal.FULL, 4: Refusal.TOO_LARGE}
 # Hash fields per HSCAN step when reading markers: a call of about a millisecond in Redis.
@@ -70,7 +92,11 @@ _SAFE_EVICTION = {"noeviction"}
 
 
 def _lua(name: str) -> str:
-    return (resources.files("spendguard.store") / "lua" / f"{name}.lua").read_text("utf-8")
+    folder = resources.files("spendguard.store") / "lua"
+    text = (folder / f"{name}.lua").read_text("utf-8")
+    if name.startswith("bucket_"):  # the rolling-window scripts share their helpers
+        text = (folder / "bucket_common.lua").read_text("utf-8") + "\n" + text
+    return text
 
 
 def _ms(t: datetime) -> str:
@@ -106,6 +132,8 @@ class RedisStore:
         self._scripts = {name: client.register_script(_lua(name)) for name in _SCRIPTS}
         # Plans' keys and arguments, by the plan's id (see _plan_wire).
         self._wire: dict[int, tuple[KeyPlan, list[str], list[str], list[str]]] = {}
+        # Per bucket check (by id, the check held so its id is not reused): its wire parts.
+        self._bucket_wires: dict[int, tuple[BucketCheck, list[str], list[str], list[str]]] = {}
         # The hot path: concurrent calls share pipelines; ``timeout`` bounds each batch.
         self.pipeline = ScriptPipeline(
             client, timeout=timeout, max_batch=max_batch, max_in_flight=max_in_flight
@@ -404,6 +432,160 @@ class RedisStore:
             )
         return policy
 
+    # -- rolling windows --------------------------------------------------------------------
+    # A bucket's keys share its hash tag, so each script runs in one slot:
+    #   {prefix}:{bk:<team>:<key>}:budget:holds        the key's holds (hash)
+    #   {prefix}:{bk:<team>:<key>}:budget:expiry       their expiry times (zset)
+    #   {prefix}:{bk:<team>:<key>}:budget:w:<id>:<s>   window <id> of <s> seconds: its slices
+    #   {prefix}:{bm:<model>}:budget:...               a model's bucket (model name encoded)
+    #   {prefix}:{bg}:budget:...                       the fleet's bucket
+    # Keys live as long as the longest window plus the hold time, refreshed on every write.
+    def bucket_keys(self, bucket: Bucket, windows: Sequence[Rolling]) -> list[str]:
+        """The bucket's keys: holds, expiry, then one per window (one hash tag, one slot)."""
+        base = f"{self._prefix}:{{{bucket.tag}}}:budget"
+        return [
+            f"{base}:holds",
+            f"{base}:expiry",
+            *(f"{base}:w:{w.id}:{w.seconds}" for w in windows),
+        ]
+
+    def _bucket_wire(self, call: BucketCheck) -> tuple[list[str], list[str], list[str]]:
+        """A bucket check's keys, its reserve's window arguments and its commit's, made once
+        per check (a gate reuses a plan's checks) and kept, bounded, with the check."""
+        found = self._bucket_wires.get(id(call))
+        if found is not None and found[0] is call:
+            return found[1], found[2], found[3]
+        limits: list[str] = []
+        for check in call.checks:
+            lim = check.limit
+            limits += [
+                str(check.window.slice_ms),
+                _opt(lim.tokens),
+                _opt(lim.cost_micros),
+            ]
+        keys = self.bucket_keys(call.bucket, call.windows)
+        slices = [str(w.slice_ms) for w in call.windows]
+        if len(self._bucket_wires) >= _MAX_BUCKET_WIRES:
+            self._bucket_wires.clear()
+        self._bucket_wires[id(call)] = (call, keys, limits, slices)
+        return keys, limits, slices
+
+    def reserve_buckets(
+        self, calls: Sequence[BucketCheck], hold: Hold, *, require_seed: bool = False
+    ) -> Awaitable[list[Reserved]]:
+        head = [
+            str(hold.now_ms),
+            hold.id,
+            str(hold.expires_ms),
+            str(hold.tokens),
+            str(hold.cost),
+            "1" if hold.count_cost else "0",
+            str(hold.ttl_ms),
+            "1" if require_seed else "0",
+        ]
+        pending = []
+        for call in calls:
+            keys, limits, _ = self._bucket_wire(call)
+            pending.append(self._batched("bucket_reserve", keys, head + limits))
+        return self._reserved(calls, hold, pending)
+
+    async def _reserved(
+        self, calls: Sequence[BucketCheck], hold: Hold, pending: Sequence[Awaitable[Any]]
+    ) -> list[Reserved]:
+        replies: list[Any] = []
+        for waiting in pending:
+            try:
+                replies.append(await waiting)
+            except Exception as exc:
+                replies.append(exc)
+        failed = next((r for r in replies if isinstance(r, Exception)), None)
+        if failed is not None:
+            # Buckets that reserved before another call failed give their holds back (best
+            # effort; they would expire anyway), so a fail-open retry doesn't count twice.
+            taken = [c.bucket for c, r in zip(calls, replies, strict=True) if _took(r)]
+            if taken:
+                with contextlib.suppress(Exception):
+                    await self.release_buckets(taken, hold.id)
+            raise failed
+        out = []
+        for raw in replies:
+            if int(raw[0]) == -1:
+                out.append(Reserved(False, unseeded=True))
+            elif int(raw[0]) == 1:
+                out.append(Reserved(True, tuple(int(x) for x in raw[1:])))
+            else:
+                unit = _BUCKET_UNITS[int(raw[2])]
+                out.append(Reserved(False, window=int(raw[1]) - 1, unit=unit, retry_ms=int(raw[3])))
+        return out
+
+    def commit_buckets(
+        self,
+        calls: Sequence[BucketCheck],
+        hold_id: str,
+        *,
+        now_ms: int,
+        at_ms: int,
+        tokens: int,
+        cost: int,
+        ttl_ms: int,
+    ) -> Awaitable[list[Any]]:
+        head = [str(now_ms), hold_id, str(at_ms), str(tokens), str(cost), str(ttl_ms)]
+        pending = []
+        for call in calls:
+            keys, _, slices = self._bucket_wire(call)
+            pending.append(self._batched("bucket_commit", keys, head + slices))
+        return _gather(pending)
+
+    def release_buckets(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[list[Any]]:
+        return _gather(
+            [self._batched("bucket_release", self.bucket_keys(b, ()), [hold_id]) for b in buckets]
+        )
+
+    async def seed_bucket(
+        self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
+    ) -> bool:
+        args = [str(ttl_ms)]
+        for rows in slices:
+            args.append(str(len(rows)))
+            for idx, tokens, cost in rows:
+                args += [str(idx), str(tokens), str(cost)]
+        # Pipelined like the hot calls: after a restart every request finds its buckets lost at
+        # once, and one connection per seed would exhaust the pool.
+        keys = self.bucket_keys(call.bucket, call.windows)
+        return bool(int(await self._batched("bucket_seed", keys, args)))
+
+    async def inspect_bucket(self, call: BucketCheck, now_ms: int) -> BucketUsage:
+        keys = self.bucket_keys(call.bucket, call.windows)
+        args = [str(now_ms), *(str(w.slice_ms) for w in call.windows)]
+        values = [int(x) for x in await self._script("bucket_inspect", keys, args)]
+        rows = tuple(
+            WindowUsage(w, values[2 + 2 * i], values[3 + 2 * i]) for i, w in enumerate(call.windows)
+        )
+        return BucketUsage(call.bucket, values[0], values[1], rows)
+
+    async def reset_bucket(self, bucket: Bucket, windows: Sequence[Rolling]) -> None:
+        keys = self.bucket_keys(bucket, windows)[2:]
+        if keys:
+            await self._call(lambda: self._client.delete(*keys))
+
+    async def buckets(self) -> list[Bucket]:
+        """Every bucket with keys in Redis (for a reset of a whole scope; SCAN, not KEYS)."""
+        found: set[Bucket] = set()
+
+        async def scan() -> None:
+            async for key in self._client.scan_iter(match=f"{self._prefix}:{{b*}}:budget:*"):
+                tag = key[len(self._prefix) + 2 : key.index("}")]
+                kind, _, subject = tag.partition(":")
+                if kind in _BUCKET_KINDS:
+                    found.add(Bucket(_BUCKET_KINDS[kind], subject))
+
+        try:
+            with anyio.fail_after(max(self._timeout * 20, 5.0)):
+                await scan()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise store_error(exc) from exc
+        return sorted(found, key=lambda b: (b.kind.value, b.subject))
+
     # -- provider capacity ------------------------------------------------------------------
     # Each key's state is one hash, ``{prefix}:{pool}:<encoded id>`` (the id, never a secret).
     # Every provider key shares the ``{pool}`` hash tag, so on a Cluster they live in one slot
@@ -508,6 +690,26 @@ def client_for(
             "or redis+cluster://"
         )
     return client
+
+
+def _took(reply: Any) -> bool:
+    return isinstance(reply, list) and bool(reply) and int(reply[0]) == 1
+
+
+async def _gather(calls: Sequence[Awaitable[Any]]) -> list[Any]:
+    """Every call's reply; the calls were all submitted first, so they share a pipeline (on a
+    cluster, one per node, in parallel). The first failure is raised once all have ended."""
+    replies: list[Any] = []
+    error: BaseException | None = None
+    for call in calls:
+        try:
+            replies.append(await call)
+        except Exception as exc:
+            error = error or exc
+            replies.append(None)
+    if error is not None:
+        raise error
+    return replies
 
 
 async def _acquired(reply: Awaitable[Any]) -> Acquired:

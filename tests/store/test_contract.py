@@ -5,8 +5,6 @@ loop and on uvloop (uvicorn's default wherever it is installed).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -18,9 +16,8 @@ from spendguard.identity import Identity
 from spendguard.limits import Balance, KeyCodec, KeyPlan, Period, Target, key_limit, team_limit
 from spendguard.limits.codec import field_of
 from spendguard.limits.rates import RateKind, Rates, Scope, rate_field
-from spendguard.store import CachedParts, EntryWrite, Outcome, RefreshEntry, Store, UsageFill
+from spendguard.store import CachedParts, EntryWrite, Outcome, RefreshEntry, UsageFill
 from spendguard.store.memory import MemoryStore
-from spendguard.store.redis import RedisStore
 from tests.store.conftest import Harness
 
 pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]

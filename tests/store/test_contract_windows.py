@@ -1,4 +1,4 @@
-"""One contract for every budget store: memory, a real redis-server, a real 3-master cluster.
+"""The store contract's rolling windows (budgets), on every store (the harness in conftest.py).
 
 Time is whatever the caller says (``now_ms`` in every call), so draining and hold expiry run on
 an injected clock everywhere, Redis included.
@@ -7,27 +7,25 @@ an injected clock everywhere, Redis included.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from spendguard.budgets.config import BudgetLimit, Scope
-from spendguard.budgets.memory import MemoryBudgetStore
-from spendguard.budgets.redis import RedisBudgetStore
-from spendguard.budgets.store import Bucket, BucketCheck, BudgetStore, Hold, WindowCheck
 from spendguard.errors import StoreFull, StoreUnavailable
-from spendguard.limits.model import Unit
+from spendguard.limits.model import BudgetLimit, SubjectKind, Unit
 from spendguard.limits.windows import SLICES, Rolling
+from spendguard.store import MemoryStore, RedisStore, Store
+from spendguard.store.rolling import Bucket, BucketCheck, Hold, WindowCheck
+from tests.store.conftest import Harness
 from tests.support import RedisCluster
 
 pytestmark = pytest.mark.anyio
 
 HOUR = Rolling("hourly", "1h", 3600)  # 60 slices of one minute
 DAY = Rolling("daily", "24h", 86_400)
-KEY = Bucket(Scope.PER_API_KEY, "acme:alpha")
-MODEL = Bucket(Scope.PER_MODEL, "gpt-4o")
-FLEET = Bucket(Scope.GLOBAL, "")
+KEY = Bucket(SubjectKind.API_KEY, "acme:alpha")
+MODEL = Bucket(SubjectKind.MODEL, "gpt-4o")
+FLEET = Bucket(SubjectKind.FLEET, "")
 T0 = 1_800_000_000_000  # ms, on a slice boundary of both windows
 MINUTE = 60_000
 
@@ -48,28 +46,15 @@ def hold(now_ms: int, n: int, *, cost: int = 0, hold_ms: int = 600_000, id: str 
     )
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[BudgetStore]:
-    if request.param == "memory":
-        yield MemoryBudgetStore(max_buckets=100)
-        return
-    if request.param == "redis":
-        url: str = request.getfixturevalue("redis_url")
-    else:
-        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
-        url = cluster.url
-    # A prefix of its own: the session's cluster is shared by every test.
-    s = RedisBudgetStore.from_url(url, prefix=f"t{uuid.uuid4().hex[:8]}", timeout=2.0)
-    try:
-        yield s
-    finally:
-        await s.aclose()
+@pytest.fixture
+def store(harness: Harness) -> Store:
+    return harness.store
 
 
 async def commit(
-    store: BudgetStore, call: BucketCheck, h: Hold, used: int, *, now_ms: int | None = None
+    store: Store, call: BucketCheck, h: Hold, used: int, *, now_ms: int | None = None
 ) -> None:
-    await store.commit(
+    await store.commit_buckets(
         [call],
         h.id,
         now_ms=now_ms or h.now_ms,
@@ -80,72 +65,72 @@ async def commit(
     )
 
 
-async def test_reserve_counts_holds_until_they_are_replaced(store: BudgetStore) -> None:
+async def test_reserve_counts_holds_until_they_are_replaced(store: Store) -> None:
     call = tokens(100, HOUR, DAY)
     first = hold(T0, 60)
-    [ok] = await store.reserve([call], first)
+    [ok] = await store.reserve_buckets([call], first)
     assert ok.ok and ok.used_tokens == (60, 60)
-    [denied] = await store.reserve([call], hold(T0, 50))
+    [denied] = await store.reserve_buckets([call], hold(T0, 50))
     assert not denied.ok and denied.window == 0 and denied.unit is Unit.TOKENS
     # Replaced by what was actually used: 10 tokens, not the 60 reserved.
     await commit(store, call, first, 10)
-    [ok2] = await store.reserve([call], hold(T0, 90))
+    [ok2] = await store.reserve_buckets([call], hold(T0, 90))
     assert ok2.ok and ok2.used_tokens == (100, 100)
 
 
-async def test_release_returns_the_hold(store: BudgetStore) -> None:
+async def test_release_returns_the_hold(store: Store) -> None:
     call = tokens(100, HOUR)
     h = hold(T0, 100)
-    assert (await store.reserve([call], h))[0].ok
-    assert not (await store.reserve([call], hold(T0, 1)))[0].ok
-    await store.release([KEY], h.id)
-    assert (await store.reserve([call], hold(T0, 100)))[0].ok
+    assert (await store.reserve_buckets([call], h))[0].ok
+    assert not (await store.reserve_buckets([call], hold(T0, 1)))[0].ok
+    await store.release_buckets([KEY], h.id)
+    assert (await store.reserve_buckets([call], hold(T0, 100)))[0].ok
 
 
-async def test_commit_replaces_a_hold_exactly_once(store: BudgetStore) -> None:
+async def test_commit_replaces_a_hold_exactly_once(store: Store) -> None:
     call = tokens(100, HOUR)
     h = hold(T0, 50)
-    await store.reserve([call], h)
+    await store.reserve_buckets([call], h)
     await commit(store, call, h, 30)
-    await store.release([KEY], h.id)  # a late release after the commit changes nothing
-    usage = await store.inspect(call, T0)
+    await store.release_buckets([KEY], h.id)  # a late release after the commit changes nothing
+    usage = await store.inspect_bucket(call, T0)
     assert (usage.held_tokens, usage.windows[0].tokens) == (0, 30)
 
 
-async def test_a_rolling_window_drains_slice_by_slice(store: BudgetStore) -> None:
+async def test_a_rolling_window_drains_slice_by_slice(store: Store) -> None:
     call = tokens(100, HOUR)
     # 40 tokens at minute 0, 60 at minute 10: the hour is full.
     for minute, used in ((0, 40), (10, 60)):
         h = hold(T0 + minute * MINUTE, used)
-        assert (await store.reserve([call], h))[0].ok
+        assert (await store.reserve_buckets([call], h))[0].ok
         await commit(store, call, h, used)
     at = T0 + 30 * MINUTE
-    [denied] = await store.reserve([call], hold(at, 30))
+    [denied] = await store.reserve_buckets([call], hold(at, 30))
     # The minute-0 slice leaves at minute 60: 30 minutes from now.
     assert not denied.ok and denied.retry_ms == 30 * MINUTE
     # One millisecond before it leaves: still full. At minute 60: 40 tokens free, no more.
-    assert not (await store.reserve([call], hold(T0 + 60 * MINUTE - 1, 1)))[0].ok
-    assert (await store.reserve([call], hold(T0 + 60 * MINUTE, 40)))[0].ok
-    assert not (await store.reserve([call], hold(T0 + 60 * MINUTE, 1)))[0].ok
-    usage = await store.inspect(call, T0 + 70 * MINUTE)
+    assert not (await store.reserve_buckets([call], hold(T0 + 60 * MINUTE - 1, 1)))[0].ok
+    assert (await store.reserve_buckets([call], hold(T0 + 60 * MINUTE, 40)))[0].ok
+    assert not (await store.reserve_buckets([call], hold(T0 + 60 * MINUTE, 1)))[0].ok
+    usage = await store.inspect_bucket(call, T0 + 70 * MINUTE)
     assert usage.windows[0].tokens == 0  # minute 10's slice is gone too (and no commits since)
 
 
-async def test_holds_in_the_way_ask_for_a_retry_in_a_second(store: BudgetStore) -> None:
+async def test_holds_in_the_way_ask_for_a_retry_in_a_second(store: Store) -> None:
     call = tokens(100, HOUR)
-    assert (await store.reserve([call], hold(T0, 80)))[0].ok
-    [denied] = await store.reserve([call], hold(T0, 30))
+    assert (await store.reserve_buckets([call], hold(T0, 80)))[0].ok
+    [denied] = await store.reserve_buckets([call], hold(T0, 30))
     assert not denied.ok and denied.retry_ms == 1000
 
 
-async def test_a_hold_left_by_a_dead_request_expires(store: BudgetStore) -> None:
+async def test_a_hold_left_by_a_dead_request_expires(store: Store) -> None:
     call = tokens(100, HOUR)
-    assert (await store.reserve([call], hold(T0, 100, hold_ms=5000)))[0].ok
-    assert not (await store.reserve([call], hold(T0 + 4999, 1)))[0].ok
-    assert (await store.reserve([call], hold(T0 + 5000, 100)))[0].ok
+    assert (await store.reserve_buckets([call], hold(T0, 100, hold_ms=5000)))[0].ok
+    assert not (await store.reserve_buckets([call], hold(T0 + 4999, 1)))[0].ok
+    assert (await store.reserve_buckets([call], hold(T0 + 5000, 100)))[0].ok
 
 
-async def test_every_window_must_afford_it(store: BudgetStore) -> None:
+async def test_every_window_must_afford_it(store: Store) -> None:
     call = BucketCheck(
         KEY,
         (
@@ -153,43 +138,43 @@ async def test_every_window_must_afford_it(store: BudgetStore) -> None:
             WindowCheck(DAY, BudgetLimit(tokens=100)),
         ),
     )
-    [denied] = await store.reserve([call], hold(T0, 150))
+    [denied] = await store.reserve_buckets([call], hold(T0, 150))
     assert not denied.ok and denied.window == 1
     # More than the limit itself never fits: the whole period.
     assert denied.retry_ms == DAY.period_ms
 
 
-async def test_cost_limits_apply_only_to_priced_requests(store: BudgetStore) -> None:
+async def test_cost_limits_apply_only_to_priced_requests(store: Store) -> None:
     call = BucketCheck(KEY, (WindowCheck(HOUR, BudgetLimit(cost_micros=1000)),))
-    assert not (await store.reserve([call], hold(T0, 10, cost=1001)))[0].ok
+    assert not (await store.reserve_buckets([call], hold(T0, 10, cost=1001)))[0].ok
     priced = hold(T0, 10, cost=1000)
-    assert (await store.reserve([call], priced))[0].ok
-    [denied] = await store.reserve([call], hold(T0, 10, cost=1))
+    assert (await store.reserve_buckets([call], priced))[0].ok
+    [denied] = await store.reserve_buckets([call], hold(T0, 10, cost=1))
     assert not denied.ok and denied.unit is Unit.USD
     unpriced = hold(T0, 10)  # count_cost False
-    assert (await store.reserve([call], unpriced))[0].ok
+    assert (await store.reserve_buckets([call], unpriced))[0].ok
 
 
-async def test_buckets_are_independent_and_reset_clears_one(store: BudgetStore) -> None:
+async def test_buckets_are_independent_and_reset_clears_one(store: Store) -> None:
     calls = [tokens(10, HOUR, bucket=b) for b in (KEY, MODEL, FLEET)]
     h = hold(T0, 10)
-    assert all(r.ok for r in await store.reserve(calls, h))
+    assert all(r.ok for r in await store.reserve_buckets(calls, h))
     for call in calls:
         await commit(store, call, h, 10)
-    await store.reset(MODEL, [HOUR])
-    answers = await store.reserve(calls, hold(T0, 10))
+    await store.reset_bucket(MODEL, [HOUR])
+    answers = await store.reserve_buckets(calls, hold(T0, 10))
     assert [r.ok for r in answers] == [False, True, False]
     assert set(await store.buckets()) >= {KEY, MODEL, FLEET}
 
 
-async def test_usage_of_a_request_lands_in_its_start_slice(store: BudgetStore) -> None:
+async def test_usage_of_a_request_lands_in_its_start_slice(store: Store) -> None:
     call = tokens(100, HOUR)
     h = hold(T0, 50)
-    await store.reserve([call], h)
+    await store.reserve_buckets([call], h)
     # It ends 59 minutes later: counted at minute 0, so it leaves the window at minute 60.
     await commit(store, call, h, 50, now_ms=T0 + 59 * MINUTE)
-    assert (await store.inspect(call, T0 + 59 * MINUTE)).windows[0].tokens == 50
-    assert (await store.inspect(call, T0 + 60 * MINUTE)).windows[0].tokens == 0
+    assert (await store.inspect_bucket(call, T0 + 59 * MINUTE)).windows[0].tokens == 50
+    assert (await store.inspect_bucket(call, T0 + 60 * MINUTE)).windows[0].tokens == 0
 
 
 async def test_windows_have_sixty_slices() -> None:
@@ -197,35 +182,37 @@ async def test_windows_have_sixty_slices() -> None:
 
 
 async def test_memory_tracker_is_bounded() -> None:
-    store = MemoryBudgetStore(max_buckets=2)
-    await store.reserve([tokens(10, HOUR, bucket=KEY)], hold(T0, 1))
-    await store.reserve([tokens(10, HOUR, bucket=MODEL)], hold(T0, 1))
+    store = MemoryStore(max_keys=2)
+    await store.reserve_buckets([tokens(10, HOUR, bucket=KEY)], hold(T0, 1))
+    await store.reserve_buckets([tokens(10, HOUR, bucket=MODEL)], hold(T0, 1))
     with pytest.raises(StoreFull):
-        await store.reserve([tokens(10, HOUR, bucket=FLEET)], hold(T0, 1))
+        await store.reserve_buckets([tokens(10, HOUR, bucket=FLEET)], hold(T0, 1))
 
 
 async def test_memory_tracker_forgets_drained_buckets_when_full() -> None:
-    store = MemoryBudgetStore(max_buckets=1)
+    store = MemoryStore(max_keys=1)
     h = hold(T0, 1, hold_ms=1000)
-    await store.reserve([tokens(10, HOUR, bucket=KEY)], h)
+    await store.reserve_buckets([tokens(10, HOUR, bucket=KEY)], h)
     # Two hours later the key's bucket is empty (hold expired, nothing committed): room.
-    assert (await store.reserve([tokens(10, HOUR, bucket=MODEL)], hold(T0 + 7_200_000, 1)))[0].ok
+    assert (await store.reserve_buckets([tokens(10, HOUR, bucket=MODEL)], hold(T0 + 7_200_000, 1)))[
+        0
+    ].ok
 
 
 async def test_redis_down_is_store_unavailable() -> None:
-    store = RedisBudgetStore.from_url("redis://127.0.0.1:1", prefix="x", timeout=0.2)
+    store = RedisStore.from_url("redis://127.0.0.1:1", prefix="x", timeout=0.2)
     try:
         with pytest.raises(StoreUnavailable):
-            await store.reserve([tokens(10, HOUR)], hold(T0, 1))
+            await store.reserve_buckets([tokens(10, HOUR)], hold(T0, 1))
     finally:
         await store.aclose()
 
 
 async def test_cluster_bucket_keys_share_one_slot_each(redis_cluster: RedisCluster) -> None:
-    store = RedisBudgetStore.from_url(redis_cluster.url, prefix="slot", timeout=2.0)
+    store = RedisStore.from_url(redis_cluster.url, prefix="slot", timeout=2.0)
     try:
         slots = {
-            b: {redis_cluster.slot_of(k) for k in store.keys(b, (HOUR, DAY))}
+            b: {redis_cluster.slot_of(k) for k in store.bucket_keys(b, (HOUR, DAY))}
             for b in (KEY, MODEL, FLEET)
         }
     finally:
@@ -233,14 +220,14 @@ async def test_cluster_bucket_keys_share_one_slot_each(redis_cluster: RedisClust
     assert all(len(s) == 1 for s in slots.values())
 
 
-async def test_running_totals_agree_with_the_slices_as_time_moves(store: BudgetStore) -> None:
+async def test_running_totals_agree_with_the_slices_as_time_moves(store: Store) -> None:
     """A long, random run of commits, reserves and releases over two windows, with time jumping
     past slices (and past whole windows): every answer and every inspection equals that of the
     memory store, which sums its slices afresh on every call. On Redis the windows keep running
     totals that only a slice leaving the window (or a denial) walks the slices for."""
     import random
 
-    reference = MemoryBudgetStore(max_buckets=10)
+    reference = MemoryStore(max_keys=10)
     rng = random.Random(27)
     call = BucketCheck(
         KEY,
@@ -253,8 +240,8 @@ async def test_running_totals_agree_with_the_slices_as_time_moves(store: BudgetS
     for step in range(400):
         now += rng.choice((1, 500, MINUTE // 3, MINUTE, 7 * MINUTE, 61 * MINUTE))
         h = hold(now, rng.randint(1, 400), cost=rng.randint(0, 20_000), id=f"h{step}")
-        [got] = await store.reserve([call], h)
-        [want] = await reference.reserve([call], h)
+        [got] = await store.reserve_buckets([call], h)
+        [want] = await reference.reserve_buckets([call], h)
         assert (got.ok, got.used_tokens, got.window, got.unit, got.retry_ms) == (
             want.ok,
             want.used_tokens,
@@ -264,13 +251,13 @@ async def test_running_totals_agree_with_the_slices_as_time_moves(store: BudgetS
         ), step
         if got.ok:
             if rng.random() < 0.2:
-                await store.release([KEY], h.id)
-                await reference.release([KEY], h.id)
+                await store.release_buckets([KEY], h.id)
+                await reference.release_buckets([KEY], h.id)
             else:
                 used, cost = rng.randint(0, 500), rng.randint(0, 30_000)
                 late = now + rng.randint(0, 1)
                 for s in (store, reference):
-                    await s.commit(
+                    await s.commit_buckets(
                         [call],
                         h.id,
                         now_ms=late,
@@ -280,27 +267,29 @@ async def test_running_totals_agree_with_the_slices_as_time_moves(store: BudgetS
                         ttl_ms=h.ttl_ms,
                     )
         if step % 10 == 0:
-            assert await store.inspect(call, now) == await reference.inspect(call, now), step
+            assert await store.inspect_bucket(call, now) == await reference.inspect_bucket(
+                call, now
+            ), step
 
 
 async def test_a_window_written_before_running_totals_gets_them(redis_url: str) -> None:
     """A bucket an earlier release wrote has slices but no totals: its first reserve walks the
     slices and writes them, and from then on commits keep them."""
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    store = RedisBudgetStore.from_url(redis_url, prefix=prefix, timeout=2.0)
+    store = RedisStore.from_url(redis_url, prefix=prefix, timeout=2.0)
     try:
         call = tokens(100, HOUR)
-        window_key = store.keys(KEY, (HOUR,))[2]
+        window_key = store.bucket_keys(KEY, (HOUR,))[2]
         slice_now = T0 // HOUR.slice_ms
-        client: Any = store._client
+        client: Any = store.client
         await client.hset(window_key, mapping={f"t{slice_now}": "60", f"t{slice_now - 1}": "30"})
-        [denied] = await store.reserve([call], hold(T0, 11))
+        [denied] = await store.reserve_buckets([call], hold(T0, 11))
         assert not denied.ok  # 90 of 100 counted from the slices
         assert await client.hmget(window_key, ["_T", "_C", "_F"]) == ["90", "0", str(slice_now - 1)]
         h = hold(T0, 10)
-        assert (await store.reserve([call], h))[0].ok
+        assert (await store.reserve_buckets([call], h))[0].ok
         await commit(store, call, h, 4)
         assert await client.hget(window_key, "_T") == "94"
-        assert (await store.inspect(call, T0)).windows[0].tokens == 94
+        assert (await store.inspect_bucket(call, T0)).windows[0].tokens == 94
     finally:
         await store.aclose()

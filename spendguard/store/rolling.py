@@ -1,41 +1,41 @@
-"""What a budget store keeps and answers: buckets of time-sliced windows plus expiring holds.
+"""Rolling-window counters: what the store keeps for token and USD budgets, and its answers.
 
-A *bucket* is one scope's subject (a key, a model, the fleet). For each window it keeps the
-committed usage in :data:`~spendguard.budgets.config.SLICES` slices of ``period / SLICES``;
-a slice leaves the window as a whole when the window has moved past it, so usage drains slice by
+A *bucket* is one subject's counters (a key, a model, the fleet). For each window it keeps the
+committed usage in :data:`~spendguard.limits.windows.SLICES` slices of ``period / SLICES``; a
+slice leaves the window as a whole when the window has moved past it, so usage drains slice by
 slice and a 24h window always holds (about) the last 24 hours. In flight requests are *holds*:
 an admission estimate reserved in the bucket (counted in every window) until the response ends
 and the hold is replaced by the actual usage, or returned. A hold also expires by itself after
-``hold_seconds``, so a gateway that dies mid-request cannot keep budget reserved.
+its ``expires_ms``, so a gateway that dies mid-request cannot keep budget reserved.
 
-Each call on one bucket is atomic (one Lua script on Redis). A request touches up to three
-buckets, each its own call: the engine compensates when one of them denies.
+Each call on one bucket is atomic (one Lua script on Redis: a bucket's keys share one slot).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final
 
-from ..limits.model import Unit
+from ..limits.model import BudgetLimit, SubjectKind, Unit
 from ..limits.windows import SLICES, Rolling
-from .config import BudgetLimit, Scope
 
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """One scope's subject. ``subject`` is encoded (key-safe): ``team:key``, a model, or ''."""
+    """One subject's counters: an API key (``subject`` = ``team:key``, encoded), a model
+    (its encoded name) or the fleet (``''``)."""
 
-    scope: Scope
+    kind: SubjectKind
     subject: str
 
     @property
     def tag(self) -> str:
         """The Redis Cluster hash tag: all of one bucket's keys share a slot, no more."""
-        return {Scope.PER_API_KEY: "bk", Scope.PER_MODEL: "bm", Scope.GLOBAL: "bg"}[self.scope] + (
-            f":{self.subject}" if self.subject else ""
-        )
+        return BUCKET_TAGS[self.kind] + (f":{self.subject}" if self.subject else "")
+
+
+BUCKET_TAGS: Final = {SubjectKind.API_KEY: "bk", SubjectKind.MODEL: "bm", SubjectKind.FLEET: "bg"}
+"""A bucket's kind in its keys' hash tag (``{bk:acme:alpha}``), and back."""
 
 
 # Made per request: not frozen (see LimitState, spendguard/store/base.py).
@@ -102,55 +102,6 @@ class BucketUsage:
     held_tokens: int  # live holds (in every window)
     held_cost: int
     windows: tuple[WindowUsage, ...]
-
-
-class BudgetStore(Protocol):
-    shared: bool  # True: every replica sees the same counters (Redis)
-
-    # The request path's calls are sent before they return (on Redis: into the spend store's
-    # next pipeline write, so budgets and spend limits cost one round trip together); the
-    # awaitable they return has the answer, and must be awaited.
-    def reserve(self, calls: Sequence[BucketCheck], hold: Hold) -> Awaitable[list[Reserved]]:
-        """Reserve ``hold`` in each bucket where every window can afford it (each bucket on
-        its own, atomically); one answer per call, in order."""
-        ...
-
-    def commit(
-        self,
-        calls: Sequence[BucketCheck],
-        hold_id: str,
-        *,
-        now_ms: int,
-        at_ms: int,
-        tokens: int,
-        cost: int,
-        ttl_ms: int,
-    ) -> Awaitable[object]:
-        """Replace the hold by the actual usage, counted in the slice of ``at_ms``."""
-        ...
-
-    def release(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[object]:
-        """Return the hold (nothing is counted)."""
-        ...
-
-    async def inspect(self, call: BucketCheck, now_ms: int) -> BucketUsage: ...
-
-    async def reset(self, bucket: Bucket, windows: Sequence[Rolling]) -> None:
-        """Forget the committed usage of ``windows`` (holds stay: their requests still end)."""
-        ...
-
-    async def seed(
-        self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
-    ) -> bool:
-        """Fill a bucket the store lost with rebuilt usage: per window, (slice index, tokens,
-        cost) triples. False when another process seeded it first (nothing written)."""
-        ...
-
-    async def buckets(self) -> list[Bucket]:
-        """Every bucket the store has counters for."""
-        ...
-
-    async def aclose(self) -> None: ...
 
 
 def retry_ms(
