@@ -15,9 +15,7 @@ from typing import Any
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..budgets import BudgetGate
-from ..engine.guard import SpendGuard
-from ..providers.routing import ProviderRouting
+from ..engine.round import Round
 from .admission import (
     STATE_RECORD_ID,
     Disconnected,
@@ -26,16 +24,16 @@ from .admission import (
     abandon,
     admit_inference,
     bad_request,
+    replay,
 )
 from .dependency import STATE_ADMIT, Refused
-from .finishing import replay
 from .identity import IdentityResolver, resolve
 from .request import BadRequest
 from .routes import RouteMatch
 
 
 async def deferred_inference(
-    guard: SpendGuard,
+    round_: Round,
     app: ASGIApp,
     scope: Scope,
     receive: Receive,
@@ -45,10 +43,8 @@ async def deferred_inference(
     read_body: Callable[[Scope, Receive], Awaitable[bytes]],
     resolver: IdentityResolver | None,
     no_identity: Callable[[Scope], None],
-    budgets: BudgetGate | None,
     remaining: bool,
     routed_by: RoutedBy | None = None,
-    providers: ProviderRouting | None = None,
 ) -> None:
     """Read the body, call the app with the admission hook; observe and finish what it
     admitted."""
@@ -72,8 +68,7 @@ async def deferred_inference(
         if identity is None:
             no_identity(scope)
         outcome = await admit_inference(
-            guard,
-            budgets,
+            round_,
             identity,
             body,
             send,
@@ -83,7 +78,6 @@ async def deferred_inference(
             state=state,
             remaining=remaining,
             routed_by=routed_by,
-            providers=providers,
         )
         if isinstance(outcome, Exchange):
             exchange = outcome
@@ -110,4 +104,4 @@ async def deferred_inference(
     finally:
         state.pop(STATE_ADMIT, None)
         if exchange is not None:
-            await exchange.finish(budgets)
+            await exchange.finish()

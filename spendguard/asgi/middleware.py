@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..budgets import BudgetGate, gate_for
 from ..engine.guard import SpendGuard
+from ..engine.round import Round
 from ..integrations.litellm import LiteLLMRouting, litellm_routing
 from ..ledger import Ledger
 from ..providers.pool import ProviderPool
@@ -36,10 +37,10 @@ from .admission import (
     Exchange,
     admit_inference,
     bad_request,
+    replay,
 )
 from .deferred import deferred_inference
 from .errors import send_error
-from .finishing import replay
 from .identity import IdentityResolver, resolve
 from .lifespan import run_lifespan
 from .request import BadRequest
@@ -111,13 +112,17 @@ class SpendGuardMiddleware:
                 candidates = candidates_of(self.settings.provider_candidates)
             if candidates is not None:
                 self.providers = ProviderRouting(pool or self.guard.pool, candidates)
+        # Every part, admitted in one round and finished in one (engine/round.py).
+        self.round: Round | None = None
+        if self.guard is not None:
+            self.round = Round(self.guard, self.budgets, self.providers)
         # The LiteLLM proxy's router, when the app is LiteLLM's (integrations/litellm.py):
         # looked for once the app started, since its router is made by its startup.
         self.litellm: LiteLLMRouting | None = None
         self._looked_for_router = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.guard is None:
+        if self.guard is None or self.round is None:
             await self.app(scope, receive, send)
             return
         if scope["type"] == "http":
@@ -133,7 +138,7 @@ class SpendGuardMiddleware:
                     return
                 if self.wiring.unstarted:  # the first inference, and no lifespan ran
                     await self.wiring.start_without_lifespan(self.guard)
-                await self._inference(self.guard, scope, receive, send, match)
+                await self._inference(self.round, scope, receive, send, match)
                 return
             if scope["method"] in BODY_METHODS:  # an inference nobody listed? (asgi/unlisted.py)
                 await self.unlisted(self.app, scope, receive, send)
@@ -168,12 +173,12 @@ class SpendGuardMiddleware:
             self.budgets.prices = table  # budgets price by the same names
 
     async def _inference(
-        self, guard: SpendGuard, scope: Scope, receive: Receive, send: Send, match: RouteMatch
+        self, round_: Round, scope: Scope, receive: Receive, send: Send, match: RouteMatch
     ) -> None:
         route, dialect, path_model = match
         router = self.litellm
         if router is not None:
-            self._read_router(guard, router)  # at most every few seconds, in integrations/
+            self._read_router(round_.guard, router)  # at most every few seconds, in integrations/
         state: dict[str, Any] = scope.setdefault("state", {})
         identity = await resolve(self.resolve_identity, HTTPConnection(scope))
         body: bytes | None = None
@@ -187,7 +192,7 @@ class SpendGuardMiddleware:
                 return
         elif self.wiring.defers(scope, self.app):  # the route's own auth dependency resolves it
             await deferred_inference(
-                guard,
+                round_,
                 self.app,
                 scope,
                 receive,
@@ -196,17 +201,14 @@ class SpendGuardMiddleware:
                 read_body=self._read_body,
                 resolver=self.resolve_identity,
                 no_identity=self.wiring.no_identity,
-                budgets=self.budgets,
                 remaining=self.settings.remaining_headers,
                 routed_by=router.routed if router is not None else None,
-                providers=self.providers,
             )
             return
         else:
             self.wiring.no_identity(scope)
         outcome = await admit_inference(
-            guard,
-            self.budgets,
+            round_,
             identity,
             body,
             send,
@@ -216,7 +218,6 @@ class SpendGuardMiddleware:
             state=state,
             remaining=self.settings.remaining_headers,
             routed_by=router.routed if router is not None else None,
-            providers=self.providers,
         )
         if outcome is None:  # passed through, unobserved
             await self.app(scope, receive if body is None else replay(body, receive), send)
@@ -227,7 +228,7 @@ class SpendGuardMiddleware:
         try:
             await self.app(scope, replay(body or b"", receive), outcome.send)
         finally:
-            await outcome.finish(self.budgets)
+            await outcome.finish()
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_body_bytes

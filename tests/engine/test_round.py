@@ -15,7 +15,7 @@ import pytest
 from starlette.types import Message
 
 from spendguard import Settings, SpendGuardMiddleware
-from spendguard.asgi.finishing import shielded
+from spendguard.engine.round import shielded
 from spendguard.asgi.request import parse_request
 from spendguard.engine.guard import SpendGuard
 from spendguard.identity import Identity
