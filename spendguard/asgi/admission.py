@@ -20,6 +20,7 @@ from starlette.types import Message, Receive, Send
 from ..engine.decision import Admission, InferenceRequest
 from ..engine.round import Admitted, Named, Refused, Round
 from ..identity import Identity
+from ..limits.kinds import KINDS
 from ..providers.routing import STATE_PROVIDER_KEY
 from ..usage import BodyObserver, Dialect
 from .errors import send_budget_refusal, send_error, send_no_capacity, send_refusal
@@ -204,7 +205,12 @@ def _rendered(refused: Refused, remaining: bool) -> Refusal:
     elif refused.named is Named.POOL_DOWN:
         message = "The provider key pool could not be reached; retry shortly."
         refusal = partial(
-            _send_error, dialect, 503, "provider_pool_unavailable", message, retry_after=1
+            _send_error,
+            dialect,
+            503,
+            "provider_pool_unavailable",
+            message,
+            retry_after=KINDS["provider_capacity"].outage_retry_after,
         )
     else:
         decision = admission.decision

@@ -26,7 +26,8 @@ from ..budgets.gate import OUTAGE_RETRY_AFTER, BudgetAdmission, BudgetVerdict
 from ..engine.decision import Admission, Never, Verdict
 from ..engine.reservation import usd
 from ..limits import Limit, Period, SubjectKind
-from ..limits.rates import RateDenial, RateKind, Scope
+from ..limits.kinds import KINDS
+from ..limits.rates import RateDenial, RateKind
 from ..providers.model import NoCapacity
 from ..usage import Dialect
 from .ratelimit import rate_limit_headers
@@ -82,7 +83,7 @@ _RATE_NAMES = {
 def rate_message(denial: RateDenial, declared: bool = True) -> str:
     """``Rate limit reached for API Key on requests per minute: limit 60.`` and the like;
     ``declared``: whether the request set its output cap (else the default was reserved)."""
-    subject = "API Key" if denial.state.scope is Scope.API_KEY else "Team"
+    subject = "API Key" if denial.state.scope is SubjectKind.API_KEY else "Team"
     what = _RATE_NAMES[denial.kind][0]
     message = f"Rate limit reached for {subject} on {what}: limit {denial.limit}"
     if denial.kind is RateKind.TPM:
@@ -207,7 +208,8 @@ async def send_refusal(
             await send_error(send, dialect, 429, code, message, retry_after=retry, headers=denial)
     else:
         message = "Spend limits cannot be checked right now; retry shortly."
-        retry = (decision.retry_after if decision is not None else None) or 1
+        retry = decision.retry_after if decision is not None else None
+        retry = retry or KINDS["spend_limit"].outage_retry_after
         await send_error(send, dialect, 503, "spend_limit_unavailable", message, retry_after=retry)
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Final
 
 from ..engine.decision import Decision
-from ..limits.rates import RateKind, Scope
+from ..limits.model import SubjectKind
+from ..limits.rates import RateKind
 
 __all__ = ["rate_limit_headers", "reset_duration"]
 
@@ -30,7 +31,7 @@ def rate_limit_headers(decision: Decision | None) -> list[tuple[bytes, bytes]]:
     if decision is None or not decision.rates:
         return []
     state = decision.rates[0]
-    if state.scope is not Scope.API_KEY:
+    if state.scope is not SubjectKind.API_KEY:
         return []
     headers: list[tuple[bytes, bytes]] = []
     for kind, limit in ((RateKind.RPM, state.rates.rpm), (RateKind.TPM, state.rates.tpm)):

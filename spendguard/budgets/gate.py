@@ -38,6 +38,7 @@ from ..engine.singleflight import SingleFlight
 from ..errors import LedgerUnavailable, StoreFull, StoreUnavailable
 from ..identity import Identity, encode_id
 from ..ledger import BudgetOverride, Ledger
+from ..limits.kinds import KINDS
 from ..limits.model import BudgetLimit, SubjectKind, Unit
 from ..limits.windows import SLICES, Rolling
 from ..store import MemoryStore, Store
@@ -56,7 +57,7 @@ log = logging.getLogger("spendguard.budgets")
 
 _SCOPE_RANK = {SubjectKind.API_KEY: 0, SubjectKind.MODEL: 1, SubjectKind.FLEET: 2}
 _SCOPES = {scope.kind: scope for scope in Scope}  # a bucket's subject kind -> the YAML's name
-OUTAGE_RETRY_AFTER = 5
+OUTAGE_RETRY_AFTER = KINDS["budget"].outage_retry_after
 # The budgets' names of the units, in 429 details and metric labels (as docs/budgets.md states).
 UNIT_NAMES: Final = {Unit.TOKENS: "tokens", Unit.USD: "cost_micro_usd"}
 _MAX_PLANS = 10_000  # budget plans kept per gate; beyond, start over

@@ -36,7 +36,9 @@ from ..errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnav
 from ..identity import Identity
 from ..ledger import Ledger
 from ..limits import KeyCodec, KeyPlan, Limit
-from ..limits.rates import WINDOW_MS, RateDenial, RateState, Scope
+from ..limits.kinds import KINDS
+from ..limits.model import SubjectKind
+from ..limits.rates import WINDOW_MS, RateDenial, RateState
 from ..providers.model import ProviderKey
 from ..providers.pool import ProviderPool
 from ..record import InferenceRecord, PostflightStatus
@@ -86,6 +88,10 @@ _PREFLIGHT_SECONDS = metrics.PREFLIGHT_SECONDS
 _POSTFLIGHT_SECONDS = metrics.POSTFLIGHT_SECONDS
 _RELEASE_SECONDS = metrics.RELEASE_SECONDS
 _random_bits = random.getrandbits
+
+
+# The Retry-After of a 503 when the store can't decide (limits/kinds.py: one rule, per kind).
+_OUTAGE_RETRY_AFTER = KINDS["spend_limit"].outage_retry_after
 
 
 def new_record_id() -> str:
@@ -790,7 +796,7 @@ class SpendGuard:
         elif isinstance(target, Limit):
             retry_after = target.window.seconds_to_reset(self.clock())
         else:  # a balance never resets by itself; an outage is retried shortly
-            retry_after = 1 if verdict is Verdict.UNAVAILABLE else None
+            retry_after = _OUTAGE_RETRY_AFTER if verdict is Verdict.UNAVAILABLE else None
         allowed = verdict is Verdict.ALLOW
         if not (uncounted and allowed):  # a tentative one is counted by confirm()
             decided(verdict, bool(limits), target, fail_open, unavailable)
@@ -807,7 +813,7 @@ class SpendGuard:
             entry.key if entry is not None and allowed else None,
             rates,
             rate_denied,
-            tuple(plan.rate_keys[r.scope is Scope.TEAM] for r in rates if r.tracked)
+            tuple(plan.rate_keys[r.scope is SubjectKind.TEAM] for r in rates if r.tracked)
             if rates and allowed
             else (),
         )
@@ -824,7 +830,7 @@ class SpendGuard:
             await self._release(decision)
             return
         plan = self.codec.plan(decision.identity, decision.t0)
-        keys = tuple(plan.rate_keys[r.scope is Scope.TEAM] for r in rated)
+        keys = tuple(plan.rate_keys[r.scope is SubjectKind.TEAM] for r in rated)
         await self._release(decision, keys, rated[0].now_ms // WINDOW_MS)
 
     def confirm(self, admission: Admission) -> None:

@@ -50,6 +50,17 @@ class Subject:
 class Unit(StrEnum):
     USD = "usd"  # amounts are integer micro-USD (1 USD = 1,000,000)
     TOKENS = "tokens"  # prompt, output, cached and cache-write tokens together
+    REQUESTS = "requests"  # requests admitted (RPM)
+    IN_FLIGHT = "in_flight"  # requests admitted and not finished (a parallel cap)
+
+
+class Mode(StrEnum):
+    """How a limit admits. Soft: while usage is below it (the request is charged after, so
+    the last one may pass it). Hard: only if the request's worst case fits, held from
+    admission to its end and trued up to what it used."""
+
+    SOFT = "soft"
+    HARD = "hard"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +112,10 @@ class Policy:
     # Hard: a request is admitted only if its worst case fits under the limit, held from
     # admission to its end. Soft: admitted while usage is below the limit.
     hard: bool = False
+
+    @property
+    def mode(self) -> Mode:
+        return Mode.HARD if self.hard else Mode.SOFT
 
 
 def team_limit(identity: Identity, window: Window) -> Limit:

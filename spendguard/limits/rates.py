@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 
+from .model import SubjectKind
+
 RATE_PREFIX: Final = "rate:"
 WINDOW_MS: Final = 60_000
 TICK_MS: Final = 100  # the previous minute's weight changes in steps of this
@@ -42,9 +44,9 @@ class RateKind(StrEnum):
     PARALLEL = "par"
 
 
-class Scope(StrEnum):
-    API_KEY = "key"
-    TEAM = "team"
+RATE_SUBJECTS: Final = {"key": SubjectKind.API_KEY, "team": SubjectKind.TEAM}
+"""The subjects a rate has, by their names in the preflight script's reply (``key:rpm``)."""
+RATE_WIRE: Final = {kind: name for name, kind in RATE_SUBJECTS.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +102,7 @@ class RateState:
     """One scope's rates and counters as a preflight saw them (after counting the request
     when it was admitted); ``now_ms`` is the preflight's time."""
 
-    scope: Scope
+    scope: SubjectKind  # the key's or the team's
     rates: Rates
     prev_requests: int
     requests: int
@@ -171,7 +173,7 @@ class RateState:
         )
 
 
-def parse_state(scope: Scope, raw: str, now_ms: int) -> RateState:
+def parse_state(scope: SubjectKind, raw: str, now_ms: int) -> RateState:
     rpm, tpm, par, pr, r, pt, t, n = (int(v) for v in raw.split(" "))
     return RateState(scope, Rates(rpm or None, tpm or None, par or None), pr, r, pt, t, n, now_ms)
 

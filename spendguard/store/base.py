@@ -29,7 +29,8 @@ from typing import Protocol, runtime_checkable
 
 from ..limits import Balance, Check, KeyPlan
 from ..limits.capacity import Acquired, ProviderKey, StoredKey
-from ..limits.rates import RateDenial, RateKind, RateState, Scope, parse_state
+from ..limits.model import SubjectKind
+from ..limits.rates import RATE_SUBJECTS, RateDenial, RateKind, RateState, parse_state
 from ..limits.windows import Rolling
 from .rolling import Bucket, BucketCheck, BucketUsage, Hold, Reserved
 
@@ -84,13 +85,14 @@ def with_rates(
     (``"key:rpm"``, ``"team:par"``, ...) or None, and each scope's state (key, team) or None."""
     rates = tuple(
         parse_state(scope, raw, now_ms)
-        for scope, raw in zip((Scope.API_KEY, Scope.TEAM), states, strict=True)
+        for scope, raw in zip((SubjectKind.API_KEY, SubjectKind.TEAM), states, strict=True)
         if raw is not None
     )
     if denial is None or pf.outcome is not Outcome.ALLOW:
         return Preflight(pf.outcome, pf.limits, pf.missing_policy, pf.missing_usage, rates)
-    scope, kind = denial.split(":")
-    state = next(r for r in rates if r.scope == scope)
+    name, kind = denial.split(":")
+    scope = RATE_SUBJECTS[name]
+    state = next(r for r in rates if r.scope is scope)
     rate = RateKind(kind)
     cost = tokens if rate is RateKind.TPM else 1
     denied = RateDenial(state, rate, cost)

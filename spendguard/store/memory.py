@@ -17,9 +17,17 @@ from ..errors import StoreFull
 from ..limits import Balance, Check, KeyPlan
 from ..limits.capacity import Acquired, Attempt, ProviderKey, Refusal, StoredKey
 from ..limits.codec import HARD_PREFIX, LOADED_FIELD
-from ..limits.model import Unit
+from ..limits.model import SubjectKind, Unit
 from ..limits.models import ALLOW_PREFIX, allows
-from ..limits.rates import RATE_PREFIX, WINDOW_MS, Rates, RateState, Scope, exceeds, minute_of
+from ..limits.rates import (
+    RATE_PREFIX,
+    RATE_WIRE,
+    WINDOW_MS,
+    Rates,
+    RateState,
+    exceeds,
+    minute_of,
+)
 from ..limits.windows import SLICES, Rolling
 from .base import (
     CachedParts,
@@ -273,10 +281,10 @@ class MemoryStore:
     ) -> Preflight:
         """The rates of the plan's key and team (preflight.lua's rule, on the same integers)."""
         minute, weight = minute_of(now_ms)
-        rated: list[tuple[Scope, Rates, _Rate, str]] = []
+        rated: list[tuple[SubjectKind, Rates, _Rate, str]] = []
         denial: str | None = None
         for scope, fld, key in zip(
-            (Scope.API_KEY, Scope.TEAM), plan.rate_fields, plan.rate_keys, strict=True
+            (SubjectKind.API_KEY, SubjectKind.TEAM), plan.rate_fields, plan.rate_keys, strict=True
         ):
             rates = policy.rates.get(fld) if fld else None
             if rates is None:
@@ -293,13 +301,13 @@ class MemoryStore:
                 rate.earliest = min((v[0] for v in rate.slots.values()), default=None)
             if denial is None:
                 if rates.rpm and exceeds(rate.prev_requests, rate.requests, 1, rates.rpm, weight):
-                    denial = f"{scope}:rpm"
+                    denial = f"{RATE_WIRE[scope]}:rpm"
                 elif rates.tpm and exceeds(
                     rate.prev_tokens, rate.tokens, tokens, rates.tpm, weight
                 ):
-                    denial = f"{scope}:tpm"
+                    denial = f"{RATE_WIRE[scope]}:tpm"
                 elif rates.max_parallel and len(rate.slots) + 1 > rates.max_parallel:
-                    denial = f"{scope}:par"
+                    denial = f"{RATE_WIRE[scope]}:par"
             rated.append((scope, rates, rate, key))
         if denial is None:
             deadline = now_ms + slot_ttl_ms
@@ -327,7 +335,11 @@ class MemoryStore:
             for scope, rates, rate, _ in rated
         }
         return with_rates(
-            pf, denial, [states.get(Scope.API_KEY), states.get(Scope.TEAM)], now_ms, tokens
+            pf,
+            denial,
+            [states.get(SubjectKind.API_KEY), states.get(SubjectKind.TEAM)],
+            now_ms,
+            tokens,
         )
 
     def _preflight(self, plan: KeyPlan, policy: _Policy, hold: int, now: datetime) -> Preflight:

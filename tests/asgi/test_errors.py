@@ -181,9 +181,10 @@ async def test_non_ascii_messages_are_sent_as_utf8() -> None:
 
 def test_rate_429_in_both_dialects() -> None:
     from spendguard.asgi.errors import error_body, rate_message
-    from spendguard.limits.rates import RateDenial, RateKind, Rates, RateState, Scope
+    from spendguard.limits.model import SubjectKind
+    from spendguard.limits.rates import RateDenial, RateKind, Rates, RateState
 
-    team = RateState(Scope.TEAM, Rates(tpm=100), 0, 0, 0, 90, 0, 0)
+    team = RateState(SubjectKind.TEAM, Rates(tpm=100), 0, 0, 0, 90, 0, 0)
     denial = RateDenial(team, RateKind.TPM, 20)
     message = rate_message(denial)
     assert message == "Rate limit reached for Team on tokens per minute: limit 100, requested 20."

@@ -15,9 +15,9 @@ import pytest
 from starlette.types import Message
 
 from spendguard import Settings, SpendGuardMiddleware
-from spendguard.engine.round import shielded
 from spendguard.asgi.request import parse_request
 from spendguard.engine.guard import SpendGuard
+from spendguard.engine.round import shielded
 from spendguard.identity import Identity
 from spendguard.limits import Period, key_limit
 from spendguard.store.memory import MemoryStore

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from spendguard.limits.model import SubjectKind
 from spendguard.limits.rates import (
     WINDOW_MS,
     RateDenial,
     RateKind,
     Rates,
     RateState,
-    Scope,
     exceeds,
     minute_of,
     parse_state,
@@ -18,7 +18,9 @@ from spendguard.limits.rates import (
 
 
 def state(prev: int, cur: int, elapsed_ms: int, rpm: int = 10) -> RateState:
-    return RateState(Scope.API_KEY, Rates(rpm=rpm), prev, cur, 0, 0, 0, 7 * WINDOW_MS + elapsed_ms)
+    return RateState(
+        SubjectKind.API_KEY, Rates(rpm=rpm), prev, cur, 0, 0, 0, 7 * WINDOW_MS + elapsed_ms
+    )
 
 
 def test_rates_encode_decode_and_bounds() -> None:
@@ -69,5 +71,5 @@ def test_reset_and_retry_after() -> None:
 
 
 def test_script_state_round_trips() -> None:
-    s = RateState(Scope.TEAM, Rates(5, 100, 2), 1, 2, 30, 40, 1, 123)
-    assert parse_state(Scope.TEAM, s.encode(), 123) == s
+    s = RateState(SubjectKind.TEAM, Rates(5, 100, 2), 1, 2, 30, 40, 1, 123)
+    assert parse_state(SubjectKind.TEAM, s.encode(), 123) == s

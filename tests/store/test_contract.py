@@ -15,7 +15,8 @@ from spendguard.errors import StoreFull
 from spendguard.identity import Identity
 from spendguard.limits import Balance, KeyCodec, KeyPlan, Period, Target, key_limit, team_limit
 from spendguard.limits.codec import field_of
-from spendguard.limits.rates import RateKind, Rates, Scope, rate_field
+from spendguard.limits.model import SubjectKind
+from spendguard.limits.rates import RateKind, Rates, rate_field
 from spendguard.store import CachedParts, EntryWrite, Outcome, RefreshEntry, UsageFill
 from spendguard.store.memory import MemoryStore
 from tests.store.conftest import Harness
@@ -541,7 +542,7 @@ async def test_rpm_slides_over_two_fixed_minutes(harness: Harness) -> None:
     assert pf.rates[0].requests == 3 and pf.rates[0].remaining(RateKind.RPM) == 0
     pf = await admit(harness, p, "a3", t + 59_999)
     assert pf.outcome is Outcome.RATE and pf.rate_denied is not None
-    assert (pf.rate_denied.kind, pf.rate_denied.state.scope) == (RateKind.RPM, Scope.API_KEY)
+    assert (pf.rate_denied.kind, pf.rate_denied.state.scope) == (RateKind.RPM, SubjectKind.API_KEY)
     # The next minute opens with the previous one weighing fully: still 3 of 3...
     pf = await admit(harness, p, "b0", t + W)
     assert pf.outcome is Outcome.RATE and pf.rate_denied is not None
@@ -646,16 +647,19 @@ async def test_key_rates_are_checked_before_the_team_rates(harness: Harness) -> 
     assert (await admit(harness, alpha, "a1", t)).outcome is Outcome.ALLOW
     pf = await admit(harness, alpha, "a2", t)
     assert pf.outcome is Outcome.ALLOW
-    assert [s.scope for s in pf.rates] == [Scope.TEAM]  # alpha has no rates of its own
+    assert [s.scope for s in pf.rates] == [SubjectKind.TEAM]  # alpha has no rates of its own
     pf = await admit(harness, beta, "b1", t)
     assert pf.outcome is Outcome.ALLOW
-    assert [(s.scope, s.requests) for s in pf.rates] == [(Scope.API_KEY, 1), (Scope.TEAM, 3)]
+    assert [(s.scope, s.requests) for s in pf.rates] == [
+        (SubjectKind.API_KEY, 1),
+        (SubjectKind.TEAM, 3),
+    ]
     pf = await admit(harness, beta, "b2", t)
     assert pf.outcome is Outcome.RATE and pf.rate_denied is not None
-    assert pf.rate_denied.state.scope is Scope.API_KEY  # the narrowest first
+    assert pf.rate_denied.state.scope is SubjectKind.API_KEY  # the narrowest first
     pf = await admit(harness, alpha, "a3", t)
     assert pf.outcome is Outcome.RATE and pf.rate_denied is not None
-    assert pf.rate_denied.state.scope is Scope.TEAM
+    assert pf.rate_denied.state.scope is SubjectKind.TEAM
 
 
 async def test_a_rate_denial_writes_nothing_and_a_spend_denial_counts_no_rate(
