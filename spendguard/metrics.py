@@ -219,5 +219,16 @@ BUDGET_USED = _Counter(
     "Usage recorded against budgets (tokens, or cost in micro-USD).",
     ["scope", "window", "unit"],
 )
+BUDGET_REJECTIONS = Counter(
+    "spendguard_budget_rejections_total",
+    "Requests a budget scope denied.",
+    ["scope", "window"],
+)
+BUDGET_STORE_UNAVAILABLE = Counter(
+    "spendguard_budget_storage_unavailable_total",
+    "Budget checks that found Redis unavailable: fallback (fail open, counted locally) or "
+    "refused (fail closed, 503).",
+    ["action"],
+)
 
 register_hot_metrics()

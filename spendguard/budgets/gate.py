@@ -24,6 +24,7 @@ from enum import StrEnum
 from functools import partial
 from typing import TYPE_CHECKING, Final, Protocol
 
+from .. import metrics
 from ..clock import from_micros, to_micros, utcnow
 from ..engine.decision import Lasting
 from ..engine.reservation import (
@@ -44,7 +45,6 @@ from ..limits.windows import SLICES, Rolling
 from ..store import MemoryStore, Store
 from ..store.rolling import Bucket, BucketCheck, Hold, Reserved, WindowCheck
 from ..usage import Usage
-from . import metrics
 from .config import BudgetsConfig, Scope, Storage, parse_period
 from .overrides import OverrideCache
 from .source import BudgetsSource
@@ -344,10 +344,10 @@ class BudgetGate:
             # never a 500.
             if not (store.shared and config.fail_open):
                 log.warning("budget store unavailable, refusing (fail_open false): %s", exc)
-                metrics.STORAGE_UNAVAILABLE.labels("refused").inc()
+                metrics.BUDGET_STORE_UNAVAILABLE.labels("refused").inc()
                 return BudgetAdmission(BudgetVerdict.UNAVAILABLE)
             log.warning("budget store unavailable, counting locally (fail open): %s", exc)
-            metrics.STORAGE_UNAVAILABLE.labels("fallback").inc()
+            metrics.BUDGET_STORE_UNAVAILABLE.labels("fallback").inc()
             store = self.fallback
             try:
                 answers = await store.reserve_buckets(calls, hold)
@@ -469,7 +469,7 @@ class BudgetGate:
                 model=model if scope is Scope.PER_MODEL else None,
                 retry_after=max(1, -(-answer.retry_ms // 1000)),
             )
-        metrics.REJECTIONS.labels(scope.value, window).inc()
+        metrics.BUDGET_REJECTIONS.labels(scope.value, window).inc()
         admission.verdict = BudgetVerdict.DENY
         admission.denial = denial
         admission.done = True
@@ -538,7 +538,7 @@ class BudgetGate:
         limit = check.limit.tokens if unit is Unit.TOKENS else check.limit.cost_micros
         scope = scope_of(call.bucket)
         log.error("budget tracker full: refusing a request it can't count")
-        metrics.REJECTIONS.labels(scope.value, check.window.id).inc()
+        metrics.BUDGET_REJECTIONS.labels(scope.value, check.window.id).inc()
         denial = Denial(
             scope,
             check.window.id,
@@ -603,8 +603,8 @@ class BudgetGate:
                 children = counted.get((scope, window.id))
                 if children is None:
                     children = counted[(scope, window.id)] = (
-                        metrics.USED.labels(scope.value, window.id, UNIT_NAMES[Unit.TOKENS]),
-                        metrics.USED.labels(scope.value, window.id, UNIT_NAMES[Unit.USD]),
+                        metrics.BUDGET_USED.labels(scope.value, window.id, UNIT_NAMES[Unit.TOKENS]),
+                        metrics.BUDGET_USED.labels(scope.value, window.id, UNIT_NAMES[Unit.USD]),
                     )
                 children[0].inc(tokens)
                 if cost:

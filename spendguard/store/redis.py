@@ -103,15 +103,6 @@ def _ms(t: datetime) -> str:
     return str(int(t.timestamp() * 1000))
 
 
-def redis_parts(store: object) -> RedisStore | None:
-    """The Redis store ``store`` is (or wraps, exposing its attributes), whose client and
-    pipeline the gateway's other Redis stores share; None for any other store."""
-    pipeline = getattr(store, "pipeline", None)
-    if isinstance(pipeline, ScriptPipeline) and hasattr(store, "client"):
-        return store  # type: ignore[return-value]
-    return None
-
-
 class RedisStore:
     shared = True  # every replica (and a CLI) sees the same keys
 
@@ -141,8 +132,6 @@ class RedisStore:
 
     @property
     def client(self) -> aioredis.Redis | RedisCluster:
-        """The client, for the other Redis stores of the same gateway (budgets, the provider
-        pool): one connection pool, and their hot-path calls in :attr:`pipeline`."""
         return self._client
 
     @property

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-import spendguard.budgets.metrics
 import spendguard.metrics
 
 ROOT = Path(__file__).resolve().parents[2]
