@@ -55,73 +55,50 @@ class Kind:
 
 _TEAM_OR_KEY = (SubjectKind.TEAM, SubjectKind.API_KEY)
 
+
+def _team_slot(
+    name: str,
+    subjects: tuple[SubjectKind, ...],
+    window: WindowKind,
+    units: tuple[Unit, ...],
+    modes: tuple[Mode, ...],
+    settled: bool,
+) -> Kind:
+    """A kind the team's preflight decides: one script in the team's slot, one fail mode."""
+    return Kind(
+        name, subjects, window, units, modes, settled, Part.SPEND, "{<team>}",
+        "SPENDGUARD_FAIL_MODE", fail_open_by_default=False, outage_retry_after=1,
+    )  # fmt: skip
+
+
+_USD, _BOTH = (Unit.USD,), (Mode.SOFT, Mode.HARD)
+
 KINDS: Final = {
     kind.name: kind
     for kind in (
-        Kind(
-            "spend_limit",
-            _TEAM_OR_KEY,
-            WindowKind.CALENDAR,
-            (Unit.USD,),
-            (Mode.SOFT, Mode.HARD),
-            settled=True,
-            part=Part.SPEND,
-            slot="{<team>}",
-            fail_setting="SPENDGUARD_FAIL_MODE",
-            fail_open_by_default=False,
-            outage_retry_after=1,
-        ),
-        Kind(
-            "balance",
-            (SubjectKind.TEAM,),
-            WindowKind.NONE,
-            (Unit.USD,),
-            (Mode.SOFT, Mode.HARD),
-            settled=True,
-            part=Part.SPEND,
-            slot="{<team>}",
-            fail_setting="SPENDGUARD_FAIL_MODE",
-            fail_open_by_default=False,
-            outage_retry_after=1,
-        ),
-        Kind(
+        _team_slot("spend_limit", _TEAM_OR_KEY, WindowKind.CALENDAR, _USD, _BOTH, True),
+        _team_slot("balance", (SubjectKind.TEAM,), WindowKind.NONE, _USD, _BOTH, True),
+        _team_slot(
             "rate",
             _TEAM_OR_KEY,
             WindowKind.RATE,
             (Unit.REQUESTS, Unit.TOKENS, Unit.IN_FLIGHT),
             (Mode.HARD,),
-            settled=False,
-            part=Part.SPEND,
-            slot="{<team>}",
-            fail_setting="SPENDGUARD_FAIL_MODE",
-            fail_open_by_default=False,
-            outage_retry_after=1,
+            False,
         ),
-        Kind(
-            "model_access",
-            _TEAM_OR_KEY,
-            WindowKind.NONE,
-            (),
-            (),
-            settled=False,
-            part=Part.SPEND,
-            slot="{<team>}",
-            fail_setting="SPENDGUARD_FAIL_MODE",
-            fail_open_by_default=False,
-            outage_retry_after=1,
-        ),
+        _team_slot("model_access", _TEAM_OR_KEY, WindowKind.NONE, (), (), False),
         Kind(
             "budget",
             (SubjectKind.API_KEY, SubjectKind.MODEL, SubjectKind.FLEET),
             WindowKind.ROLLING,
             (Unit.TOKENS, Unit.USD),
             (Mode.HARD,),
-            settled=False,
-            part=Part.BUDGETS,
-            slot="{bk:<team>:<key>} | {bm:<model>} | {bg}",
-            fail_setting="budgets.fail_open",
-            # Kept as seed 001 states them: a budget outage admits, counted per replica, and
-            # its 503 (fail_open: false) asks for 5 s.
+            False,
+            Part.BUDGETS,
+            "{bk:<team>:<key>} | {bm:<model>} | {bg}",
+            "budgets.fail_open",
+            # As seed 001 states them: a budget outage admits, counted per replica, and its
+            # 503 (fail_open: false) asks for 5 s.
             fail_open_by_default=True,
             outage_retry_after=5,
         ),
@@ -131,14 +108,13 @@ KINDS: Final = {
             WindowKind.RATE,
             (Unit.REQUESTS, Unit.TOKENS),
             (Mode.HARD,),
-            settled=False,
-            part=Part.PROVIDERS,
-            slot="{pool}",
-            # No key may be chosen blind: a pool whose store is down refuses.
-            fail_setting="(always closed)",
+            False,
+            Part.PROVIDERS,
+            "{pool}",
+            "(always closed)",  # no key may be chosen blind: a pool whose store is down refuses
             fail_open_by_default=False,
             outage_retry_after=1,
         ),
     )
 }
-"""Every limit kind, by name, in the order a refusal's part is considered."""
+"""Every limit kind, by name."""
