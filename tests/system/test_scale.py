@@ -36,6 +36,14 @@ TEAMS = [f"team{n:02d}" for n in range(50)]
 T0 = datetime(2026, 11, 30, 23, 59, 20, tzinfo=UTC)
 
 
+def _grace_to_now() -> str:
+    """Redis decides whether a usage key's period is closed (its end plus the grace) on its
+    own, real clock: the grace must reach from the injected periods to the real time, as it did
+    when the run's date was near (the default two days beyond that)."""
+    behind = (datetime.now(UTC) - T0).total_seconds()
+    return str(max(0.0, behind) + 172_800.0)
+
+
 @pytest.fixture
 def env(clean_postgres_url: str, redis_url: str) -> dict[str, str]:
     return clean_env(
@@ -45,6 +53,7 @@ def env(clean_postgres_url: str, redis_url: str) -> dict[str, str]:
         SPENDGUARD_SETTLE_INTERVAL="0.5",
         SPENDGUARD_REDIS_TIMEOUT="2",
         SPENDGUARD_POLICY_TTL="5",
+        SPENDGUARD_KEY_GRACE=_grace_to_now(),
         SCALE_T0=T0.isoformat(),
         SCALE_REF=str(time.time()),
     )
