@@ -23,7 +23,11 @@ from ..limits.rates import RateKind
 
 __all__ = ["rate_limit_headers", "reset_duration"]
 
-_NAMES: Final = {RateKind.RPM: "requests", RateKind.TPM: "tokens"}
+# Per rate: its header names (limit, remaining, reset), encoded once.
+_NAMES: Final = {
+    kind: tuple(f"x-ratelimit-{part}-{name}".encode() for part in ("limit", "remaining", "reset"))
+    for kind, name in ((RateKind.RPM, "requests"), (RateKind.TPM, "tokens"))
+}
 
 
 def rate_limit_headers(decision: Decision | None) -> list[tuple[bytes, bytes]]:
@@ -37,11 +41,11 @@ def rate_limit_headers(decision: Decision | None) -> list[tuple[bytes, bytes]]:
     for kind, limit in ((RateKind.RPM, state.rates.rpm), (RateKind.TPM, state.rates.tpm)):
         if limit is None:
             continue
-        name = _NAMES[kind]
+        limit_name, remaining_name, reset_name = _NAMES[kind]
         headers += [
-            (f"x-ratelimit-limit-{name}".encode(), str(limit).encode()),
-            (f"x-ratelimit-remaining-{name}".encode(), str(state.remaining(kind)).encode()),
-            (f"x-ratelimit-reset-{name}".encode(), reset_duration(state.reset_ms(kind)).encode()),
+            (limit_name, str(limit).encode()),
+            (remaining_name, str(state.remaining(kind)).encode()),
+            (reset_name, reset_duration(state.reset_ms(kind)).encode()),
         ]
     return headers
 

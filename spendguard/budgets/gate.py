@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from functools import partial
@@ -138,7 +138,8 @@ class BudgetAdmission:
     headers: tuple[tuple[bytes, bytes], ...] = ()
     model: str = ""
     count_cost: bool = False
-    windows: dict[Scope, tuple[Rolling, ...]] = field(default_factory=dict)
+    # The usage counters of every (bucket, window) it commits to: its plan's, bound once.
+    counters: tuple[tuple[CounterLike, CounterLike], ...] = ()
     done: bool = False
 
     @property
@@ -158,6 +159,17 @@ class BudgetAdmission:
 
 def new_hold_id() -> str:
     return f"{random.getrandbits(96):024x}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """An identity and model's buckets under one section (and key override), made once."""
+
+    config: BudgetsConfig
+    calls: tuple[BucketCheck, ...]
+    default_key: bool  # the key scope is the fleet's default: it reports headers
+    longest_ms: int  # the longest window: how long the buckets' keys live, with the hold
+    counters: tuple[tuple[CounterLike, CounterLike], ...]
 
 
 class BudgetGate:
@@ -198,10 +210,7 @@ class BudgetGate:
         # The usage counters' children by (scope, window id), bound once: window ids come
         # from the operator's file, a closed set.
         self._counted: dict[tuple[Scope, str], tuple[CounterLike, CounterLike]] = {}
-        self._plans: dict[
-            tuple[int, str, str | None, str, BudgetOverride | None],
-            tuple[BudgetsConfig, tuple[BucketCheck, ...], bool],
-        ] = {}
+        self._plans: dict[tuple[int, str, str | None, str, BudgetOverride | None], _Plan] = {}
 
     @property
     def config(self) -> BudgetsConfig:
@@ -294,11 +303,18 @@ class BudgetGate:
         # override changes (a new object then): made once, kept (bounded) with what it is of.
         known = (id(config), identity.team, identity.api_key, model, override)
         planned = self._plans.get(known)
-        if planned is None or planned[0] is not config:
+        if planned is None or planned.config is not config:
             if len(self._plans) >= _MAX_PLANS:
                 self._plans.clear()
-            planned = self._plans[known] = (config, *self.plan(config, identity, model, override))
-        _, calls, default_key = planned
+            calls, default_key = self.plan(config, identity, model, override)
+            planned = self._plans[known] = _Plan(
+                config,
+                calls,
+                default_key,
+                max((w.period_ms for c in calls for w in c.windows), default=0),
+                self._counters(calls),
+            )
+        calls, default_key = planned.calls, planned.default_key
         if not calls:
             return _no_budget()
         output = self.output.tokens(request, self.prices, config.default_output_tokens)
@@ -314,27 +330,26 @@ class BudgetGate:
             tokens=estimate.input_tokens + estimate.output_tokens,
             cost=cost,
             count_cost=price is not None,
-            ttl_ms=max(w.period_ms for c in calls for w in c.windows) + hold_ms,
+            ttl_ms=planned.longest_ms + hold_ms,
         )
         store = self.store_for(config)
         reserving = store.reserve_buckets(calls, hold, require_seed=self.ledger is not None)
         return self._admitted(
-            config, store, calls, hold, reserving, request, estimate, default_key, price is not None
+            config, store, planned, hold, reserving, request, estimate, price is not None
         )
 
     async def _admitted(
         self,
         config: BudgetsConfig,
         store: Store,
-        calls: tuple[BucketCheck, ...],
+        planned: _Plan,
         hold: Hold,
         reserving: Awaitable[list[Reserved]],
         request: InferenceRequest,
         estimate: Usage,
-        default_key: bool,
         count_cost: bool,
     ) -> BudgetAdmission:
-        model = request.model
+        model, calls = request.model, planned.calls
         try:
             answers = await self._reserve(store, calls, hold, model, reserving)
         except StoreFull:
@@ -354,7 +369,13 @@ class BudgetGate:
             except StoreFull:
                 return self._tracker_full(calls, model)
         admission = BudgetAdmission(
-            BudgetVerdict.ADMIT, calls, hold, store, model=model, count_cost=count_cost
+            BudgetVerdict.ADMIT,
+            calls,
+            hold,
+            store,
+            model=model,
+            count_cost=count_cost,
+            counters=planned.counters,
         )
         denied = [(i, a) for i, a in enumerate(answers) if not a.ok]
         if denied:
@@ -362,7 +383,7 @@ class BudgetGate:
             if taken:
                 await self._released(store.release_buckets(taken, hold.id))
             return self._deny(admission, denied, request, estimate)
-        if default_key:
+        if planned.default_key:
             admission.headers = _key_headers(calls[0], answers[0], hold.now_ms)
         return admission
 
@@ -596,8 +617,19 @@ class BudgetGate:
         except Exception as exc:  # the response is out; the hold expires by itself
             log.warning("budget usage could not be recorded: %r", exc)
             return
+        for tokens_used, usd_used in admission.counters:
+            tokens_used.inc(tokens)
+            if cost:
+                usd_used.inc(cost)
+
+    def _counters(
+        self, calls: tuple[BucketCheck, ...]
+    ) -> tuple[tuple[CounterLike, CounterLike], ...]:
+        """The usage counters of each (bucket, window), bound once: window ids come from the
+        operator's file, a closed set."""
         counted = self._counted
-        for call in admission.calls:
+        out = []
+        for call in calls:
             scope = scope_of(call.bucket)
             for window in call.windows:
                 children = counted.get((scope, window.id))
@@ -606,9 +638,8 @@ class BudgetGate:
                         metrics.BUDGET_USED.labels(scope.value, window.id, UNIT_NAMES[Unit.TOKENS]),
                         metrics.BUDGET_USED.labels(scope.value, window.id, UNIT_NAMES[Unit.USD]),
                     )
-                children[0].inc(tokens)
-                if cost:
-                    children[1].inc(cost)
+                out.append(children)
+        return tuple(out)
 
     async def release(self, admission: BudgetAdmission | None) -> None:
         if admission is not None:

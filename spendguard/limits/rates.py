@@ -174,8 +174,17 @@ class RateState:
 
 
 def parse_state(scope: SubjectKind, raw: str, now_ms: int) -> RateState:
-    rpm, tpm, par, pr, r, pt, t, n = (int(v) for v in raw.split(" "))
-    return RateState(scope, Rates(rpm or None, tpm or None, par or None), pr, r, pt, t, n, now_ms)
+    rpm, tpm, par, pr, r, pt, t, n = map(int, raw.split(" "))
+    rates = _decoded.get((rpm, tpm, par))
+    if rates is None:  # a subject's rates change rarely: validated once, then shared
+        if len(_decoded) >= _MAX_DECODED:
+            _decoded.clear()
+        rates = _decoded[(rpm, tpm, par)] = Rates(rpm or None, tpm or None, par or None)
+    return RateState(scope, rates, pr, r, pt, t, n, now_ms)
+
+
+_decoded: dict[tuple[int, int, int], Rates] = {}
+_MAX_DECODED: Final = 4096
 
 
 # Made per request: not frozen (see LimitState, spendguard/store/base.py).

@@ -13,7 +13,7 @@ Each call on one bucket is atomic (one Lua script on Redis: a bucket's keys shar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from ..limits.model import BudgetLimit, SubjectKind, Unit
@@ -52,10 +52,11 @@ class BucketCheck:
 
     bucket: Bucket
     checks: tuple[WindowCheck, ...]
+    # The checks' windows, in order; made once (a gate reuses a plan's checks per request).
+    windows: tuple[Rolling, ...] = field(init=False, compare=False)
 
-    @property
-    def windows(self) -> tuple[Rolling, ...]:
-        return tuple(c.window for c in self.checks)
+    def __post_init__(self) -> None:
+        self.windows = tuple(c.window for c in self.checks)
 
 
 # Made per request: not frozen (see LimitState, spendguard/store/base.py).
