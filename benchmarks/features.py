@@ -17,14 +17,17 @@ reach another's):
   charged, none refused.
 
 Per configuration: the pipelines sent to Redis per inference (sequential round trips: every
-store of the gateway shares the spend store's pipeline), the script calls they carry, the p50
-time to the last response byte, and this process's CPU per inference (the gateway and its
-upstream, both in process: compare configurations with each other).
+part of the gateway's round shares its one store's pipeline), the script calls they carry, the
+p50 time to the last response byte, and this process's CPU per inference (the gateway and its
+upstream, both in process: compare configurations with each other). The three gateways live
+at once and take turns in blocks of requests, the order reversed every round, so the host's
+drift (large on a shared VM) falls on all three alike instead of on whichever ran last.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import AsyncExitStack
 from typing import Any, Final
 
 from fastapi import FastAPI
@@ -138,7 +141,11 @@ async def _configure(guard: SpendGuard, team: str, config: str) -> None:
             await set_rates(team, key, rpm=10**9, tpm=10**12, max_parallel=10**6)
 
 
-async def _run(redis_url: str, postgres_url: str, config: str, sizes: Sizes) -> dict[str, float]:
+async def _prepared(
+    stack: AsyncExitStack, redis_url: str, postgres_url: str, config: str, sizes: Sizes
+) -> tuple[Call, Any]:
+    """One configuration's gateway, started (its lifespan held by ``stack``), configured and
+    warm: its call and its app."""
     extra: dict[str, Any] = {}
     if config != "spend limits":
         extra["budgets"] = BUDGETS
@@ -159,34 +166,52 @@ async def _run(redis_url: str, postgres_url: str, config: str, sizes: Sizes) -> 
     auth = [(b"authorization", f"Bearer {token}".encode()), (b"content-type", b"application/json")]
     body = chat_body()
     call = Call(app, http_scope("POST", INFERENCE_PATH, auth, body), body)
+    await stack.enter_async_context(lifespan(app))
+    guard = find_guard(app)
+    assert guard is not None
+    await _configure(guard, team, config)
+    if pooled:
+        await guard.pool.register(ProviderKey(POOL_KEY, "openai", tpm=10**12, rpm=10**9))
+    for _ in range(max(20, sizes.inproc_warmup // 4)):
+        status, _ = await call()
+        if status != 200:
+            raise RuntimeError(f"benchmark request answered {status} ({config})")
+    return call, app
+
+
+async def _run(redis_url: str, postgres_url: str, sizes: Sizes) -> dict[str, dict[str, float]]:
+    """Every configuration's gateway alive at once, measured in alternating blocks (the order
+    reversed every round), so that the host's drift lands on all of them alike and cancels out
+    of their ratios."""
     n = max(50, sizes.inproc_inference // 4)
-    async with lifespan(app):
-        guard = find_guard(app)
-        assert guard is not None
-        await _configure(guard, team, config)
-        if pooled:
-            await guard.pool.register(ProviderKey(POOL_KEY, "openai", tpm=10**12, rpm=10**9))
-        for _ in range(max(20, sizes.inproc_warmup // 4)):
-            status, _ = await call()
-            if status != 200:
-                raise RuntimeError(f"benchmark request answered {status} ({config})")
-        before = _pipelines(app)
-        times: list[int] = []
-        cpu = time.process_time()
-        for _ in range(n):
-            start = time.perf_counter_ns()
-            status, done = await call()
-            if status != 200:
-                raise RuntimeError(f"benchmark request answered {status} ({config})")
-            times.append(done - start)
-        cpu = time.process_time() - cpu
-        after = _pipelines(app)
-    return {
-        "p50_us": percentile(times, 50) / 1000,
-        "pipelines_per_inference": (after[0] - before[0]) / n,
-        "scripts_per_inference": (after[1] - before[1]) / n,
-        "cpu_us_per_inference": cpu / n * 1e6,
-    }
+    block = max(10, sizes.inproc_block)
+    async with AsyncExitStack() as stack:
+        gateways = {c: await _prepared(stack, redis_url, postgres_url, c, sizes) for c in CONFIGS}
+        times: dict[str, list[int]] = {c: [] for c in CONFIGS}
+        cpu = dict.fromkeys(CONFIGS, 0.0)
+        before = {c: _pipelines(app) for c, (_, app) in gateways.items()}
+        for turn in range(-(-n // block)):
+            for config in CONFIGS if turn % 2 == 0 else reversed(CONFIGS):
+                call = gateways[config][0]
+                started = time.process_time()
+                for _ in range(block):
+                    start = time.perf_counter_ns()
+                    status, done = await call()
+                    if status != 200:
+                        raise RuntimeError(f"benchmark request answered {status} ({config})")
+                    times[config].append(done - start)
+                cpu[config] += time.process_time() - started
+        after = {c: _pipelines(app) for c, (_, app) in gateways.items()}
+    out: dict[str, dict[str, float]] = {}
+    for config in CONFIGS:
+        count = len(times[config])
+        out[config] = {
+            "p50_us": percentile(times[config], 50) / 1000,
+            "pipelines_per_inference": (after[config][0] - before[config][0]) / count,
+            "scripts_per_inference": (after[config][1] - before[config][1]) / count,
+            "cpu_us_per_inference": cpu[config] / count * 1e6,
+        }
+    return out
 
 
 async def measure(services: Services, sizes: Sizes, repeats: int) -> dict[str, Any]:
@@ -195,9 +220,9 @@ async def measure(services: Services, sizes: Sizes, repeats: int) -> dict[str, A
         for name, url in (("single", services.redis_url), ("cluster", cluster.url)):
             raw: dict[str, dict[str, list[float]]] = {c: {} for c in CONFIGS}
             for _ in range(repeats):
+                got = await _run(url, services.postgres_url, sizes)
                 for config in CONFIGS:
-                    got = await _run(url, services.postgres_url, config, sizes)
-                    for stat, value in got.items():
+                    for stat, value in got[config].items():
                         raw[config].setdefault(stat, []).append(value)
             out[name] = {
                 config: {stat: summary(values) for stat, values in stats.items()}

@@ -92,6 +92,15 @@ class _Call:
 
 
 @dataclass(slots=True)
+class _Landing:
+    """A batch written in parts (one per cluster node; one on a single server): how many have
+    yet to end, and the epoch it was sent in."""
+
+    left: int
+    epoch: int
+
+
+@dataclass(slots=True)
 class BatchStats:
     """What the pipeline has sent; tests and benchmarks read it."""
 
@@ -118,10 +127,15 @@ class ScriptPipeline:
         self._transport: _Transport
         # The one-server connections of wire.py can take a batch without a task (see _flush).
         self._wire: wire.WireConnections | None = None
+        # A cluster on wire connections: a batch goes to its nodes without a task, likewise.
+        self._nodes: _ClusterWire | None = None
         if isinstance(client, RedisCluster):
             cluster = _ClusterPipelines(client)
             plain = wire.plain(client.get_connection_kwargs())
-            self._transport = _ClusterWire(client, cluster) if plain else cluster
+            if plain:
+                self._transport = self._nodes = _ClusterWire(client, cluster)
+            else:
+                self._transport = cluster
         elif wire.supports(client):
             self._transport = self._wire = wire.WireConnections(client)
         else:  # TLS, a credential provider, RESP3: redis-py's own connections
@@ -202,17 +216,50 @@ class ScriptPipeline:
             if not batch:
                 return
             self._busy += 1
-            connections = self._wire
-            conn = connections.ready() if connections is not None else None
-            if conn is None or connections is None:
+            parts = self._ready_parts(batch)
+            if parts is None:
                 self._in_task(self._send(batch))
                 continue
-            try:
-                self._write(batch, conn)
-            except Exception as exc:  # nothing was written (packing failed): a bug, not Redis
-                connections.release(conn)
-                self._busy -= 1
-                self._fail_with(batch, exc)
+            self._counted(batch)
+            landing = _Landing(len(parts), self._epoch)
+            for conns, conn, part in parts:
+                try:
+                    self._write(part, conns, conn, landing)
+                except Exception as exc:  # nothing was written (packing failed): a bug
+                    conns.release(conn)
+                    self._fail_with(part, exc)
+                    self._part_ended(landing)
+
+    def _ready_parts(
+        self, batch: list[_Call]
+    ) -> list[tuple[wire.WireConnections, wire.WireProtocol, list[_Call]]] | None:
+        """Where each part of ``batch`` can be written at once: the one server's open
+        connection, or each cluster node's (the calls grouped by their keys' node); None when
+        a part would have to await (no open connection yet, an unknown slot map)."""
+        if self._wire is not None:
+            conn = self._wire.ready()
+            return None if conn is None else [(self._wire, conn, batch)]
+        nodes = self._nodes
+        if nodes is None:
+            return None
+        groups = nodes.group(batch)
+        if groups is None:
+            return None
+        parts: list[tuple[wire.WireConnections, wire.WireProtocol, list[_Call]]] = []
+        for conns, calls in groups:
+            conn = conns.ready()
+            if conn is None:
+                for taken, held, _ in parts:
+                    taken.release(held)
+                return None
+            parts.append((conns, conn, calls))
+        return parts
+
+    def _part_ended(self, landing: _Landing) -> None:
+        """One part of a batch is over; the batch is, once every part is."""
+        landing.left -= 1
+        if landing.left == 0 and landing.epoch == self._epoch:
+            self._ended()
 
     def _ended(self) -> None:
         """A batch is over: what queued meanwhile leaves now."""
@@ -220,17 +267,19 @@ class ScriptPipeline:
         if self._queue and self._flushing is None:
             self._flush()
 
-    def _in_task(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(self._until_ended(work, self._epoch))
+    def _in_task(self, work: Coroutine[Any, Any, None], landing: _Landing | None = None) -> None:
+        """Run ``work`` (a batch, or a part of one, ``landing``) in a task; the batch is over
+        when it ends."""
+        landing = landing or _Landing(1, self._epoch)
+        task = asyncio.get_running_loop().create_task(self._until_ended(work, landing))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _until_ended(self, work: Coroutine[Any, Any, None], epoch: int) -> None:
+    async def _until_ended(self, work: Coroutine[Any, Any, None], landing: _Landing) -> None:
         try:
             await work
         finally:
-            if epoch == self._epoch:
-                self._ended()
+            self._part_ended(landing)
 
     def _take(self) -> list[_Call]:
         """Up to ``max_batch`` queued calls that are still wanted."""
@@ -251,24 +300,36 @@ class ScriptPipeline:
             batch.append(call)
         return batch
 
-    def _commands(self, calls: Sequence[_Call]) -> list[Command]:
+    def _counted(self, calls: Sequence[_Call]) -> None:
+        """One pipeline sent (its parts to a cluster's nodes go in parallel: one)."""
         self.stats.batches += 1
         self.stats.calls += len(calls)
         self.stats.largest = max(self.stats.largest, len(calls))
+
+    @staticmethod
+    def _commands(calls: Sequence[_Call]) -> list[Command]:
         return [("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args) for c in calls]
 
-    def _write(self, batch: list[_Call], conn: wire.WireProtocol) -> None:
-        """Write ``batch`` on an open connection; ``_landed`` takes it from there."""
+    def _write(
+        self,
+        batch: list[_Call],
+        conns: wire.WireConnections,
+        conn: wire.WireProtocol,
+        landing: _Landing,
+    ) -> None:
+        """Write ``batch`` (or a part of one) on an open connection of ``conns``; ``_landed``
+        takes it from there."""
         loop = asyncio.get_running_loop()
         packed = b"".join(map(hiredis.pack_command, self._commands(batch)))
         replies = conn.exchange(packed, len(batch), [c.future for c in batch])
         deadline = loop.call_at(loop.time() + self._timeout, _expire, replies)
-        replies.add_done_callback(partial(self._landed, self._epoch, batch, conn, deadline))
+        replies.add_done_callback(partial(self._landed, landing, batch, conns, conn, deadline))
 
     def _landed(
         self,
-        epoch: int,
+        landing: _Landing,
         batch: list[_Call],
+        conns: wire.WireConnections,
         conn: wire.WireProtocol,
         deadline: asyncio.TimerHandle,
         replies: asyncio.Future[list[Any]],
@@ -276,48 +337,52 @@ class ScriptPipeline:
         """A written batch's replies are in, or its connection broke, or its deadline passed."""
         deadline.cancel()
         try:
-            self._land(epoch, batch, conn, replies)
+            self._land(landing, batch, conns, conn, replies)
         except Exception as exc:
             # A bug here must not leave callers waiting for replies nobody hands over, nor
             # hold the batch's place: they get it as the store's error.
             self._fail_with(batch, exc)
-            if epoch == self._epoch:
-                self._ended()
+            self._part_ended(landing)
 
     def _land(
         self,
-        epoch: int,
+        landing: _Landing,
         batch: list[_Call],
+        conns: wire.WireConnections,
         conn: wire.WireProtocol,
         replies: asyncio.Future[list[Any]],
     ) -> None:
-        assert self._wire is not None
-        if epoch != self._epoch or replies.cancelled():  # the store closed meanwhile
-            self._wire.drop(conn)
+        if landing.epoch != self._epoch or replies.cancelled():  # the store closed meanwhile
+            conns.drop(conn)
             self._fail(batch, StoreUnavailable("redis store closed"))
             return
         exc = replies.exception()
         if exc is None:
-            self._wire.release(conn)
+            conns.release(conn)
             got = replies.result()
-            if any(isinstance(reply, NoScriptError) for reply in got):
-                self._in_task(self._send(batch, got))  # a reload must await: in a task
+            if any(
+                isinstance(reply, NoScriptError) or (self._nodes is not None and _redirected(reply))
+                for reply in got
+            ):
+                # A reload, or a slot that moved, must await: in a task, which sends those
+                # calls again (a redirection through redis-py's cluster pipeline).
+                self._in_task(self._send(batch, got), landing)
                 return
             self._answer(batch, got)
         elif isinstance(exc, wire.Broken):
             # A connection that was open before this batch died on it (a server restart):
             # the calls without a reply go once more, on a fresh connection.
-            self._wire.drop(conn)
+            conns.drop(conn)
             done = len(exc.replies)
             self._answer(batch[:done], exc.replies)
             if done < len(batch):
-                self._in_task(self._send(batch[done:], fresh=True))
+                self._in_task(self._send(batch[done:], fresh=True), landing)
                 return
         else:
-            self._wire.drop(conn)
+            conns.drop(conn)
             self._failed_at = asyncio.get_running_loop().time()
             self._fail_with(batch, exc)
-        self._ended()
+        self._part_ended(landing)
 
     async def _send(
         self, batch: list[_Call], replies: list[Any] | None = None, *, fresh: bool = False
@@ -333,6 +398,12 @@ class ScriptPipeline:
                 lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
                 if lost:
                     replies = await self._reload_and_retry(batch, replies, lost)
+                moved = [i for i, reply in enumerate(replies) if _redirected(reply)]
+                if moved and self._nodes is not None:  # written directly to a former owner
+                    replies = list(replies)
+                    redone = await self._execute([batch[i] for i in moved])
+                    for i, reply in zip(moved, redone, strict=True):
+                        replies[i] = reply
         except asyncio.CancelledError:
             self._fail(batch, StoreUnavailable("redis store closed"))
             raise
@@ -361,6 +432,7 @@ class ScriptPipeline:
         The scripts are not registered with a redis-py pipeline: it would ask SCRIPT EXISTS
         before every execution, a second round trip. NOSCRIPT is handled instead.
         """
+        self._counted(calls)
         commands = self._commands(calls)
         callers = [c.future for c in calls]
         if fresh and self._wire is not None:
@@ -540,6 +612,10 @@ class _ClusterPipelines:
 _REDIRECTED = ("MOVED ", "ASK ", "TRYAGAIN", "CLUSTERDOWN")
 
 
+def _redirected(reply: Any) -> bool:
+    return isinstance(reply, ResponseError) and str(reply).startswith(_REDIRECTED)
+
+
 class _ClusterWire:
     """A cluster on the pipeline's own connections (wire.py), one set per node: each call goes
     to the primary that holds its keys' slot (every key of a call shares one hash tag), one
@@ -563,6 +639,23 @@ class _ClusterWire:
         if conns is None:
             conns = self._nodes[(host, port)] = wire.WireConnections.at(host, port, self._kwargs)
         return conns
+
+    def group(
+        self, batch: Sequence[_Call]
+    ) -> list[tuple[wire.WireConnections, list[_Call]]] | None:
+        """``batch``'s calls by the node that holds their keys' slot, with that node's
+        connections; None when the slot map is not known (yet) or lacks a slot."""
+        nodes = self._client.nodes_manager
+        if not nodes.slots_cache:
+            return None
+        groups: dict[tuple[str, int], list[_Call]] = {}
+        try:
+            for call in batch:
+                node = nodes.get_node_from_slot(key_slot(call.keys[0].encode()))
+                groups.setdefault((node.host, int(node.port)), []).append(call)
+        except RedisError:
+            return None
+        return [(self._node(*address), calls) for address, calls in groups.items()]
 
     async def execute(
         self, commands: Sequence[Command], callers: Sequence[asyncio.Future[Any]]
@@ -590,7 +683,7 @@ class _ClusterWire:
                 again.extend(i for i in calls if not callers[i].done())
                 return
             for i, reply in zip(calls, got, strict=True):
-                if isinstance(reply, ResponseError) and str(reply).startswith(_REDIRECTED):
+                if _redirected(reply):
                     again.append(i)
                 else:
                     replies[i] = reply
