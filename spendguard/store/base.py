@@ -1,9 +1,15 @@
-"""The store Protocol: the hot-path cache of policies and usage, one atomic call per decision.
+"""The store Protocol: the gateway's one cache of policies, usage and capacity, one atomic call
+per decision.
 
-Two implementations pass one contract suite (``tests/store/test_contract.py``): the embedded
+One Protocol for every limit kind (``limits/kinds.py``): the spend limits' keys (policies,
+usage, holds, rates, model lists, admission entries), the budgets' rolling-window buckets and
+the provider keys' capacity. Two implementations pass one contract suite
+(``tests/store/test_contract*.py`` on the harness of ``tests/store/conftest.py``): the embedded
 :class:`~spendguard.store.memory.MemoryStore` and the Redis store, whose every method is one
-Lua script. The store speaks the cache's language (key names and policy-hash fields, made by
-:mod:`spendguard.limits.codec`). The semantics, shared by both (design.md, "Invariants"):
+Lua script in one slot. The store speaks the cache's language (key names and policy-hash
+fields, made by :mod:`spendguard.limits.codec`, and the values of
+:mod:`spendguard.store.rolling` and :mod:`spendguard.limits.capacity`). The spend semantics,
+shared by both (design.md, "Invariants"):
 
 - A usage key holds ``settled`` (the ledger's aggregate), ``pending`` (the sum of estimates of
   records postflight applied that settlement has not yet folded in) and one marker per such
