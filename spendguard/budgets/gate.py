@@ -449,8 +449,7 @@ class BudgetGate:
             merged: dict[int, list[int]] = {}
             for row in rows:
                 u = row.usage
-                tokens = u.input_tokens + u.output_tokens + u.cached_input_tokens
-                tokens += u.cache_write_tokens
+                tokens = u.total_tokens
                 price = self.prices.lookup(row.model)
                 cost = 0 if price is None else int(price.cost(u))
                 entry = merged.setdefault(row.start_us // 1000 // slice_ms, [0, 0])
@@ -588,12 +587,7 @@ class BudgetGate:
         if usage is None:
             buckets = [c.bucket for c in admission.calls]
             return self._released(store.release_buckets(buckets, hold.id))
-        tokens = (
-            usage.input_tokens
-            + usage.output_tokens
-            + usage.cached_input_tokens
-            + usage.cache_write_tokens
-        )
+        tokens = usage.total_tokens
         cost = 0
         if admission.count_cost:
             price = self.prices.lookup(model) or self.prices.lookup(admission.model)

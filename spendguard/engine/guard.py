@@ -934,12 +934,7 @@ class SpendGuard:
                     closed=closed,
                     rate_keys=rate_keys,
                     # What a TPM's reserve is trued up to (only an in-flight rate has one).
-                    tokens=usage.input_tokens
-                    + usage.output_tokens
-                    + usage.cached_input_tokens
-                    + usage.cache_write_tokens
-                    if rate_keys
-                    else None,
+                    tokens=usage.total_tokens if rate_keys else None,
                 )
                 status = PostflightStatus.APPLIED if applied else PostflightStatus.SKIPPED
                 if applied and self._fail_open:

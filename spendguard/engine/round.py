@@ -235,10 +235,7 @@ class Round:
         if budget is not None and self.budgets is not None:
             parts.append(self.budgets.finish_soon(budget, usage, model))
         if lease is not None and self.providers is not None:
-            used = None
-            if usage is not None:
-                used = usage.input_tokens + usage.output_tokens
-                used += usage.cached_input_tokens + usage.cache_write_tokens
+            used = None if usage is None else usage.total_tokens
             parts.append(_quietly(self.providers.finish_soon(lease, used)))
         return _all(parts)
 

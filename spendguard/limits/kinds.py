@@ -97,7 +97,7 @@ KINDS: Final = {
             Part.BUDGETS,
             "{bk:<team>:<key>} | {bm:<model>} | {bg}",
             "budgets.fail_open",
-            # As seed 001 states them: a budget outage admits, counted per replica, and its
+            # As docs/budgets.md states them: a budget outage admits, counted per replica, and its
             # 503 (fail_open: false) asks for 5 s.
             fail_open_by_default=True,
             outage_retry_after=5,

@@ -25,7 +25,7 @@ from datetime import datetime
 from typing import TypeVar
 
 from ..clock import from_micros, to_micros, utcnow
-from ..limits.capacity import MAX_AMOUNT, WINDOW_MS, Acquired, ProviderKey, Refusal
+from ..limits.capacity import WINDOW_MS, Acquired, ProviderKey, Refusal, check_count
 from ..settings import Settings, load_settings
 from ..store import Store, make_store, store_for
 from .model import KeyState, Lease, NoCapacity
@@ -119,7 +119,7 @@ class ProviderPool:
         """:meth:`acquire`, its store call sent before this returns (on Redis in the next
         pipeline write, with whatever else this event-loop turn sends); the awaited result
         is the lease or the :class:`NoCapacity` (returned, not raised)."""
-        _check_tokens(tokens)
+        check_count("tokens", tokens, allow_none=False)
         ids = list(dict.fromkeys(c.id if isinstance(c, ProviderKey) else c for c in candidates))
         now = self._clock()
         if not ids:
@@ -151,7 +151,7 @@ class ProviderPool:
     def settle_soon(self, lease: Lease, tokens: int | None) -> Awaitable[object]:
         """:meth:`settle` (``tokens`` None: :meth:`release`), sent before this returns."""
         if tokens is not None:
-            _check_tokens(tokens)
+            check_count("tokens", tokens, allow_none=False)
         if lease.done:
             return _ready(None)
         lease.done = True
@@ -199,11 +199,6 @@ class ProviderPool:
 async def _ready(value: T) -> T:
     """An awaitable already answered (nothing to send)."""
     return value
-
-
-def _check_tokens(tokens: int) -> None:
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= MAX_AMOUNT:
-        raise ValueError(f"tokens must be an integer from 0 to {MAX_AMOUNT}, got {tokens!r}")
 
 
 __all__ = ["ProviderPool"]

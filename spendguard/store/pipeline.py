@@ -640,36 +640,40 @@ class _ClusterWire:
             conns = self._nodes[(host, port)] = wire.WireConnections.at(host, port, self._kwargs)
         return conns
 
-    def group(
-        self, batch: Sequence[_Call]
-    ) -> list[tuple[wire.WireConnections, list[_Call]]] | None:
-        """``batch``'s calls by the node that holds their keys' slot, with that node's
-        connections; None when the slot map is not known (yet) or lacks a slot."""
+    def _by_node(self, keys: Sequence[str]) -> dict[tuple[str, int], list[int]] | None:
+        """The indexes of ``keys`` (each a call's first key: every key of a call shares its
+        slot) by the address of the primary holding their slot; None when the slot map is not
+        known (yet) or no node covers a slot (redis-py finds out)."""
         nodes = self._client.nodes_manager
         if not nodes.slots_cache:
             return None
-        groups: dict[tuple[str, int], list[_Call]] = {}
+        groups: dict[tuple[str, int], list[int]] = {}
         try:
-            for call in batch:
-                node = nodes.get_node_from_slot(key_slot(call.keys[0].encode()))
-                groups.setdefault((node.host, int(node.port)), []).append(call)
+            for i, key in enumerate(keys):
+                node = nodes.get_node_from_slot(key_slot(key.encode()))
+                groups.setdefault((node.host, int(node.port)), []).append(i)
         except RedisError:
             return None
-        return [(self._node(*address), calls) for address, calls in groups.items()]
+        return groups
+
+    def group(
+        self, batch: Sequence[_Call]
+    ) -> list[tuple[wire.WireConnections, list[_Call]]] | None:
+        """``batch``'s calls by their node, with that node's connections (None: see
+        ``_by_node``)."""
+        groups = self._by_node([call.keys[0] for call in batch])
+        if groups is None:
+            return None
+        return [
+            (self._node(*address), [batch[i] for i in calls]) for address, calls in groups.items()
+        ]
 
     async def execute(
         self, commands: Sequence[Command], callers: Sequence[asyncio.Future[Any]]
     ) -> list[Any]:
-        nodes = self._client.nodes_manager
-        if not nodes.slots_cache:
-            return await self._fallback.execute(commands, callers)
-        groups: dict[tuple[str, int], list[int]] = {}
-        try:
-            for i, command in enumerate(commands):
-                key = command[3]  # EVALSHA sha numkeys key ...: the call's slot is its keys'
-                node = nodes.get_node_from_slot(key_slot(key.encode()))
-                groups.setdefault((node.host, int(node.port)), []).append(i)
-        except RedisError:  # a slot no node covers (yet): redis-py finds out
+        # EVALSHA sha numkeys key ...: a call's slot is its first key's.
+        groups = self._by_node([str(command[3]) for command in commands])
+        if groups is None:
             return await self._fallback.execute(commands, callers)
         replies: list[Any] = [None] * len(commands)
         again: list[int] = []

@@ -41,6 +41,14 @@ class Usage:
     estimated: bool = False
     """True when spendguard estimated the counts instead of the provider reporting them."""
 
+    @property
+    def total_tokens(self) -> int:
+        """Every token counted: input, output, cache reads and cache writes (what a TPM rate,
+        a token budget and a provider key's TPM count)."""
+        return (
+            self.input_tokens + self.output_tokens + self.cached_input_tokens
+        ) + self.cache_write_tokens
+
 
 def estimate_usage(input_tokens: int, output_chars: int) -> Usage:
     """Usage to charge when the provider reported none: about 4 characters per output token."""
