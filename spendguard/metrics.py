@@ -232,3 +232,18 @@ BUDGET_STORE_UNAVAILABLE = Counter(
 )
 
 register_hot_metrics()
+# Every label value exported at 0 from start-up, so a dashboard's first increase() counts.
+ALERTS = Counter(
+    "spendguard_alerts_total",
+    "Threshold alerts this process put into the ledger's outbox (each alert once, by kind).",
+    ["kind"],  # threshold
+)
+ALERTS.labels("threshold")
+ALERT_DELIVERIES = Counter(
+    "spendguard_alert_deliveries_total",
+    "Alert deliveries by result: delivered (a webhook took it), logged (no webhook: the log "
+    "line is its delivery), failed (an attempt failed; it is retried).",
+    ["result"],
+)
+for _result in ("delivered", "logged", "failed"):
+    ALERT_DELIVERIES.labels(_result)

@@ -53,6 +53,11 @@ DEFAULT_PASS_ROUTES = (
 )
 
 
+class AlertFormat(StrEnum):
+    JSON = "json"
+    SLACK = "slack"
+
+
 class Unlisted(StrEnum):
     """A POST that looks like an inference (a model and a prompt) on a route nobody listed."""
 
@@ -240,6 +245,43 @@ class Settings(BaseSettings):
         description="Bearer token of the admin HTTP routes (spendguard.asgi.admin_app); "
         "unset or empty: those routes answer 404.",
     )
+    alert_thresholds: Annotated[tuple[int, ...], NoDecode] = Field(
+        (),
+        description="Percentages of every spend limit (team and API key, day and month) that "
+        "alert once per window when usage reaches them, e.g. 50,80,100; empty: no alerts.",
+    )
+    alert_webhook_url: str | None = Field(
+        None,
+        description="Where alerts are POSTed (JSON, signed when a secret is set); unset: "
+        "alerts are only logged and counted.",
+    )
+    alert_webhook_secret: SecretStr | None = Field(
+        None,
+        description="HMAC-SHA256 key of the alerts' spendguard-signature header.",
+    )
+    alert_webhook_format: AlertFormat = Field(
+        AlertFormat.JSON,
+        description="json (the alert itself) or slack (a Slack-compatible message).",
+    )
+    alert_interval: float = Field(
+        1.0, gt=0, le=3600, description="Seconds between alert delivery passes."
+    )
+
+    @field_validator("alert_thresholds", mode="before")
+    @classmethod
+    def _parse_thresholds(cls, value: object) -> object:
+        from .alerts.thresholds import parse_thresholds
+
+        if isinstance(value, str | list | tuple):
+            return parse_thresholds(value)
+        return value
+
+    @field_validator("alert_webhook_url")
+    @classmethod
+    def _check_webhook(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("an http:// or https:// URL")
+        return value or None
 
     @field_validator("routes", "pass_routes", mode="before")
     @classmethod

@@ -31,6 +31,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from .. import metrics
+from ..alerts import AlertService, marks_for
 from ..clock import as_utc, to_micros, to_millis, utcnow
 from ..errors import ConfigurationError, LedgerUnavailable, StoreFull, StoreUnavailable
 from ..identity import Identity
@@ -42,7 +43,7 @@ from ..limits.rates import WINDOW_MS, RateDenial, RateState
 from ..providers.model import ProviderKey
 from ..providers.pool import ProviderPool
 from ..record import InferenceRecord, PostflightStatus
-from ..settings import FailMode, MissingIdentity, Settings, load_settings
+from ..settings import AlertFormat, FailMode, MissingIdentity, Settings, load_settings
 from ..store import (
     EntryWrite,
     LimitState,
@@ -194,6 +195,17 @@ class SpendGuard:
             policy_stale_max=s.policy_stale_max,
             on_filled=self.worker.note_filled,
         )
+        # Threshold alerts: fired by the postflight script, moved and sent off the request path.
+        self._thresholds = s.alert_thresholds
+        self.alerts = AlertService(
+            self.ledger,
+            self.store,
+            self.codec,
+            webhook_url=s.alert_webhook_url,
+            secret=s.alert_webhook_secret.get_secret_value() if s.alert_webhook_secret else None,
+            slack=s.alert_webhook_format is AlertFormat.SLACK,
+            clock=clock,
+        )
         self._pool: ProviderPool | None = None
         self._stack: AsyncExitStack | None = None
         self._cancel: anyio.CancelScope | None = None
@@ -319,6 +331,8 @@ class SpendGuard:
                         await tg.start(self._heartbeat)
                     if run_worker:
                         await tg.start(self.worker.run, self.settings.settle_interval)
+                    if self._thresholds:
+                        await tg.start(self.alerts.run, self.settings.alert_interval)
                     task_status.started(scope)
         finally:
             self._entries_on = False
@@ -426,6 +440,9 @@ class SpendGuard:
                         self.recorder.pending,
                         exc,
                     )
+            if self._thresholds:
+                with anyio.move_on_after(self.settings.db_timeout):
+                    await self.alerts.run_once()  # what this process fired, into the outbox
             if self._owners is not None:
                 # Whatever is still in an entry (the database was down) is recovered by
                 # another process's worker from now on, instead of after the owner TTL.
@@ -921,6 +938,10 @@ class SpendGuard:
         )
         if entry_key is not None:
             closed = closed_entry(self.owner, record, to_micros(decision.t0))
+        marks = None
+        if self._thresholds and keys:
+            alerts_key = self.codec.alerts_key(decision.identity.team)
+            marks = marks_for(alerts_key, decision.limits, self._thresholds)
         if keys or entry_key is not None or rate_keys:
             started = perf_counter()
             try:
@@ -935,7 +956,10 @@ class SpendGuard:
                     rate_keys=rate_keys,
                     # What a TPM's reserve is trued up to (only an in-flight rate has one).
                     tokens=usage.total_tokens if rate_keys else None,
+                    alerts=marks,
                 )
+                if marks is not None and marks.fired:
+                    self.alerts.note(decision.identity.team)
                 status = PostflightStatus.APPLIED if applied else PostflightStatus.SKIPPED
                 if applied and self._fail_open:
                     self.outage.add(keys, estimate)  # what a later outage knows includes it

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 
 from .. import metrics
+from ..alerts.service import move_alerts
 from ..errors import LedgerBusy, LedgerDown, LedgerRefused, LedgerUnavailable, StoreUnavailable
 from ..ledger import Ledger
 from ..limits import KeyCodec
@@ -52,6 +53,8 @@ class Recovery:
             teams_key = codec.owner_teams_key(owner)
             for team in await owners.members(teams_key):
                 written += await self._recover_team(owner, team)
+                # The alerts it fired and had not moved into the outbox yet.
+                await move_alerts(self._ledger, self._store, codec, team)
             # Every entry it left is in the ledger now (a failure above raised): forget it.
             await owners.delete(teams_key)
             await owners.remove_member(codec.owners_key(), owner)

@@ -4,13 +4,14 @@
 :mod:`.database` (connection, errors, locks, schema), :mod:`.policies` (limits and their
 aggregates), :mod:`.balances` (prepaid accounts), :mod:`.records` (inference records),
 :mod:`.settlement` (charging records), :mod:`.journal` (what each settlement settled, for the
-cache sync) and :mod:`.reports` (CLI reports). Callers pass and get typed values
-(:class:`~spendguard.limits.Limit`, :class:`~spendguard.limits.Policy`, ...) and see
-:class:`~spendguard.errors.LedgerUnavailable` for any database failure.
+cache sync), :mod:`.reports` (CLI reports) and :mod:`.alerts` (the alerts outbox). Callers pass
+and get typed values (:class:`~spendguard.limits.Limit`, :class:`~spendguard.limits.Policy`,
+...) and see :class:`~spendguard.errors.LedgerUnavailable` for any database failure.
 """
 
 from __future__ import annotations
 
+from .alerts import AlertQueries
 from .balances import Account
 from .budgets import BudgetOverride, BudgetQueries, UsedSlice
 from .journal import JournalQueries, SettledRecord
@@ -22,6 +23,7 @@ from .settlement import RecordRow, Settlement, SettlementQueries
 
 class Ledger(
     PolicyQueries,
+    AlertQueries,
     RecordQueries,
     SettlementQueries,
     JournalQueries,

@@ -218,3 +218,29 @@ budget_overrides = sa.Table(
     sa.Column("updated_us", sa.BigInteger, nullable=False),
     sa.CheckConstraint("max_tokens > 0", name="spendguard_budget_override_positive"),
 )
+
+# Threshold alerts (the outbox): a row per alert, whichever gateway fired or moved it first
+# (the id is the same every time one threshold of one limit amount fires in one window). A row
+# is delivered once ``delivered_us`` is set; until then a gateway claims it (``claimed_us``:
+# until when) before sending, and a failed send sets when to try again (``next_us``).
+alerts = sa.Table(
+    "spendguard_alerts",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("team", sa.String(100), nullable=False),
+    sa.Column("api_key", sa.String(100), nullable=False),  # '' = a team's limit
+    sa.Column("period", sa.String(8), nullable=False),
+    sa.Column("bucket", sa.String(8), nullable=False),
+    sa.Column("percent", sa.Integer, nullable=False),
+    sa.Column("limit_micros", sa.BigInteger, nullable=False),
+    sa.Column("used_micros", sa.BigInteger, nullable=False),
+    sa.Column("fired_us", sa.BigInteger, nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("next_us", sa.BigInteger, nullable=False),
+    sa.Column("claimed_us", sa.BigInteger, nullable=False),
+    sa.Column("delivered_us", sa.BigInteger, nullable=True),
+    sa.Column("last_error", sa.Text, nullable=True),
+    sa.Index("spendguard_alerts_due", "delivered_us", "next_us"),
+    sa.Index("spendguard_alerts_fired", "fired_us"),
+)

@@ -173,6 +173,11 @@ class KeyCodec:
         preflight and postflight scripts write them in the same call."""
         return f"{self.prefix}:{{{team}}}:spend:open"
 
+    def alerts_key(self, team: str) -> str:
+        """The team's threshold alerts fired and not in the ledger's outbox yet (hash), in the
+        team's slot so the postflight script fires them in the same call."""
+        return f"{self.prefix}:{{{team}}}:spend:alerts"
+
     def owners_key(self) -> str:
         """Every gateway process that may have left admission entries (set of owner ids)."""
         return f"{self.prefix}:spend:owners"

@@ -13,6 +13,7 @@ from ..clock import utcnow
 from ..errors import ConfigurationError
 from ..settings import Settings
 from .base import (
+    AlertMarks,
     CachedParts,
     EntryWrite,
     LimitState,
@@ -63,6 +64,7 @@ def store_for(url: str, settings: Settings, clock: Callable[[], datetime] = utcn
 
 __all__ = [
     "STORES",
+    "AlertMarks",
     "CachedParts",
     "EntryWrite",
     "LimitState",

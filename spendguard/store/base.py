@@ -131,6 +131,22 @@ class CachedParts:
     held: int  # holds of running inferences on a hard limit
 
 
+@dataclass(slots=True)
+class AlertMarks:
+    """What one postflight checks for threshold alerts: ``key``, the team's pending alerts
+    hash, and per usage key of the call (in order) None or its limit and the (percent,
+    amount) pairs it alerts at. The store sets ``fired``: how many alerts the call fired.
+
+    A usage key whose usage (settled + pending, in-flight holds included) is at or past an
+    amount fires it once per limit amount and window: the alert waits in ``key`` (field
+    ``"<usage key's field and bucket> <percent> <limit>"``, value ``"<used> <epoch ms>"``)
+    until :meth:`Store.drop_alerts` forgets it, once the ledger's outbox holds it."""
+
+    key: str
+    marks: Sequence[tuple[int, tuple[tuple[int, int], ...]] | None]
+    fired: int = 0
+
+
 # Made on every request of a shared store: not frozen, as LimitState.
 @dataclass(slots=True, unsafe_hash=True)
 class EntryWrite:
@@ -223,6 +239,7 @@ class Store(Protocol):
         rate_keys: Sequence[str] = (),
         tokens: int | None = None,
         withdrawn: int | None = None,
+        alerts: AlertMarks | None = None,
     ) -> int:
         """Add ``amount`` to the existing ``usage_keys`` once; returns how many were charged.
         The record's holds in those keys are released first (``amount`` None: only that).
@@ -233,7 +250,18 @@ class Store(Protocol):
         all: its request count in that minute is taken back too (never below 0).
 
         With ``entry_key``, the record's admission entry is closed in the same step: replaced
-        by ``closed`` if it still exists, or removed when ``closed`` is empty."""
+        by ``closed`` if it still exists, or removed when ``closed`` is empty.
+
+        With ``alerts``, the thresholds those keys reach fire in the same step (see
+        :class:`AlertMarks`)."""
+        ...
+
+    async def pending_alerts(self, alerts_key: str) -> dict[str, str]:
+        """The alerts fired and not handed on yet: field -> value (see :class:`AlertMarks`)."""
+        ...
+
+    async def drop_alerts(self, alerts_key: str, fields: Sequence[str]) -> None:
+        """Forget alerts the ledger's outbox holds now."""
         ...
 
     async def open_entries(self, entries_key: str) -> dict[str, str]:

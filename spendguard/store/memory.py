@@ -30,6 +30,7 @@ from ..limits.rates import (
 )
 from ..limits.windows import SLICES, Rolling
 from .base import (
+    AlertMarks,
     CachedParts,
     EntryWrite,
     Outcome,
@@ -51,6 +52,7 @@ class _Usage:
     markers: dict[str, int] = field(default_factory=dict)
     tombstones: set[str] = field(default_factory=set)
     holds: dict[str, int] = field(default_factory=dict)  # record id -> hold (hard limits)
+    alerted: set[str] = field(default_factory=set)  # "<percent>:<limit>" fired in this window
 
 
 @dataclass(slots=True)
@@ -191,6 +193,7 @@ class MemoryStore:
         # Admission entries, as the Redis store keeps them (one process: a crash loses them
         # with everything else, so the engine writes none here; kept for the one contract).
         self._entries: dict[str, dict[str, str]] = {}
+        self._alerts: dict[str, dict[str, str]] = {}
         self._rates: dict[str, _Rate] = {}
         self._buckets: dict[Bucket, _Bucket] = {}
         # Provider keys are few (the operator registers them): outside the bound.
@@ -406,6 +409,7 @@ class MemoryStore:
         rate_keys: Sequence[str] = (),
         tokens: int | None = None,
         withdrawn: int | None = None,
+        alerts: AlertMarks | None = None,
     ) -> int:
         if not record_id:
             raise ValueError("record_id must not be empty")
@@ -457,7 +461,38 @@ class MemoryStore:
                 entries.pop(record_id, None)
             elif record_id in entries:
                 entries[record_id] = closed
+        if alerts is not None:
+            alerts.fired = self._alert(alerts, usage_keys, now)
         return applied
+
+    def _alert(self, alerts: AlertMarks, usage_keys: Sequence[str], now: datetime) -> int:
+        fired, looked = 0, set()
+        for key, marks in zip(usage_keys, alerts.marks, strict=False):
+            usage = self._live_usage(key, now)
+            if marks is None or usage is None or key in looked:
+                continue
+            looked.add(key)
+            limit, at = marks
+            used = usage.settled + usage.pending
+            label = key.partition(":spend:usage:")[2] or key
+            for pct, amount in at:
+                mark = f"{pct}:{limit}"
+                if used >= amount and mark not in usage.alerted:
+                    usage.alerted.add(mark)
+                    pending = self._alerts.setdefault(alerts.key, {})
+                    pending[f"{label} {pct} {limit}"] = f"{used} {to_millis(now)}"
+                    fired += 1
+        return fired
+
+    async def pending_alerts(self, alerts_key: str) -> dict[str, str]:
+        return dict(self._alerts.get(alerts_key, {}))
+
+    async def drop_alerts(self, alerts_key: str, fields: Sequence[str]) -> None:
+        pending = self._alerts.get(alerts_key, {})
+        for name in fields:
+            pending.pop(name, None)
+        if not pending:
+            self._alerts.pop(alerts_key, None)
 
     async def open_entries(self, entries_key: str) -> dict[str, str]:
         return dict(self._entries.get(entries_key, {}))

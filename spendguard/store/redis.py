@@ -38,6 +38,7 @@ from ..limits.model import Unit
 from ..limits.rates import WINDOW_MS as RATE_WINDOW_MS
 from ..limits.windows import Rolling
 from .base import (
+    AlertMarks,
     CachedParts,
     EntryWrite,
     Outcome,
@@ -263,12 +264,22 @@ class RedisStore:
         rate_keys: Sequence[str] = (),
         tokens: int | None = None,
         withdrawn: int | None = None,
+        alerts: AlertMarks | None = None,
     ) -> int:
         charge = "-" if amount is None else _uint(amount)
         used = "-" if tokens is None else _uint(tokens)
         minute = "-" if withdrawn is None else _uint(withdrawn)
         args = [record_id, charge, str(len(rate_keys)), used, minute]
         keys = [*usage_keys, *rate_keys]
+        if alerts is not None and usage_keys:
+            args.append("-" if entry_key is None else closed)
+            args += [_marks(m) for m in alerts.marks]
+            keys.append(alerts.key)
+            if entry_key is not None:
+                keys.append(entry_key)
+            applied, fired = await self._batched("postflight", keys, args)
+            alerts.fired = int(fired)
+            return int(applied)
         if entry_key is None:
             if not keys:
                 return 0
@@ -276,6 +287,14 @@ class RedisStore:
             args.append(closed)
             keys.append(entry_key)
         return int(await self._batched("postflight", keys, args))
+
+    async def pending_alerts(self, alerts_key: str) -> dict[str, str]:
+        found = await self._call(lambda: self._client.hgetall(alerts_key))
+        return {str(k): str(v) for k, v in found.items()}
+
+    async def drop_alerts(self, alerts_key: str, fields: Sequence[str]) -> None:
+        if fields:
+            await self._call(lambda: self._client.hdel(alerts_key, *fields))
 
     async def open_entries(self, entries_key: str) -> dict[str, str]:
         entries = await self._call(lambda: self._client.hgetall(entries_key))
@@ -715,6 +734,13 @@ async def _acquired(reply: Awaitable[Any]) -> Acquired:
 
 def _opt(value: int | None) -> str:
     return "-" if value is None else str(value)
+
+
+def _marks(marks: tuple[int, tuple[tuple[int, int], ...]] | None) -> str:
+    if marks is None or not marks[1]:
+        return ""
+    limit, at = marks
+    return f"{_uint(limit)} " + " ".join(f"{_uint(p)}:{_uint(a)}" for p, a in at)
 
 
 def _uint(value: int) -> str:

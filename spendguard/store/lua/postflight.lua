@@ -10,7 +10,9 @@
 -- ARGV[5]  the minute (epoch ms // 60000) the admission counted the request in, when a check
 --          in another slot refused it after all ("-": none): that count is taken back
 -- ARGV[6]  (optional) the record, to replace its admission entry with ("" removes the entry:
---          an inference that is not charged)
+--          an inference that is not charged; "-" with alerts: no entry)
+-- ARGV[6+i] (optional, threshold alerts) for usage key i: "<limit> <percent>:<amount> ..." or
+--          "": KEYS[#KEYS] (before the entries key) is then the team's pending alerts hash
 --
 -- In each rate hash (design.md, "Rates") the record's in-flight entry goes, and a TPM rate's
 -- reservation is trued up to what was used, in the minute it was reserved in (while that minute
@@ -24,8 +26,15 @@
 -- settlement already handled the record: a postflight arriving that late adds nothing.
 local rid, amount, nrates, used, closed = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[6]
 local withdrawn = ARGV[5] ~= '-' and tonumber(ARGV[5]) or nil
+local alerting = #ARGV > 6
+if closed == '-' and alerting then
+  closed = nil
+end
 local nkeys = #KEYS
 if closed then
+  nkeys = nkeys - 1
+end
+if alerting then
   nkeys = nkeys - 1
 end
 if nrates == nil or nrates > nkeys or (used ~= '-' and not tonumber(used))
@@ -128,4 +137,36 @@ if closed then
     redis.call('HSET', KEYS[#KEYS], rid, closed)
   end
 end
-return applied
+if not alerting then
+  return applied
+end
+-- Threshold alerts (design.md, "Threshold alerts"): a usage key at or past an amount fires it
+-- once per limit amount; the alert waits in the team's hash until a gateway moves it into the
+-- ledger's outbox. A key named twice is looked at once.
+local fired, akey, clock = 0, KEYS[closed and #KEYS - 1 or #KEYS], nil
+local looked = {}
+for i = 1, nkeys do
+  local spec = ARGV[6 + i]
+  if spec and spec ~= '' and not looked[KEYS[i]] then
+    looked[KEYS[i]] = true
+    local limit, marks = string.match(spec, '^(%d+) (.*)$')
+    local sp = redis.call('HMGET', KEYS[i], 's', 'p')
+    if limit and sp[1] then
+      local used = tonumber(sp[1]) + (tonumber(sp[2]) or 0)
+      local label = string.match(KEYS[i], ':spend:usage:(.+)$') or KEYS[i]
+      for pct, at in string.gmatch(marks, '(%d+):(%d+)') do
+        if used >= tonumber(at)
+            and redis.call('HSETNX', KEYS[i], 'a:' .. pct .. ':' .. limit, '1') == 1 then
+          if not clock then
+            local t = redis.call('TIME')
+            clock = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+          end
+          redis.call('HSET', akey, label .. ' ' .. pct .. ' ' .. limit,
+            string.format('%d', used) .. ' ' .. clock)
+          fired = fired + 1
+        end
+      end
+    end
+  end
+end
+return {applied, fired}

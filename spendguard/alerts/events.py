@@ -1,0 +1,115 @@
+"""An alert: what crossed which threshold of whose limit, as the outbox keeps it and as a
+webhook receives it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from ..clock import from_micros
+from ..limits import Limit, Period
+from ..limits.codec import parse_field
+from ..money import micros_to_usd
+
+THRESHOLD = "threshold"  # the one kind today: a percentage of a limit reached
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """One threshold of one limit in one window (``bucket``), reached once."""
+
+    id: str  # the same wherever and however often it fires: the receiver's idempotency key
+    team: str  # encoded ids, as the ledger keeps them
+    api_key: str | None
+    window: str  # "day" or "month"
+    bucket: str  # the window's id: 20261203, 202612
+    percent: int
+    limit_micros: int
+    used_micros: int  # when it fired
+    fired_at: datetime
+    kind: str = THRESHOLD
+
+    @property
+    def resets_at(self) -> datetime:
+        start = datetime.strptime(self.bucket + ("01" if len(self.bucket) == 6 else ""), "%Y%m%d")
+        return Period(self.window).end(start.replace(tzinfo=UTC))
+
+    @property
+    def who(self) -> str:
+        return self.team if self.api_key is None else f"{self.team}/{self.api_key}"
+
+    @property
+    def text(self) -> str:
+        """One line a person reads (the log line, Slack's text)."""
+        return (
+            f"spendguard: {self.who} reached {self.percent}% of its {self.window} limit of "
+            f"${usd_text(self.limit_micros)} (${usd_text(self.used_micros)} used, "
+            f"resets {time_text(self.resets_at)})"
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": f"spendguard.{self.kind}",
+            "team": self.team,
+            "api_key": self.api_key,
+            "window": self.window,
+            "window_id": self.bucket,
+            "threshold_percent": self.percent,
+            "limit_usd": usd_text(self.limit_micros),
+            "used_usd": usd_text(self.used_micros),
+            "limit_micros": self.limit_micros,
+            "used_micros": self.used_micros,
+            "fired_at": time_text(self.fired_at),
+            "resets_at": time_text(self.resets_at),
+        }
+
+    def body(self, slack: bool = False) -> bytes:
+        """The webhook's body: the alert's JSON, or a Slack-compatible message carrying it."""
+        data = self.as_json()
+        if slack:
+            data = {"text": self.text, "spendguard": data}
+        return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+
+
+def usd_text(micros: int) -> str:
+    return str(micros_to_usd(micros))
+
+
+def time_text(at: datetime) -> str:
+    """RFC 3339 in UTC with a ``Z``, as every JSON view of spendguard writes times."""
+    return at.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def alert_id(team: str, label: str, percent: int, limit: int) -> str:
+    """The same for every firing of one threshold of one limit amount in one window."""
+    raw = f"{team}\0{label}\0{percent}\0{limit}".encode()
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def parse_pending(team: str, field: str, value: str) -> Alert | None:
+    """The alert a store's pending hash holds (see :class:`~spendguard.store.AlertMarks`);
+    None for anything else (never raises)."""
+    try:
+        label, pct, limit = field.split(" ")
+        used, ms = value.split(" ")
+        stem, _, bucket = label.rpartition(":")
+        target = parse_field(team, stem)
+        if not isinstance(target, Limit) or not bucket.isdigit():
+            return None
+        return Alert(
+            alert_id(team, label, int(pct), int(limit)),
+            team,
+            target.subject.api_key,
+            target.window.value,
+            bucket,
+            int(pct),
+            int(limit),
+            int(used),
+            from_micros(int(ms) * 1000),
+        )
+    except ValueError:
+        return None

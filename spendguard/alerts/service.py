@@ -1,0 +1,166 @@
+"""Moving fired alerts into the outbox, and delivering what the outbox holds.
+
+Off the request path: the postflight that fired an alert only tells :meth:`AlertService.note`
+its team. Each pass (:meth:`AlertService.run_once`) moves the alerts of the noted teams from the
+store into the ledger, logs each once, then claims the due ones and sends them. A gateway that
+dies between the firing and the move leaves the alert in the store, where recovery moves it
+with the dead gateway's admission entries (:func:`move_alerts`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+import anyio
+import httpx
+from anyio.abc import TaskStatus
+
+from .. import metrics
+from ..clock import utcnow
+from ..errors import LedgerUnavailable, StoreUnavailable
+from .events import Alert, parse_pending
+from .signing import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, sign
+
+if TYPE_CHECKING:  # the ledger keeps alerts: it imports this package's values
+    from ..ledger import Ledger
+    from ..limits import KeyCodec
+    from ..store import Store
+
+log = logging.getLogger("spendguard.alerts")
+
+_BATCH = 100  # alerts claimed per pass
+
+
+async def move_alerts(ledger: Ledger, store: Store, codec: KeyCodec, team: str) -> list[Alert]:
+    """Move ``team``'s fired alerts from the store into the outbox; returns those new to it
+    (each logged once, wherever it fired and whoever moves it). Raises if either side fails:
+    nothing is forgotten before the ledger has it."""
+    key = codec.alerts_key(team)
+    pending = await store.pending_alerts(key)
+    if not pending:
+        return []
+    fired: list[Alert] = []
+    for name, value in pending.items():
+        alert = parse_pending(team, name, value)
+        if alert is None:
+            log.error("spendguard dropped an unreadable alert of team %s: %r", team, name)
+        else:
+            fired.append(alert)
+    added = await ledger.add_alerts(fired)
+    for alert in added:
+        log.warning("%s", alert.text)
+        metrics.ALERTS.labels(alert.kind).inc()
+    await store.drop_alerts(key, list(pending))
+    return added
+
+
+class AlertService:
+    def __init__(
+        self,
+        ledger: Ledger,
+        store: Store,
+        codec: KeyCodec,
+        *,
+        webhook_url: str | None = None,
+        secret: str | None = None,
+        slack: bool = False,
+        timeout: float = 5.0,
+        max_backoff: float = 60.0,
+        client: httpx.AsyncClient | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.ledger, self.store, self.codec = ledger, store, codec
+        self.webhook_url = webhook_url
+        self.secret = secret
+        self.slack = slack
+        self.timeout = timeout
+        self.max_backoff = max_backoff
+        self.clock = clock
+        self._client = client
+        self._teams: set[str] = set()
+
+    def note(self, team: str) -> None:
+        """``team``'s postflight fired an alert: move it on the next pass."""
+        self._teams.add(team)
+
+    async def run_once(self) -> tuple[int, int]:
+        """One pass: move what was noted, deliver what is due. Returns (alerts moved into the
+        outbox, alerts delivered); a store or ledger outage leaves the rest for the next."""
+        moved = 0
+        for team in sorted(self._teams):
+            try:
+                moved += len(await move_alerts(self.ledger, self.store, self.codec, team))
+            except (LedgerUnavailable, StoreUnavailable) as exc:
+                log.warning("spendguard alerts of team %s wait for the next pass: %r", team, exc)
+                continue
+            self._teams.discard(team)
+        try:
+            delivered = await self.deliver()
+        except LedgerUnavailable as exc:
+            log.warning("spendguard alert delivery waits for the ledger: %r", exc)
+            delivered = 0
+        return moved, delivered
+
+    async def deliver(self) -> int:
+        """Send every alert due now; returns how many a receiver took (or, without a webhook,
+        how many were logged as delivered)."""
+        now = self.clock()
+        claim_until = now + timedelta(seconds=self.timeout * 2 + 5)
+        due = await self.ledger.claim_alerts(now, until=claim_until, limit=_BATCH)
+        done = 0
+        for alert in due:
+            if self.webhook_url is None:
+                await self.ledger.alert_delivered(alert.id, now)
+                metrics.ALERT_DELIVERIES.labels("logged").inc()
+                done += 1
+                continue
+            error = await self.send(alert)
+            if error is None:
+                await self.ledger.alert_delivered(alert.id, self.clock())
+                metrics.ALERT_DELIVERIES.labels("delivered").inc()
+                done += 1
+                continue
+            attempts = await self.ledger.alert_attempts(alert.id)
+            delay = min(self.max_backoff, 2.0 ** max(0, attempts - 1))
+            await self.ledger.alert_failed(alert.id, self.clock() + timedelta(seconds=delay), error)
+            metrics.ALERT_DELIVERIES.labels("failed").inc()
+            log.warning(
+                "spendguard alert %s not delivered (attempt %d, next in %.0f s): %s",
+                alert.id,
+                attempts,
+                delay,
+                error,
+            )
+        return done
+
+    async def send(self, alert: Alert) -> str | None:
+        """POST one alert to the webhook; None when a 2xx took it, else what went wrong."""
+        assert self.webhook_url is not None
+        body = alert.body(self.slack)
+        headers = {"content-type": "application/json", IDEMPOTENCY_HEADER: alert.id}
+        if self.secret:
+            headers[SIGNATURE_HEADER] = sign(self.secret, body)
+        client = self._client
+        try:
+            if client is None:
+                async with httpx.AsyncClient(timeout=self.timeout) as own:
+                    response = await own.post(self.webhook_url, content=body, headers=headers)
+            else:
+                response = await client.post(self.webhook_url, content=body, headers=headers)
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        if 200 <= response.status_code < 300:
+            return None
+        return f"HTTP {response.status_code}"
+
+    async def run(self, interval: float, *, task_status: TaskStatus[None]) -> None:
+        task_status.started()
+        while True:
+            try:
+                await self.run_once()
+            except Exception:  # a pass must never end the loop
+                log.exception("spendguard alert pass failed")
+            await anyio.sleep(interval)

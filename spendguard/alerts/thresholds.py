@@ -1,0 +1,51 @@
+"""Which amounts of a limit alert: percentages of it, as the store is asked to check them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from ..store import AlertMarks, LimitState
+
+MAX_PERCENT = 1000  # past the limit still means something for a soft limit (200 %: twice)
+
+
+def parse_thresholds(value: str | Iterable[int | str]) -> tuple[int, ...]:
+    """``"50,80,100"`` (or numbers) -> (50, 80, 100): whole percentages from 1 to 1000, sorted,
+    each once. ValueError names what is wrong."""
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    out: set[int] = set()
+    for part in parts:
+        text = str(part).strip().removesuffix("%")
+        if not text:
+            continue
+        if not text.isdigit() or not 1 <= int(text) <= MAX_PERCENT:
+            raise ValueError(
+                f"alert threshold {part!r} is not a whole percentage from 1 to {MAX_PERCENT}"
+            )
+        out.add(int(text))
+    return tuple(sorted(out))
+
+
+def amount_at(limit: int, percent: int) -> int:
+    """The usage (micro-USD) at which ``percent`` of ``limit`` is reached, rounded up: an alert
+    at 80 % of 1 micro-USD fires at 1."""
+    return -(-limit * percent // 100)
+
+
+def marks_for(
+    alerts_key: str, limits: Sequence[LimitState], thresholds: tuple[int, ...]
+) -> AlertMarks | None:
+    """What a postflight charging ``limits`` asks its store to check, or None when nothing
+    can alert (no thresholds, or only balances and zero limits)."""
+    if not thresholds:
+        return None
+    marks: list[tuple[int, tuple[tuple[int, int], ...]] | None] = []
+    any_mark = False
+    for state in limits:
+        if state.is_balance or state.limit <= 0:
+            marks.append(None)
+            continue
+        limit = state.limit
+        marks.append((limit, tuple((p, amount_at(limit, p)) for p in thresholds)))
+        any_mark = True
+    return AlertMarks(alerts_key, marks) if any_mark else None
