@@ -88,7 +88,9 @@ class AlertQueries(LedgerDatabase):
         delivery attempts."""
         async with self._guard("alert list"):
             rows = await self._db.fetch_all(
-                sa.select(table).order_by(table.c.fired_us.desc(), table.c.id).limit(limit)
+                sa.select(table)
+                .order_by(table.c.fired_us.desc(), table.c.percent.desc(), table.c.id)
+                .limit(limit)
             )
         out: list[tuple[Alert, datetime | None, int]] = []
         for r in rows:
