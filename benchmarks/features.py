@@ -1,11 +1,13 @@
 """Features on: what each request-path feature adds to the ``redis`` gateway variant, in process,
 one request at a time, on warm caches, for a single redis-server and a 3-master Redis Cluster.
 
-Three configurations of the same gateway, each on a team of its own (so one's policies never
+Four configurations of the same gateway, each on a team of its own (so one's policies never
 reach another's):
 
 * ``spend limits``: the key's daily and the team's monthly limit, soft (the other sections'
   setup);
+* ``alerts``: the same with threshold alerts at 50, 80 and 100 % of every limit (checked by the
+  postflight script on every charge; the limits are never reached, so none fires);
 * ``budgets``: the same plus a budgets section (key, model and global scopes, two windows,
   counted on Redis);
 * ``everything``: every request-path feature there is: the key's limit hard, a prepaid balance,
@@ -13,15 +15,15 @@ reach another's):
   (requests and tokens per minute, parallel requests), remaining-spend headers, and a
   provider key leased from declared candidates (``provider_candidates``: acquired in the
   admission's round trip, settled in the finishing one; the handler reads the lease from the
-  request state), all far above what a run uses, so every request is checked, reserved and
-  charged, none refused.
+  request state) and threshold alerts, all far above what a run uses, so every request is
+  checked, reserved and charged, none refused.
 
 Per configuration: the pipelines sent to Redis per inference (sequential round trips: every
 part of the gateway's round shares its one store's pipeline), the script calls they carry, the
 p50 time to the last response byte, and this process's CPU per inference (the gateway and its
-upstream, both in process: compare configurations with each other). The three gateways live
+upstream, both in process: compare configurations with each other). The gateways live
 at once and take turns in blocks of requests, the order reversed every round, so the host's
-drift (large on a shared VM) falls on all three alike instead of on whichever ran last.
+drift (large on a shared VM) falls on all of them alike instead of on whichever ran last.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ BUDGETS: dict[str, Any] = {
         "global": {"tokens": HIGH, "cost_usd": 1_000_000},
     },
 }
-CONFIGS: Final = ("spend limits", "budgets", "everything")
+CONFIGS: Final = ("spend limits", "alerts", "budgets", "everything")
+ALERTS: Final = "50,80,100"  # threshold alerts on every spend limit (never reached in a run)
 KEY: Final = "k"
 POOL_KEY: Final = "bench-upstream"
 
@@ -147,8 +150,10 @@ async def _prepared(
     """One configuration's gateway, started (its lifespan held by ``stack``), configured and
     warm: its call and its app."""
     extra: dict[str, Any] = {}
-    if config != "spend limits":
+    if config in ("budgets", "everything"):
         extra["budgets"] = BUDGETS
+    if config in ("alerts", "everything"):
+        extra["alert_thresholds"] = ALERTS
     if config == "everything":
         extra["remaining_headers"] = True
         extra["provider_candidates"] = {"*": [POOL_KEY]}

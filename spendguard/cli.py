@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 
+from .alerts import cli as alerts_cli
 from .budgets import cli as budgets_cli
 from .describe import ledger_description, store_description
 from .doctor import DoctorContext, run_checks
@@ -570,11 +571,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doc.set_defaults(handler=None, opens_its_own=cmd_doctor)
     budgets_cli.add_commands(sub, common)
+    alerts_cli.add_commands(sub, common)
     return parser
 
 
 async def cmd_budgets(args: argparse.Namespace, ctx: Ctx) -> int:
     return await budgets_cli.run(args, ctx.settings, ctx.ledger)
+
+
+async def cmd_alerts(args: argparse.Namespace, ctx: Ctx) -> int:
+    service = alerts_cli.service_for(ctx.settings, ctx.ledger, ctx.store, ctx.codec)
+    return await alerts_cli.run(args, service)
 
 
 async def _run(args: argparse.Namespace, settings: Settings) -> int:
@@ -614,6 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     if getattr(args, "budgets_cmd", None) is not None:
         args.handler = cmd_budgets
+    if getattr(args, "alerts_cmd", None) is not None:
+        args.handler = cmd_alerts
     try:
         settings = load_settings()
         offline: Callable[[argparse.Namespace, Settings], int] | None = getattr(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -14,7 +15,8 @@ from ..limits import Limit, Period
 from ..limits.codec import parse_field
 from ..money import micros_to_usd
 
-THRESHOLD = "threshold"  # the one kind today: a percentage of a limit reached
+THRESHOLD = "threshold"  # a percentage of a limit reached
+TEST = "test"  # `spendguard alerts test`: a sample, never stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,3 +115,20 @@ def parse_pending(team: str, field: str, value: str) -> Alert | None:
         )
     except ValueError:
         return None
+
+
+def sample_alert(now: datetime) -> Alert:
+    """What ``spendguard alerts test`` sends: a threshold alert of made-up ids, typed
+    ``spendguard.test`` so a receiver can tell it from a real one."""
+    return Alert(
+        f"test-{secrets.token_hex(12)}",
+        "example-team",
+        "example-key",
+        Period.DAY.value,
+        Period.DAY.bucket(now),
+        80,
+        10_000_000,
+        8_000_000,
+        now,
+        TEST,
+    )

@@ -38,14 +38,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ..alerts.events import sample_alert
 from ..budgets import BudgetGate
 from ..budgets.admin import BudgetAdmin
+from ..clock import utcnow
 from ..describe import redact_url
 from ..doctor import effective_settings
 from ..engine.admin import Admin
 from ..engine.guard import SpendGuard
 from ..engine.views import (
     RATE_FIELDS,
+    alerts_json,
     balance_json,
     balance_report_json,
     budget_report_json,
@@ -240,6 +243,8 @@ class AdminApp:
                     self._wrap(self.models),
                     methods=["POST"],
                 ),
+                Route("/alerts", self._wrap(self.alerts), methods=["GET"]),
+                Route("/alerts/test", self._wrap(self.alerts_test), methods=["POST"]),
                 Route("/budgets", self._wrap(self.budgets_inspect), methods=["GET"]),
                 Route("/budgets/reset", self._wrap(self.budgets_reset), methods=["POST"]),
             ],
@@ -407,6 +412,24 @@ class AdminApp:
             hard=hard,
         )
         return JSONResponse(policy_json(saved))
+
+    async def alerts(self, request: Request, target: _Target) -> Response:
+        raw = request.query_params.get("limit", "50")
+        if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+            raise AdminError(400, "invalid_request", "limit: 1 to 1000")
+        admin = await self._admin(target)
+        return JSONResponse(alerts_json(await admin.alerts(int(raw))))
+
+    async def alerts_test(self, request: Request, target: _Target) -> Response:
+        await self._admin(target)
+        assert target.guard is not None
+        service = target.guard.alerts
+        if service.webhook_url is None:
+            raise AdminError(404, "no_webhook", "no webhook: set SPENDGUARD_ALERT_WEBHOOK_URL")
+        alert = sample_alert(utcnow())
+        error = await service.send(alert)
+        data = {"sent": alert.as_json(), "delivered": error is None, "error": error}
+        return JSONResponse(data, status_code=200 if error is None else 502)
 
     async def usage(self, request: Request, target: _Target) -> Response:
         identity = _identity(request)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 
+from ..alerts.events import Alert
 from ..clock import utcnow
 from ..errors import StoreUnavailable
 from ..identity import Identity
@@ -217,6 +218,13 @@ class Admin:
             now=self.clock(),
         )
         await self._sync(identity.team, what)
+
+    async def alerts(self, limit: int = 50) -> list[tuple[Alert, datetime | None, int]]:
+        """The newest threshold alerts, each with when a receiver took it (None: not yet) and
+        its delivery attempts."""
+        if not 1 <= limit <= 1000:
+            raise ValueError("limit: 1 to 1000 alerts")
+        return await self.ledger.recent_alerts(limit)
 
     async def list_policies(self, team_id: str | None = None) -> list[Policy]:
         team = None if team_id is None else Identity(team_id).team

@@ -22,6 +22,7 @@ from ..money import micros_to_usd
 from .admin import BalanceReport, LimitUsage, UsageReport
 
 if TYPE_CHECKING:
+    from ..alerts.events import Alert
     from ..budgets.admin import BudgetReport
     from ..ledger import Account, BudgetOverride
 
@@ -169,3 +170,15 @@ def key_budget_json(override: BudgetOverride) -> dict[str, Any]:
         "max_tokens_budget": override.max_tokens,
         "budget_window": override.budget_window,
     }
+
+
+# -- alerts ----------------------------------------------------------------------------------
+def alerts_json(rows: Iterable[tuple[Alert, datetime | None, int]]) -> dict[str, Any]:
+    """The newest alerts, each as its webhook carries it plus where its delivery stands."""
+    out = []
+    for alert, delivered, attempts in rows:
+        entry = alert.as_json()
+        entry["delivered_at"] = None if delivered is None else time_text(delivered)
+        entry["attempts"] = attempts
+        out.append(entry)
+    return {"alerts": out}

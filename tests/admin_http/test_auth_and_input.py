@@ -45,6 +45,8 @@ ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
     ("POST", "/teams/acme/keys/alpha/models/remove", {"models": ["gpt-4o*"]}),
     ("GET", "/budgets", None),
     ("POST", "/budgets/reset", {"scope": "global"}),
+    ("GET", "/alerts", None),
+    ("POST", "/alerts/test", None),
 ]
 # The routes that name a team (and those that name a key): ids go where "acme"/"alpha" are.
 TEAM_ROUTES = [r for r in ROUTES if "/teams/acme/" in r[1]]

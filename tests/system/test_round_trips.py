@@ -1,7 +1,8 @@
 """Every request-path feature on, and still one Redis round trip before the provider and one
 after, counted on the wire by a proxy between the gateway and Redis: a hard key limit, a team
 limit, a prepaid balance, model lists on the key and the team, rates on both, budgets for the
-key, the model and the fleet, and a provider key leased from declared candidates. On one
+key, the model and the fleet, threshold alerts, and a provider key leased from declared
+candidates. On one
 redis-server, and on a 3-master Cluster whose nodes announce the proxies' ports (so the
 client's every connection goes through one)."""
 
@@ -93,6 +94,10 @@ async def test_two_round_trips_per_warm_inference_with_everything_on(
             redis_timeout=2.0,
             remaining_headers=True,
             provider_candidates={"unit-*": ["upstream-1"]},
+            # Threshold alerts are checked in the postflight script; moving a fired one into
+            # the outbox is a background pass (off the request path: not in this count).
+            alert_thresholds="1,50,100",
+            alert_interval=3600,
         )
         async with gw, gw.client() as c:
             await everything_on(gw)
