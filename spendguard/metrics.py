@@ -232,18 +232,33 @@ BUDGET_STORE_UNAVAILABLE = Counter(
 )
 
 register_hot_metrics()
-# Every label value exported at 0 from start-up, so a dashboard's first increase() counts.
 ALERTS = Counter(
     "spendguard_alerts_total",
     "Threshold alerts this process put into the ledger's outbox (each alert once, by kind).",
     ["kind"],  # threshold
 )
-ALERTS.labels("threshold")
 ALERT_DELIVERIES = Counter(
     "spendguard_alert_deliveries_total",
     "Alert deliveries by result: delivered (a webhook took it), logged (no webhook: the log "
     "line is its delivery), failed (an attempt failed; it is retried).",
     ["result"],
 )
-for _result in ("delivered", "logged", "failed"):
-    ALERT_DELIVERIES.labels(_result)
+
+# Every closed label set of the counters above, exported at 0 from start-up: a dashboard's
+# first increase() counts the first event, and no panel reads "No data". (The budgets' series
+# carry the operator's window ids; they start when the budgets section is read.)
+PRICE_RULES = ("default_price", "free", "reject")  # UnknownModel's values
+PRICE_STAGES = ("estimate", "settlement", "hold", "admission")  # costing.Stage's values
+CLOSED_LABELS: dict[Counter, tuple[tuple[str, ...], ...]] = {
+    STORE_UNAVAILABLE: (("allow",), ("deny",)),
+    ESTIMATE_ERROR: (("over",), ("under",)),
+    RECOVERED_RECORDS: (("open",), ("closed",)),
+    UNKNOWN_MODEL: tuple((rule, stage) for rule in PRICE_RULES for stage in PRICE_STAGES),
+    DEFAULT_PRICED: tuple((stage,) for stage in PRICE_STAGES),
+    BUDGET_STORE_UNAVAILABLE: (("fallback",), ("refused",)),
+    ALERTS: (("threshold",),),
+    ALERT_DELIVERIES: (("delivered",), ("logged",), ("failed",)),
+}
+for _counter, _label_sets in CLOSED_LABELS.items():
+    for _values in _label_sets:
+        _counter.labels(*_values)

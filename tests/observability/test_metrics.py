@@ -252,3 +252,45 @@ def test_a_denial_by_a_target_kind_the_mapping_does_not_know_is_counted_not_rais
     deltas = Deltas(decisions("denied", "other"))
     decided(Verdict.DENY, True, object(), False, None)  # type: ignore[arg-type]
     assert deltas() == [1]
+
+
+def test_every_counter_is_exported_at_zero_from_the_first_scrape() -> None:
+    """A fresh process, nothing happened yet: every counter with closed labels already has
+    its series (at 0), so a panel shows 0 and increase() counts the first event."""
+    import subprocess
+    import sys
+
+    from spendguard.engine.costing import Stage
+    from spendguard.metrics import PRICE_RULES, PRICE_STAGES
+    from spendguard.settings import UnknownModel
+
+    assert set(PRICE_RULES) == {r.value for r in UnknownModel}
+    assert set(PRICE_STAGES) == {s.value for s in Stage}
+    scrape = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import spendguard; from prometheus_client import generate_latest; "
+            "print(generate_latest().decode())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    counters = [
+        line.split()[2].removesuffix("_total")
+        for line in scrape.splitlines()
+        if line.startswith("# TYPE spendguard_") and line.endswith(" counter")
+    ]
+    # The budgets' series carry the operator's window ids: they start with the budgets file.
+    per_window = {"spendguard_budget_used", "spendguard_budget_rejections"}
+    assert len(counters) > 10
+    missing = [
+        name
+        for name in counters
+        if name not in per_window
+        and not any(line.startswith(f"{name}_total") for line in scrape.splitlines())
+    ]
+    assert missing == []
+    assert 'spendguard_alert_deliveries_total{result="failed"} 0.0' in scrape
+    assert 'spendguard_store_unavailable_total{action="allow"} 0.0' in scrape
