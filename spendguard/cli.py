@@ -171,7 +171,13 @@ def _usage_line(row: dict[str, Any]) -> str:
         limit = ", no limit"
     else:
         limit = f" of ${row['limit_usd']}, ${row['remaining_usd']} left"
-    return f"  {who:<24} {row['period']:<6} {spent}{limit}; resets {row['resets_at']}"
+    line = f"  {who:<24} {row['period']:<6} {spent}{limit}; resets {row['resets_at']}"
+    f = row.get("forecast")
+    if f and f["rate_per_hour_micros"]:
+        line += f"; at ${f['rate_per_hour_usd']}/h ${f['projected_usd']} by then"
+        if f["runs_out_at"] is not None:
+            line += f", runs out {f['runs_out_at']}"
+    return line
 
 
 def _count(n: int, noun: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 
 from ..store import AlertMarks, LimitState
 
@@ -32,6 +33,13 @@ def amount_at(limit: int, percent: int) -> int:
     return -(-limit * percent // 100)
 
 
+@lru_cache(maxsize=4096)
+def _marks(limit: int, thresholds: tuple[int, ...]) -> tuple[int, tuple[tuple[int, int], ...]]:
+    # Made once per limit amount, not per request (the same object each time: the Redis store
+    # keeps its wire text by it too).
+    return limit, tuple((p, amount_at(limit, p)) for p in thresholds)
+
+
 def marks_for(
     alerts_key: str, limits: Sequence[LimitState], thresholds: tuple[int, ...]
 ) -> AlertMarks | None:
@@ -45,7 +53,6 @@ def marks_for(
         if state.is_balance or state.limit <= 0:
             marks.append(None)
             continue
-        limit = state.limit
-        marks.append((limit, tuple((p, amount_at(limit, p)) for p in thresholds)))
+        marks.append(_marks(state.limit, thresholds))
         any_mark = True
     return AlertMarks(alerts_key, marks) if any_mark else None

@@ -17,6 +17,7 @@ ledger is the truth and the cached policy expires by itself.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from ..limits.models import check_pattern
 from ..limits.rates import Rates
 from ..money import MAX_TOTAL_MICROS, checked_amount, micros_to_usd, usd_to_micros
 from ..store import CachedParts, RefreshEntry, Store
+from .forecast import Forecast, forecast
 
 log = logging.getLogger("spendguard.admin")
 
@@ -50,6 +52,7 @@ class LimitUsage:
     cached: int | None  # settled + pending in the cache; None when not readable here
     resets_at: datetime
     parts: CachedParts | None = None  # the cache's settled, pending and held parts
+    forecast: Forecast | None = None  # at the recent spend rate (see engine/forecast.py)
 
     @property
     def used(self) -> int:
@@ -85,6 +88,11 @@ class BalanceReport:
         """What is left: topped up minus the best known usage."""
         used = self.cached_used if self.cached_used is not None else self.account.charged
         return self.account.topped_up - used
+
+
+def _forecast(row: LimitUsage, recent: tuple[int, int], now: datetime) -> LimitUsage:
+    found = forecast(row.used, row.amount, *recent, now, row.resets_at)
+    return dataclasses.replace(row, forecast=found)
 
 
 class Admin:
@@ -299,17 +307,25 @@ class Admin:
         parts = (
             await self._parts([(limit, bucket) for limit, _, bucket, _ in rows]) if cached else {}
         )
+        recent = await self.ledger.recent_spend(team, now)
+        team_recent = (sum(h for h, _ in recent.values()), sum(d for _, d in recent.values()))
         limits = tuple(
-            LimitUsage(
-                limit=limit,
-                api_key_id=key_id if limit.subject.api_key is not None else None,
-                bucket=bucket,
-                settled=settled,
-                amount=policies[limit].amount if limit in policies else None,
-                aggregate=aggregates.get((limit, bucket)),
-                cached=cached.get((limit, bucket)),
-                resets_at=limit.window.end(now),
-                parts=parts.get((limit, bucket)),
+            _forecast(
+                LimitUsage(
+                    limit=limit,
+                    api_key_id=key_id if limit.subject.api_key is not None else None,
+                    bucket=bucket,
+                    settled=settled,
+                    amount=policies[limit].amount if limit in policies else None,
+                    aggregate=aggregates.get((limit, bucket)),
+                    cached=cached.get((limit, bucket)),
+                    resets_at=limit.window.end(now),
+                    parts=parts.get((limit, bucket)),
+                ),
+                team_recent
+                if limit.subject.api_key is None
+                else recent.get(limit.subject.api_key, (0, 0)),
+                now,
             )
             for limit, key_id, bucket, settled in rows
         )

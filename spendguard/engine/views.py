@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..alerts.events import Alert
     from ..budgets.admin import BudgetReport
     from ..ledger import Account, BudgetOverride
+    from .forecast import Forecast
 
 RATE_FIELDS = ("rpm", "tpm", "max_parallel")
 
@@ -87,6 +88,20 @@ def limit_usage_json(row: LimitUsage) -> dict[str, Any]:
             "pending_micros": row.parts.pending,
             "held_micros": row.parts.held,
         },
+        "forecast": None if row.forecast is None else forecast_json(row.forecast),
+    }
+
+
+def forecast_json(f: Forecast) -> dict[str, Any]:
+    """Where a limit is heading at its recent spend rate (engine/forecast.py)."""
+    return {
+        "last_hour_micros": f.last_hour,
+        "last_day_micros": f.last_day,
+        "rate_per_hour_micros": f.rate_per_hour,
+        "rate_per_hour_usd": usd_text(f.rate_per_hour),
+        "projected_micros": f.projected,
+        "projected_usd": usd_text(f.projected),
+        "runs_out_at": None if f.runs_out_at is None else time_text(f.runs_out_at),
     }
 
 

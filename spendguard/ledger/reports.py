@@ -10,6 +10,7 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
+from ..clock import to_micros
 from ..limits import Limit, Period, Subject
 from .database import LedgerDatabase, _tuples
 from .policies import Aggregate, _limit_of
@@ -60,6 +61,32 @@ class ReportQueries(LedgerDatabase):
             SpendRow(Limit(subject, window), raw_ids.get(subject.api_key or ""), bucket, spent)
             for subject, window, bucket, spent in rows
         ]
+
+    async def recent_spend(self, team: str, now: datetime) -> dict[str, tuple[int, int]]:
+        """Per API key of ``team`` (``""``: requests without one), the estimated spend of its
+        charged records that started in the last hour and in the last 24 hours before
+        ``now`` (micro-USD): what forecasts take the spend rate from."""
+        now_us = to_micros(now)
+        hour, day = now_us - 3_600_000_000, now_us - 86_400_000_000
+        estimate = records.c.estimate_micros
+        query = (
+            sa.select(
+                records.c.api_key,
+                sa.func.sum(sa.case((records.c.t0_us >= hour, estimate), else_=0)),
+                sa.func.sum(estimate),
+            )
+            .where(
+                records.c.team == team,
+                records.c.t0_us >= day,
+                records.c.t0_us <= now_us,
+                records.c.status_code >= 200,
+                records.c.status_code < 300,
+            )
+            .group_by(records.c.api_key)
+        )
+        async with self._guard("recent spend read"):
+            rows = await self._db.fetch_all(query)
+        return {str(key): (int(h or 0), int(d or 0)) for key, h, d in _tuples(rows)}
 
     async def charges_total(self, team: str | None = None) -> int:
         """The sum of all charges (of one team, or everyone's), micro-USD."""

@@ -17,7 +17,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
-from functools import partial
+from functools import lru_cache, partial
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -736,6 +736,7 @@ def _opt(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
+@lru_cache(maxsize=4096)
 def _marks(marks: tuple[int, tuple[tuple[int, int], ...]] | None) -> str:
     if marks is None or not marks[1]:
         return ""
