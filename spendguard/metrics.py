@@ -235,7 +235,7 @@ register_hot_metrics()
 ALERTS = Counter(
     "spendguard_alerts_total",
     "Threshold alerts this process put into the ledger's outbox (each alert once, by kind).",
-    ["kind"],  # threshold
+    ["kind"],  # threshold | projected
 )
 ALERT_DELIVERIES = Counter(
     "spendguard_alert_deliveries_total",
@@ -256,7 +256,7 @@ CLOSED_LABELS: dict[Counter, tuple[tuple[str, ...], ...]] = {
     UNKNOWN_MODEL: tuple((rule, stage) for rule in PRICE_RULES for stage in PRICE_STAGES),
     DEFAULT_PRICED: tuple((stage,) for stage in PRICE_STAGES),
     BUDGET_STORE_UNAVAILABLE: (("fallback",), ("refused",)),
-    ALERTS: (("threshold",),),
+    ALERTS: (("threshold",), ("projected",)),
     ALERT_DELIVERIES: (("delivered",), ("logged",), ("failed",)),
 }
 for _counter, _label_sets in CLOSED_LABELS.items():

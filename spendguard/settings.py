@@ -250,6 +250,15 @@ class Settings(BaseSettings):
         description="Percentages of every spend limit (team and API key, day and month) that "
         "alert once per window when usage reaches them, e.g. 50,80,100; empty: no alerts.",
     )
+    alert_projected: bool = Field(
+        False,
+        description="Also alert, once per limit and window, when a spend limit is projected "
+        "to run out before it resets at its recent spend rate (checked every "
+        "alert_forecast_interval seconds for the teams charged meanwhile).",
+    )
+    alert_forecast_interval: float = Field(
+        60.0, gt=0, le=86_400, description="Seconds between projected-alert checks."
+    )
     alert_webhook_url: str | None = Field(
         None,
         description="Where alerts are POSTed (JSON, signed when a secret is set); unset: "

@@ -16,6 +16,7 @@ from ..limits.codec import parse_field
 from ..money import micros_to_usd
 
 THRESHOLD = "threshold"  # a percentage of a limit reached
+PROJECTED = "projected"  # at the recent spend rate, the limit runs out before it resets
 TEST = "test"  # `spendguard alerts test`: a sample, never stored
 
 
@@ -33,6 +34,7 @@ class Alert:
     used_micros: int  # when it fired
     fired_at: datetime
     kind: str = THRESHOLD
+    runs_out_at: datetime | None = None  # a projected alert's forecast
 
     @property
     def resets_at(self) -> datetime:
@@ -46,6 +48,12 @@ class Alert:
     @property
     def text(self) -> str:
         """One line a person reads (the log line, Slack's text)."""
+        if self.kind == PROJECTED and self.runs_out_at is not None:
+            return (
+                f"spendguard: {self.who} is projected to run out of its {self.window} limit of "
+                f"${usd_text(self.limit_micros)} at {time_text(self.runs_out_at)}, before it "
+                f"resets {time_text(self.resets_at)} (${usd_text(self.used_micros)} used)"
+            )
         return (
             f"spendguard: {self.who} reached {self.percent}% of its {self.window} limit of "
             f"${usd_text(self.limit_micros)} (${usd_text(self.used_micros)} used, "
@@ -67,6 +75,7 @@ class Alert:
             "used_micros": self.used_micros,
             "fired_at": time_text(self.fired_at),
             "resets_at": time_text(self.resets_at),
+            "runs_out_at": None if self.runs_out_at is None else time_text(self.runs_out_at),
         }
 
     def body(self, slack: bool = False) -> bytes:
@@ -86,9 +95,11 @@ def time_text(at: datetime) -> str:
     return at.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
-def alert_id(team: str, label: str, percent: int, limit: int) -> str:
+def alert_id(team: str, label: str, percent: int, limit: int, kind: str = THRESHOLD) -> str:
     """The same for every firing of one threshold of one limit amount in one window."""
     raw = f"{team}\0{label}\0{percent}\0{limit}".encode()
+    if kind != THRESHOLD:
+        raw += f"\0{kind}".encode()
     return hashlib.sha256(raw).hexdigest()[:32]
 
 

@@ -10,7 +10,7 @@ with the dead gateway's admission entries (:func:`move_alerts`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -21,17 +21,32 @@ from anyio.abc import TaskStatus
 from .. import metrics
 from ..clock import utcnow
 from ..errors import LedgerUnavailable, StoreUnavailable
-from .events import Alert, parse_pending
+from ..limits.codec import field_of
+from .events import PROJECTED, Alert, alert_id, parse_pending
 from .signing import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, sign
 
 if TYPE_CHECKING:  # the ledger keeps alerts: it imports this package's values
+    from ..engine.admin import UsageReport
     from ..ledger import Ledger
     from ..limits import KeyCodec
     from ..store import Store
 
+    UsageOf = Callable[[str], Awaitable[UsageReport]]
+
 log = logging.getLogger("spendguard.alerts")
 
 _BATCH = 100  # alerts claimed per pass
+_MAX_FORECAST_TEAMS = 1000  # teams forecast per pass; the rest wait for the next
+
+
+async def keep_alerts(ledger: Ledger, fired: list[Alert]) -> list[Alert]:
+    """Put ``fired`` into the outbox; log and count those new to it (each alert once, whoever
+    adds it and however often)."""
+    added = await ledger.add_alerts(fired)
+    for alert in added:
+        log.warning("%s", alert.text)
+        metrics.ALERTS.labels(alert.kind).inc()
+    return added
 
 
 async def move_alerts(ledger: Ledger, store: Store, codec: KeyCodec, team: str) -> list[Alert]:
@@ -49,10 +64,7 @@ async def move_alerts(ledger: Ledger, store: Store, codec: KeyCodec, team: str) 
             log.error("spendguard dropped an unreadable alert of team %s: %r", team, name)
         else:
             fired.append(alert)
-    added = await ledger.add_alerts(fired)
-    for alert in added:
-        log.warning("%s", alert.text)
-        metrics.ALERTS.labels(alert.kind).inc()
+    added = await keep_alerts(ledger, fired)
     await store.drop_alerts(key, list(pending))
     return added
 
@@ -71,6 +83,8 @@ class AlertService:
         max_backoff: float = 60.0,
         client: httpx.AsyncClient | None = None,
         clock: Callable[[], datetime] = utcnow,
+        usage: UsageOf | None = None,
+        forecast_interval: float = 60.0,
     ) -> None:
         self.ledger, self.store, self.codec = ledger, store, codec
         self.webhook_url = webhook_url
@@ -81,10 +95,19 @@ class AlertService:
         self.clock = clock
         self._client = client
         self._teams: set[str] = set()
+        # Projected alerts: the usage reports of the teams charged since the last forecast.
+        self._usage = usage
+        self.forecast_interval = forecast_interval
+        self._charged: set[str] = set()
+        self._next_forecast = clock()
 
     def note(self, team: str) -> None:
         """``team``'s postflight fired an alert: move it on the next pass."""
         self._teams.add(team)
+
+    def charged(self, team_id: str) -> None:
+        """``team_id`` (as the host gave it) was charged: forecast it on the next forecast."""
+        self._charged.add(team_id)
 
     async def run_once(self) -> tuple[int, int]:
         """One pass: move what was noted, deliver what is due. Returns (alerts moved into the
@@ -97,12 +120,58 @@ class AlertService:
                 log.warning("spendguard alerts of team %s wait for the next pass: %r", team, exc)
                 continue
             self._teams.discard(team)
+        if self._usage is not None and self.clock() >= self._next_forecast:
+            self._next_forecast = self.clock() + timedelta(seconds=self.forecast_interval)
+            moved += len(await self.project())
         try:
             delivered = await self.deliver()
         except LedgerUnavailable as exc:
             log.warning("spendguard alert delivery waits for the ledger: %r", exc)
             delivered = 0
         return moved, delivered
+
+    async def project(self) -> list[Alert]:
+        """Fire a projected alert for every limit of a recently charged team that, at its
+        recent spend rate, runs out before it resets (once per limit amount and window)."""
+        assert self._usage is not None
+        teams = sorted(self._charged)
+        self._charged = set(teams[_MAX_FORECAST_TEAMS:])
+        now = self.clock()
+        fired: list[Alert] = []
+        for team_id in teams[:_MAX_FORECAST_TEAMS]:
+            try:
+                report = await self._usage(team_id)
+            except (LedgerUnavailable, StoreUnavailable) as exc:
+                log.warning("spendguard forecast of team %s waits: %r", team_id, exc)
+                self._charged.add(team_id)
+                continue
+            for row in report.limits:
+                f, amount = row.forecast, row.amount
+                if f is None or f.runs_out_at is None or amount is None or row.used >= amount:
+                    continue  # not running out, or out already (the 100 % threshold's news)
+                team = row.limit.team
+                label = f"{field_of(row.limit)}:{row.bucket}"
+                fired.append(
+                    Alert(
+                        alert_id(team, label, 100, amount, PROJECTED),
+                        team,
+                        row.limit.subject.api_key,
+                        row.limit.window.value,
+                        row.bucket,
+                        100,
+                        amount,
+                        row.used,
+                        now,
+                        PROJECTED,
+                        f.runs_out_at,
+                    )
+                )
+        try:
+            return await keep_alerts(self.ledger, fired) if fired else []
+        except LedgerUnavailable as exc:
+            log.warning("spendguard projected alerts wait for the ledger: %r", exc)
+            self._charged.update(teams[:_MAX_FORECAST_TEAMS])
+            return []
 
     async def deliver(self) -> int:
         """Send every alert due now; returns how many a receiver took (or, without a webhook,

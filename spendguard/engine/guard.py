@@ -55,7 +55,7 @@ from ..store import (
     make_store,
 )
 from ..usage import BodyObserver, Dialect, Usage, estimate_usage, observer_for
-from .admin import Admin
+from .admin import Admin, UsageReport
 from .costing import Coster
 from .decision import Admission, Decision, InferenceRequest, Never, Unavailable, Verdict
 from .embedded import POSTGRES_WARNING, EmbeddedClaim, claim_sqlite
@@ -197,6 +197,7 @@ class SpendGuard:
         )
         # Threshold alerts: fired by the postflight script, moved and sent off the request path.
         self._thresholds = s.alert_thresholds
+        self._projected = s.alert_projected
         self.alerts = AlertService(
             self.ledger,
             self.store,
@@ -205,6 +206,8 @@ class SpendGuard:
             secret=s.alert_webhook_secret.get_secret_value() if s.alert_webhook_secret else None,
             slack=s.alert_webhook_format is AlertFormat.SLACK,
             clock=clock,
+            usage=self._usage_of if s.alert_projected else None,
+            forecast_interval=s.alert_forecast_interval,
         )
         self._pool: ProviderPool | None = None
         self._stack: AsyncExitStack | None = None
@@ -224,6 +227,9 @@ class SpendGuard:
         if self._pool is None:
             self._pool = ProviderPool.beside(self.store, clock=self.clock)
         return self._pool
+
+    def _usage_of(self, team_id: str) -> Awaitable[UsageReport]:
+        return self.admin.usage(team_id)
 
     @property
     def admin(self) -> Admin:
@@ -331,7 +337,7 @@ class SpendGuard:
                         await tg.start(self._heartbeat)
                     if run_worker:
                         await tg.start(self.worker.run, self.settings.settle_interval)
-                    if self._thresholds:
+                    if self._thresholds or self._projected:
                         await tg.start(self.alerts.run, self.settings.alert_interval)
                     task_status.started(scope)
         finally:
@@ -440,7 +446,7 @@ class SpendGuard:
                         self.recorder.pending,
                         exc,
                     )
-            if self._thresholds:
+            if self._thresholds or self._projected:
                 with anyio.move_on_after(self.settings.db_timeout):
                     await self.alerts.run_once()  # what this process fired, into the outbox
             if self._owners is not None:
@@ -960,6 +966,8 @@ class SpendGuard:
                 )
                 if marks is not None and marks.fired:
                     self.alerts.note(decision.identity.team)
+                if self._projected:
+                    self.alerts.charged(decision.identity.team_id)
                 status = PostflightStatus.APPLIED if applied else PostflightStatus.SKIPPED
                 if applied and self._fail_open:
                     self.outage.add(keys, estimate)  # what a later outage knows includes it

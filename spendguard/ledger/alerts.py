@@ -112,6 +112,7 @@ def _row(alert: Alert) -> dict[str, object]:
         "limit_micros": alert.limit_micros,
         "used_micros": alert.used_micros,
         "fired_us": to_micros(alert.fired_at),
+        "runs_out_us": None if alert.runs_out_at is None else to_micros(alert.runs_out_at),
         "attempts": 0,
         "next_us": 0,
         "claimed_us": 0,
@@ -131,4 +132,5 @@ def _alert(m: object) -> Alert:
         int(row["used_micros"]),  # type: ignore[call-overload]
         from_micros(int(row["fired_us"])),  # type: ignore[call-overload]
         str(row["kind"]),
+        None if row["runs_out_us"] is None else from_micros(int(row["runs_out_us"])),  # type: ignore[call-overload]
     )

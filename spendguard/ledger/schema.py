@@ -236,6 +236,7 @@ alerts = sa.Table(
     sa.Column("limit_micros", sa.BigInteger, nullable=False),
     sa.Column("used_micros", sa.BigInteger, nullable=False),
     sa.Column("fired_us", sa.BigInteger, nullable=False),
+    sa.Column("runs_out_us", sa.BigInteger, nullable=True),  # a projected alert's forecast
     sa.Column("attempts", sa.Integer, nullable=False),
     sa.Column("next_us", sa.BigInteger, nullable=False),
     sa.Column("claimed_us", sa.BigInteger, nullable=False),

@@ -132,3 +132,27 @@ async def test_a_stopping_gateway_moves_what_it_fired(tmp_path: Path) -> None:
 def test_thresholds_are_whole_percentages(tmp_path: Path, bad: str) -> None:
     with pytest.raises(ValueError, match="alert_thresholds"):
         Gateway(tmp_path, alert_thresholds=bad)
+
+
+async def test_a_limit_projected_to_run_out_alerts_once_per_window(tmp_path: Path) -> None:
+    with WebhookReceiver() as receiver:
+        async with gateway(tmp_path, receiver, alert_projected=True, alert_interval=3600) as gw:
+            await gw.policy(Period.DAY, 1000)
+            await gw.policy(Period.MONTH, 10**9, key=None)  # far from running out
+            noon = gw.clock.now
+            gw.clock.now = noon - timedelta(hours=5)
+            await spend(gw, 10)  # 150
+            gw.clock.now = noon - timedelta(minutes=30)
+            await spend(gw, 20)  # 450 in all, 300 of it in the last hour
+            gw.clock.now = noon + timedelta(seconds=61)  # the next forecast is due
+            await gw.settle()
+            assert await gw.guard.alerts.run_once() == (1, 1)
+            gw.clock.now += timedelta(seconds=61)
+            await spend(gw, 1)
+            assert await gw.guard.alerts.run_once() == (0, 0)  # the same limit and window
+    [got] = [d.json for d in receiver.taken]
+    assert got["type"] == "spendguard.projected" and got["window"] == "day"
+    assert got["used_micros"] == 450 and got["limit_micros"] == 1000
+    # (300 + 450 / 24) / 2 = 159.375 per hour: the 550 left last 12,424 s (rounded up)
+    assert got["runs_out_at"] == "2026-09-30T15:28:05Z"
+    assert got["fired_at"] == "2026-09-30T12:01:01Z"
