@@ -41,6 +41,7 @@ from .engine.views import (
     rate_values,
     rates_json,
     removed_json,
+    top_json,
     usage_json,
     usd_text,
 )
@@ -158,6 +159,25 @@ async def cmd_usage(args: argparse.Namespace, ctx: Ctx) -> int:
             file=sys.stderr,
         )
         return 1
+    return 0
+
+
+async def cmd_top(args: argparse.Namespace, ctx: Ctx) -> int:
+    report = await ctx.admin.top_spenders(args.by, Period(args.period), args.limit)
+    data = top_json(report)
+    lines = [f"top spenders by {report.by}, {report.period.value} {report.period_id}"]
+    for row in data["spenders"]:
+        who = row.get("model") or row["team"] + (f" key {row['api_key']}" if row["api_key"] else "")
+        line = f"  {who:<32} ${row['spent_usd']} in {_count(row['requests'], 'request')}"
+        if row.get("limit_usd") is not None:
+            line += f" of ${row['limit_usd']}, ${row['remaining_usd']} left"
+        f = row.get("forecast")
+        if f and f["runs_out_at"]:
+            line += f"; runs out {f['runs_out_at']}"
+        lines.append(line)
+    if not data["spenders"]:
+        lines.append("  no charged requests")
+    _emit(args, data, "\n".join(lines))
     return 0
 
 
@@ -483,6 +503,11 @@ def build_parser() -> argparse.ArgumentParser:
     use.add_argument("--team", required=True)
     use.add_argument("--api-key", default=None)
     use.set_defaults(handler=cmd_usage)
+    top = sub.add_parser("top", parents=[common], help="who spends most this day or month")
+    top.add_argument("--by", choices=("team", "key", "model"), default="team")
+    top.add_argument("--period", choices=[x.value for x in Period], default="day")
+    top.add_argument("--limit", type=int, default=10, help="how many (1 to 1000)")
+    top.set_defaults(handler=cmd_top)
 
     mod = sub.add_parser("models", help="which models a key or team may call").add_subparsers(
         dest="models_cmd", required=True

@@ -58,6 +58,7 @@ from ..engine.views import (
     policy_json,
     rates_json,
     removed_json,
+    top_json,
     usage_json,
 )
 from ..errors import LedgerUnavailable, SpendGuardError, StoreUnavailable
@@ -243,6 +244,8 @@ class AdminApp:
                     self._wrap(self.models),
                     methods=["POST"],
                 ),
+                Route("/teams", self._wrap(self.teams), methods=["GET"]),
+                Route("/top", self._wrap(self.top), methods=["GET"]),
                 Route("/alerts", self._wrap(self.alerts), methods=["GET"]),
                 Route("/alerts/test", self._wrap(self.alerts_test), methods=["POST"]),
                 Route("/budgets", self._wrap(self.budgets_inspect), methods=["GET"]),
@@ -412,6 +415,30 @@ class AdminApp:
             hard=hard,
         )
         return JSONResponse(policy_json(saved))
+
+    async def top(self, request: Request, target: _Target) -> Response:
+        q = request.query_params
+        by, period, raw = q.get("by", "team"), q.get("period", "day"), q.get("limit", "10")
+        if by not in ("team", "key", "model"):
+            raise AdminError(400, "invalid_request", "by: team, key or model")
+        if period not in ("day", "month"):
+            raise AdminError(400, "invalid_request", "period: day or month")
+        if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+            raise AdminError(400, "invalid_request", "limit: 1 to 1000")
+        admin = await self._admin(target)
+        return JSONResponse(top_json(await admin.top_spenders(by, Period(period), int(raw))))
+
+    async def teams(self, request: Request, target: _Target) -> Response:
+        """Every team with a limit or spend this month, biggest spender first (then the
+        teams with limits and no spend yet, by id)."""
+        admin = await self._admin(target)
+        report = await admin.top_spenders("team", Period.MONTH, 1000)
+        spent = [(s.row.team_id, s.row.spent) for s in report.spenders]
+        seen = {team for team, _ in spent}
+        idle = sorted({p.team_id for p in await admin.list_policies()} - seen)
+        rows = [{"team": t, "spent_month_micros": n} for t, n in spent]
+        rows += [{"team": t, "spent_month_micros": 0} for t in idle]
+        return JSONResponse({"month": report.period_id, "teams": rows})
 
     async def alerts(self, request: Request, target: _Target) -> Response:
         raw = request.query_params.get("limit", "50")

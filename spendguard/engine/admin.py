@@ -28,7 +28,7 @@ from ..alerts.events import Alert
 from ..clock import utcnow
 from ..errors import StoreUnavailable
 from ..identity import Identity
-from ..ledger import Account, Ledger
+from ..ledger import Account, Ledger, TopRow
 from ..limits import Balance, KeyCodec, Limit, Period, Policy, Subject, Window, window_of
 from ..limits.models import check_pattern
 from ..limits.rates import Rates
@@ -93,6 +93,30 @@ class BalanceReport:
 def _forecast(row: LimitUsage, recent: tuple[int, int], now: datetime) -> LimitUsage:
     found = forecast(row.used, row.amount, *recent, now, row.resets_at)
     return dataclasses.replace(row, forecast=found)
+
+
+@dataclass(frozen=True, slots=True)
+class Spender:
+    """One of the top spenders of a period: its spend, and for a team or a key its limit for
+    the period (None: none set), what is left, when it resets and where it is heading."""
+
+    row: TopRow
+    amount: int | None
+    resets_at: datetime
+    forecast: Forecast | None
+
+    @property
+    def remaining(self) -> int | None:
+        return None if self.amount is None else max(0, self.amount - self.row.spent)
+
+
+@dataclass(frozen=True, slots=True)
+class TopReport:
+    by: str  # team | key | model
+    period: Period
+    period_id: str
+    at: datetime
+    spenders: tuple[Spender, ...]
 
 
 class Admin:
@@ -226,6 +250,37 @@ class Admin:
             now=self.clock(),
         )
         await self._sync(identity.team, what)
+
+    async def top_spenders(
+        self, by: str = "team", period: Period = Period.DAY, limit: int = 10
+    ) -> TopReport:
+        """Who spends most in the current UTC ``period``: teams, keys of teams, or models,
+        biggest first. A team's or key's row carries its limit for the period and a forecast;
+        spend is the postflight estimate of charged records, settled or not."""
+        if not 1 <= limit <= 1000:
+            raise ValueError("limit: 1 to 1000 spenders")
+        now = self.clock()
+        rows = await self.ledger.top_spenders(by, period.start(now), period.end(now), limit)
+        amounts = {p.limit: p.amount for p in await self.ledger.list_policies()}
+        recent: dict[str, dict[str, tuple[int, int]]] = {}
+        out: list[Spender] = []
+        for row in rows:
+            if by == "model":
+                out.append(Spender(row, None, period.end(now), None))
+                continue
+            if row.team not in recent:
+                recent[row.team] = await self.ledger.recent_spend(row.team, now)
+            spent = recent[row.team]
+            if row.api_key:
+                target = Limit(Subject(row.team, row.api_key), period)
+                h_d = spent.get(row.api_key, (0, 0))
+            else:
+                target = Limit(Subject(row.team), period)
+                h_d = (sum(h for h, _ in spent.values()), sum(d for _, d in spent.values()))
+            amount = amounts.get(target)
+            resets = period.end(now)
+            out.append(Spender(row, amount, resets, forecast(row.spent, amount, *h_d, now, resets)))
+        return TopReport(by, period, period.bucket(now), now, tuple(out))
 
     async def alerts(self, limit: int = 50) -> list[tuple[Alert, datetime | None, int]]:
         """The newest threshold alerts, each with when a receiver took it (None: not yet) and

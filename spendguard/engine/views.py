@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..limits import Policy
 from ..limits.rates import Rates
 from ..money import micros_to_usd
-from .admin import BalanceReport, LimitUsage, UsageReport
+from .admin import BalanceReport, LimitUsage, TopReport, UsageReport
 
 if TYPE_CHECKING:
     from ..alerts.events import Alert
@@ -184,6 +184,41 @@ def key_budget_json(override: BudgetOverride) -> dict[str, Any]:
         "api_key": override.api_key_id,
         "max_tokens_budget": override.max_tokens,
         "budget_window": override.budget_window,
+    }
+
+
+# -- who is spending ------------------------------------------------------------------------
+def top_json(report: TopReport) -> dict[str, Any]:
+    """The top spenders of the current period, biggest first."""
+    rows = []
+    for s in report.spenders:
+        r = s.row
+        entry: dict[str, Any] = (
+            {"model": r.model}
+            if report.by == "model"
+            else {"team": r.team_id, "api_key": r.api_key_id if r.api_key else None}
+        )
+        entry |= {
+            "spent_micros": r.spent,
+            "spent_usd": usd_text(r.spent),
+            "requests": r.requests,
+        }
+        if report.by != "model":
+            entry |= {
+                "limit_micros": s.amount,
+                "limit_usd": usd_text(s.amount),
+                "remaining_micros": s.remaining,
+                "remaining_usd": usd_text(s.remaining),
+                "resets_at": time_text(s.resets_at),
+                "forecast": None if s.forecast is None else forecast_json(s.forecast),
+            }
+        rows.append(entry)
+    return {
+        "by": report.by,
+        "period": report.period.value,
+        "period_id": report.period_id,
+        "at": time_text(report.at),
+        "spenders": rows,
     }
 
 

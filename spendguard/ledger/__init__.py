@@ -17,7 +17,7 @@ from .budgets import BudgetOverride, BudgetQueries, UsedSlice
 from .journal import JournalQueries, SettledRecord
 from .policies import Aggregate, PolicyQueries
 from .records import RecordQueries
-from .reports import ReportQueries, SpendRow
+from .reports import ReportQueries, SpendRow, TopRow
 from .settlement import RecordRow, Settlement, SettlementQueries
 
 
@@ -42,5 +42,6 @@ __all__ = [
     "SettledRecord",
     "Settlement",
     "SpendRow",
+    "TopRow",
     "UsedSlice",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -28,7 +29,70 @@ class SpendRow:
     spent: int
 
 
+@dataclass(frozen=True, slots=True)
+class TopRow:
+    """One spender over a span: a team, an API key of a team, or a model (the other fields
+    empty), with the estimated spend of its charged records and how many there were."""
+
+    team: str  # encoded ids ("" for a model's row)
+    api_key: str
+    team_id: str  # as the host app gave them (display)
+    api_key_id: str | None
+    model: str
+    spent: int
+    requests: int
+
+
+TOP_BY = ("team", "key", "model")
+
+
 class ReportQueries(LedgerDatabase):
+    async def top_spenders(
+        self, by: str, since: datetime, until: datetime, limit: int
+    ) -> list[TopRow]:
+        """The ``limit`` biggest spenders ``by`` team, key or model over [since, until): the
+        postflight estimates of charged (2xx) records, settled or not, by start time."""
+        if by not in TOP_BY:
+            raise ValueError(f"by: one of {', '.join(TOP_BY)}")
+        r = records.c
+        spent = sa.func.sum(r.estimate_micros)
+        group: list[Any] = {
+            "team": [r.team],
+            "key": [r.team, r.api_key],
+            "model": [r.model],
+        }[by]
+        names = [sa.func.max(r.team_id), sa.func.max(r.api_key_id)] if by != "model" else []
+        query = (
+            sa.select(*group, *names, spent, sa.func.count())
+            .where(
+                r.t0_us >= to_micros(since),
+                r.t0_us < to_micros(until),
+                r.status_code >= 200,
+                r.status_code < 300,
+            )
+            .group_by(*group)
+            .order_by(spent.desc(), *group)
+            .limit(limit)
+        )
+        if by == "key":
+            query = query.where(r.api_key != "")
+        async with self._guard("top spenders read"):
+            rows = _tuples(await self._db.fetch_all(query))
+        out: list[TopRow] = []
+        for row in rows:
+            if by == "team":
+                team, team_id, _, total, n = row
+                out.append(TopRow(str(team), "", str(team_id), None, "", int(total), int(n)))
+            elif by == "key":
+                team, key, team_id, key_id, total, n = row
+                out.append(
+                    TopRow(str(team), str(key), str(team_id), key_id, "", int(total), int(n))
+                )
+            else:
+                model, total, n = row
+                out.append(TopRow("", "", "", None, str(model), int(total), int(n)))
+        return out
+
     async def spend(self, team: str, now: datetime) -> list[SpendRow]:
         """A team's settled spend in the day and the month containing ``now``: per API key
         that spent (in key order), then the team's total, the day's rows first."""

@@ -46,6 +46,8 @@ ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
     ("GET", "/budgets", None),
     ("POST", "/budgets/reset", {"scope": "global"}),
     ("GET", "/alerts", None),
+    ("GET", "/teams", None),
+    ("GET", "/top", None),
     ("POST", "/alerts/test", None),
 ]
 # The routes that name a team (and those that name a key): ids go where "acme"/"alpha" are.

@@ -1,6 +1,7 @@
 """The CLI's ``--json`` and the admin routes answer the same views (``spendguard.engine.views``)
-for the same data: usage, balances, policies, rates, model lists and the budgets report, key for
-key and in the same order. Both read the clock at the same instant here, so even ``at`` agrees.
+for the same data: usage, top spenders, balances, policies, rates, model lists and the budgets
+report, key for key and in the same order. Both read the clock at the same instant here, so
+even ``at`` agrees.
 
 The one difference is where the data differs: the embedded store lives inside the gateway, out
 of the CLI's reach, so on SQLite the CLI's rows have ``"cache": null`` where the route shows the
@@ -101,6 +102,13 @@ async def test_cli_json_and_admin_routes_answer_the_same_views(
         assert {r["api_key"] for r in cli["limits"]} >= {None, "alpha"}
         assert cli["unsettled_records"] == (1 if shared else 0)
         same(cli, http if shared else without_cache(http))
+
+    for by in ("team", "key", "model"):
+        cli = await cli_json(capsys, "top", "--by", by, "--period", "month")
+        assert cli["spenders"] and cli["by"] == by
+        same(cli, await http_json(gw, "GET", f"/top?by={by}&period=month"))
+    teams = await http_json(gw, "GET", "/teams")
+    assert teams["teams"] == [{"team": "acme", "spent_month_micros": 45 if shared else 30}]
 
     same(
         await cli_json(capsys, "policy", "ls", "--team", "acme"),
