@@ -30,11 +30,12 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+from urllib.parse import parse_qs
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -66,6 +67,7 @@ from ..identity import Identity
 from ..limits import Period
 from ..money import checked_amount, micros_to_usd, usd_to_micros
 from ..settings import Settings
+from .page import COOKIE, cookie_matches, cookie_value, login_page, spend_page
 
 log = logging.getLogger("spendguard.admin")
 
@@ -192,6 +194,27 @@ def _mode(body: dict[str, Any], default: str | None = None) -> bool:
 Handler = Callable[[Request, "_Target"], Awaitable[Response]]
 
 
+_PAGE_TEAMS = 50  # teams the spend page shows (the biggest spenders first)
+_MAX_FORM = 4096
+
+
+def _route_path(scope: Scope) -> str:
+    """The path within this app: after the mount point (Starlette keeps the whole path in
+    ``path`` and the mount point in ``root_path``; older releases cut it)."""
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+async def _read_form(request: Request) -> str:
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > _MAX_FORM:
+            break
+    return body[:_MAX_FORM].decode("utf-8", "replace")
+
+
 class AdminApp:
     """The ASGI app :func:`admin_app` returns (see the module docstring)."""
 
@@ -272,6 +295,11 @@ class AdminApp:
         if token is None:  # off: as if nothing were mounted here
             await _error(404, "not_found", "Not Found")(scope, receive, send)
             return
+        route = _route_path(scope)
+        if route in ("/page", "/page/login"):  # a person's: a cookie, not a header
+            response = await self._page(request, route, token)
+            await response(scope, receive, send)
+            return
         given = request.headers.get("authorization")
         scheme, _, credentials = (given or "").partition(" ")
         if not given or scheme.lower() != "bearer" or not credentials.strip():
@@ -295,6 +323,54 @@ class AdminApp:
             )
             return
         await self.router(scope, receive, send)
+
+    async def _page(self, request: Request, route: str, token: str) -> Response:
+        root: str = request.scope.get("root_path") or ""
+        if route == "/page/login":
+            if request.method != "POST":
+                return HTMLResponse(login_page(root), status_code=405)
+            body = await _read_form(request)
+            given = (parse_qs(body).get("token") or [""])[0]
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return HTMLResponse(login_page(root, wrong=True), status_code=403)
+            response: Response = RedirectResponse(f"{root}/page", status_code=303)
+            response.set_cookie(
+                COOKIE,
+                cookie_value(token),
+                httponly=True,
+                samesite="strict",
+                secure=request.url.scheme == "https",
+                path=root or "/",
+            )
+            return response
+        if request.method not in ("GET", "HEAD"):
+            return HTMLResponse(login_page(root), status_code=405)
+        if not cookie_matches(request.cookies.get(COOKIE), token):
+            return HTMLResponse(login_page(root))
+        target = self._find()
+        if target is None or target.guard is None:
+            return HTMLResponse("spendguard is not running here", status_code=503)
+        try:
+            admin = await self._admin(target)
+            teams = await self.teams_with_limits(admin)
+            reports = [await admin.usage(team) for team in teams[:_PAGE_TEAMS]]
+            top = await admin.top_spenders("key", Period.DAY, 10)
+            alerts = await admin.alerts(20)
+        except (SpendGuardError, TimeoutError, OSError) as exc:
+            return HTMLResponse(
+                f"spendguard: the ledger did not answer ({type(exc).__name__}); "
+                "this page tries again in 30 s",
+                status_code=503,
+                headers={"refresh": "30"},
+            )
+        return HTMLResponse(spend_page(utcnow(), reports, top, alerts))
+
+    @staticmethod
+    async def teams_with_limits(admin: Admin) -> list[str]:
+        """Every team with a limit or spend this month: the biggest spenders first."""
+        report = await admin.top_spenders("team", Period.MONTH, 1000)
+        spent = [s.row.team_id for s in report.spenders]
+        return spent + sorted({p.team_id for p in await admin.list_policies()} - set(spent))
 
     def _expected_token(self) -> str | None:
         if self._token is not None:
@@ -433,11 +509,11 @@ class AdminApp:
         teams with limits and no spend yet, by id)."""
         admin = await self._admin(target)
         report = await admin.top_spenders("team", Period.MONTH, 1000)
-        spent = [(s.row.team_id, s.row.spent) for s in report.spenders]
-        seen = {team for team, _ in spent}
-        idle = sorted({p.team_id for p in await admin.list_policies()} - seen)
-        rows = [{"team": t, "spent_month_micros": n} for t, n in spent]
-        rows += [{"team": t, "spent_month_micros": 0} for t in idle]
+        spent = {s.row.team_id: s.row.spent for s in report.spenders}
+        rows = [
+            {"team": team, "spent_month_micros": spent.get(team, 0)}
+            for team in await self.teams_with_limits(admin)
+        ]
         return JSONResponse({"month": report.period_id, "teams": rows})
 
     async def alerts(self, request: Request, target: _Target) -> Response:
