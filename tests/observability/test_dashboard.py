@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client import REGISTRY
 
 import spendguard.metrics
@@ -78,10 +79,11 @@ def test_the_dashboard_is_a_grafana_dashboard_on_a_prometheus_datasource_variabl
             assert 'job=~"$job"' in target["expr"], target["expr"]
 
 
-def test_every_query_names_registered_series_with_labels_they_have() -> None:
+def checked(exprs: list[str]) -> set[str]:
+    """The series ``exprs`` use, each checked to be registered with the labels it is given."""
     series = registered()
     used = set()
-    for expr in expressions():
+    for expr in exprs:
         found = SERIES.findall(expr)
         assert found, expr
         for name, selector in found:
@@ -92,6 +94,11 @@ def test_every_query_names_registered_series_with_labels_they_have() -> None:
         for group in BY.findall(expr):
             wanted = {label.strip() for label in group.split(",") if label.strip()}
             assert any(wanted <= series[name] for name, _ in found), (wanted, expr)
+    return used
+
+
+def test_every_query_names_registered_series_with_labels_they_have() -> None:
+    used = checked(expressions())
     # The panels the dashboard promises are there.
     for name in (
         "spendguard_decisions_total",
@@ -103,8 +110,21 @@ def test_every_query_names_registered_series_with_labels_they_have() -> None:
         "spendguard_overspend_micros_total",
         "spendguard_default_priced_total",
         "spendguard_store_unavailable_total",
+        "spendguard_budget_rejections_total",
+        "spendguard_budget_used_total",
+        "spendguard_alerts_total",
+        "spendguard_alert_deliveries_total",
     ):
         assert name in used, name
+
+
+def test_the_alerting_rules_name_registered_series() -> None:
+    rules = yaml.safe_load((ROOT / "examples" / "prometheus-alerts.yml").read_text())
+    exprs = [r["expr"] for group in rules["groups"] for r in group["rules"]]
+    names = [r["alert"] for group in rules["groups"] for r in group["rules"]]
+    assert len(names) == len(set(names)) >= 5
+    used = checked(exprs)
+    assert {"spendguard_alerts_total", "spendguard_alert_deliveries_total"} <= used
 
 
 def test_label_values_in_queries_are_from_the_closed_sets() -> None:
