@@ -356,6 +356,7 @@ class AdminApp:
             reports = [await admin.usage(team) for team in teams[:_PAGE_TEAMS]]
             top = await admin.top_spenders("key", Period.DAY, 10)
             alerts = await admin.alerts(20)
+            denials = await admin.recent_denials(20)
         except (SpendGuardError, TimeoutError, OSError) as exc:
             return HTMLResponse(
                 f"spendguard: the ledger did not answer ({type(exc).__name__}); "
@@ -363,7 +364,7 @@ class AdminApp:
                 status_code=503,
                 headers={"refresh": "30"},
             )
-        return HTMLResponse(spend_page(utcnow(), reports, top, alerts))
+        return HTMLResponse(spend_page(utcnow(), reports, top, alerts, denials))
 
     @staticmethod
     async def teams_with_limits(admin: Admin) -> list[str]:

@@ -19,6 +19,7 @@ from html import escape
 from ..alerts.events import Alert
 from ..engine.admin import LimitUsage, TopReport, UsageReport
 from ..engine.views import time_text, usd_text
+from ..ledger import DenialRow
 
 COOKIE = "spendguard_page"
 REFRESH_SECONDS = 30
@@ -122,6 +123,7 @@ def spend_page(
     reports: Sequence[UsageReport],
     top: TopReport,
     alerts: Iterable[tuple[Alert, datetime | None, int]],
+    denials: Iterable[DenialRow] = (),
 ) -> str:
     limits = [
         _limit_row(report.team_id, row)
@@ -141,12 +143,12 @@ def spend_page(
         f"<tr><td>{escape(s.row.team_id)}"
         + (f" / {escape(s.row.api_key_id or s.row.api_key)}" if s.row.api_key else "")
         + f'</td><td class="num">{_usd(s.row.spent)}</td><td class="num">{s.row.requests}</td>'
-        f"<td>{_bar(s.row.spent, s.amount)}</td></tr>"
+        f'<td class="num">{s.denied_last_hour}</td><td>{_bar(s.row.spent, s.amount)}</td></tr>'
         for s in top.spenders
     )
     top_html = (
         "<table id=top><tr><th>team / key</th><th>spent</th><th>requests</th>"
-        f"<th>of its limit</th></tr>{spenders}</table>"
+        f"<th>refused (last hour)</th><th>of its limit</th></tr>{spenders}</table>"
         if spenders
         else '<p class="muted">No spend today.</p>'
     )
@@ -162,12 +164,25 @@ def spend_page(
         if alert_rows
         else '<p class="muted">No alerts.</p>'
     )
+    denial_rows = "".join(
+        f"<tr><td class=num>{_when(d.at)}</td><td>{escape(d.team_id)}"
+        + (f" / {escape(d.api_key_id)}" if d.api_key_id else "")
+        + f"</td><td>{escape(d.kind)}</td><td>{escape(d.model)}</td></tr>"
+        for d in denials
+    )
+    denials_html = (
+        "<table id=denials><tr><th>when</th><th>team / key</th><th>refused by</th>"
+        f"<th>model</th></tr>{denial_rows}</table>"
+        if denial_rows
+        else '<p class="muted">No denials this week.</p>'
+    )
     body = (
         "<h1>spendguard: spend</h1>"
         f'<p class="muted">As of {_when(at)}; this page refreshes every '
         f"{REFRESH_SECONDS} s.</p>"
         f"<h2>Limits</h2>{teams}"
         f"<h2>Top spenders today ({escape(top.period_id)})</h2>{top_html}"
+        f"<h2>Recent denials</h2>{denials_html}"
         f"<h2>Recent alerts</h2>{alerts_html}"
     )
     return _doc("spendguard: spend", body, refresh=True)

@@ -21,14 +21,14 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 
 from ..alerts.events import Alert
 from ..clock import utcnow
 from ..errors import StoreUnavailable
 from ..identity import Identity
-from ..ledger import Account, Ledger, TopRow
+from ..ledger import Account, DenialRow, Ledger, TopRow
 from ..limits import Balance, KeyCodec, Limit, Period, Policy, Subject, Window, window_of
 from ..limits.models import check_pattern
 from ..limits.rates import Rates
@@ -104,6 +104,7 @@ class Spender:
     amount: int | None
     resets_at: datetime
     forecast: Forecast | None
+    denied_last_hour: int = 0  # requests of this team or key refused in the last hour
 
     @property
     def remaining(self) -> int | None:
@@ -262,6 +263,7 @@ class Admin:
         now = self.clock()
         rows = await self.ledger.top_spenders(by, period.start(now), period.end(now), limit)
         amounts = {p.limit: p.amount for p in await self.ledger.list_policies()}
+        denied = await self.ledger.denial_counts(since=now - timedelta(hours=1))
         recent: dict[str, dict[str, tuple[int, int]]] = {}
         out: list[Spender] = []
         for row in rows:
@@ -274,13 +276,22 @@ class Admin:
             if row.api_key:
                 target = Limit(Subject(row.team, row.api_key), period)
                 h_d = spent.get(row.api_key, (0, 0))
+                refused = denied.get((row.team, row.api_key), 0)
             else:
                 target = Limit(Subject(row.team), period)
                 h_d = (sum(h for h, _ in spent.values()), sum(d for _, d in spent.values()))
+                refused = sum(n for (team, _), n in denied.items() if team == row.team)
             amount = amounts.get(target)
             resets = period.end(now)
-            out.append(Spender(row, amount, resets, forecast(row.spent, amount, *h_d, now, resets)))
+            heading = forecast(row.spent, amount, *h_d, now, resets)
+            out.append(Spender(row, amount, resets, heading, refused))
         return TopReport(by, period, period.bucket(now), now, tuple(out))
+
+    async def recent_denials(self, limit: int = 20) -> list[DenialRow]:
+        """The newest denials of the last week (who, by what, which model), newest first."""
+        if not 1 <= limit <= 1000:
+            raise ValueError("limit: 1 to 1000 denials")
+        return await self.ledger.recent_denials(since=self.clock() - timedelta(days=7), limit=limit)
 
     async def alerts(self, limit: int = 50) -> list[tuple[Alert, datetime | None, int]]:
         """The newest threshold alerts, each with when a receiver took it (None: not yet) and

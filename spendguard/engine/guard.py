@@ -58,6 +58,7 @@ from ..usage import BodyObserver, Dialect, Usage, estimate_usage, observer_for
 from .admin import Admin, UsageReport
 from .costing import Coster
 from .decision import Admission, Decision, InferenceRequest, Never, Unavailable, Verdict
+from .denials import DenialLog
 from .embedded import POSTGRES_WARNING, EmbeddedClaim, claim_sqlite
 from .entries import admission_tokens, closed_entry, open_entry, worst_case
 from .fill import CacheFiller
@@ -85,6 +86,7 @@ _MAX_UNCLOSED = 100_000  # entries whose removal failed, kept for a retry (beyon
 _UNCLOSED_RETRY_SECONDS = 60.0
 _CAP_FIELD = 10  # tokens an added `"max_completion_tokens": 10000000` is estimated at, at most
 _MAX_WARNED = 1000  # model names warned about once each; beyond, no more lines
+_DENIALS_INTERVAL = 1.0  # seconds between writes of the recent denials (off the request path)
 _PREFLIGHT_SECONDS = metrics.PREFLIGHT_SECONDS
 _POSTFLIGHT_SECONDS = metrics.POSTFLIGHT_SECONDS
 _RELEASE_SECONDS = metrics.RELEASE_SECONDS
@@ -209,6 +211,7 @@ class SpendGuard:
             usage=self._usage_of if s.alert_projected else None,
             forecast_interval=s.alert_forecast_interval,
         )
+        self.denials = DenialLog(self.ledger, clock)  # recent denials, for reports
         self._pool: ProviderPool | None = None
         self._stack: AsyncExitStack | None = None
         self._cancel: anyio.CancelScope | None = None
@@ -333,6 +336,7 @@ class SpendGuard:
             with anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
                     await tg.start(self.recorder.run)
+                    await tg.start(self.denials.run, _DENIALS_INTERVAL)
                     if self._owners is not None:
                         await tg.start(self._heartbeat)
                     if run_worker:
@@ -446,6 +450,9 @@ class SpendGuard:
                         self.recorder.pending,
                         exc,
                     )
+            with anyio.move_on_after(self.settings.db_timeout):
+                with suppress(LedgerUnavailable):
+                    await self.denials.flush()
             if self._thresholds or self._projected:
                 with anyio.move_on_after(self.settings.db_timeout):
                     await self.alerts.run_once()  # what this process fired, into the outbox

@@ -40,6 +40,7 @@ from ..providers.model import Lease, NoCapacity
 from ..providers.routing import ProviderRouting
 from ..usage import BodyObserver, Dialect, Usage
 from .decision import Admission, InferenceRequest, Verdict
+from .denials import spend_denial_kind
 from .entries import admission_tokens
 from .guard import SpendGuard
 
@@ -87,6 +88,18 @@ class Refused:
                 await done
             except Exception as exc:  # each part bounds and logs its own failures
                 log.warning("spendguard could not give back a refused admission: %r", exc)
+
+
+def _denial_kind(refused: Refused) -> str | None:
+    """What refused the round, for the recent denials (None: an outage, not a denial)."""
+    if refused.named is Named.BUDGET:
+        budget = refused.budget
+        return "budget" if budget is not None and budget.verdict is BudgetVerdict.DENY else None
+    if refused.named is Named.CAPACITY:
+        return "capacity"
+    if refused.named is Named.SPEND:
+        return spend_denial_kind(refused.admission)
+    return None
 
 
 class Round:
@@ -149,7 +162,13 @@ class Round:
             if tentative:
                 guard.confirm(admission)
             return Admitted(admission, budget, lease if isinstance(lease, Lease) else None)
-        return self._refused(admission, budget, lease)
+        refused = self._refused(admission, budget, lease)
+        if identity is not None:
+            kind = _denial_kind(refused)
+            if kind is not None:
+                model = request.model if request is not None else ""
+                guard.denials.note(identity, kind, model)
+        return refused
 
     def _refused(
         self,

@@ -211,6 +211,7 @@ def top_json(report: TopReport) -> dict[str, Any]:
                 "remaining_usd": usd_text(s.remaining),
                 "resets_at": time_text(s.resets_at),
                 "forecast": None if s.forecast is None else forecast_json(s.forecast),
+                "denied_last_hour": s.denied_last_hour,
             }
         rows.append(entry)
     return {

@@ -14,6 +14,7 @@ from __future__ import annotations
 from .alerts import AlertQueries
 from .balances import Account
 from .budgets import BudgetOverride, BudgetQueries, UsedSlice
+from .denials import DenialQueries, DenialRow
 from .journal import JournalQueries, SettledRecord
 from .policies import Aggregate, PolicyQueries
 from .records import RecordQueries
@@ -24,6 +25,7 @@ from .settlement import RecordRow, Settlement, SettlementQueries
 class Ledger(
     PolicyQueries,
     AlertQueries,
+    DenialQueries,
     RecordQueries,
     SettlementQueries,
     JournalQueries,
@@ -37,6 +39,7 @@ __all__ = [
     "Account",
     "Aggregate",
     "BudgetOverride",
+    "DenialRow",
     "Ledger",
     "RecordRow",
     "SettledRecord",

@@ -245,3 +245,19 @@ alerts = sa.Table(
     sa.Index("spendguard_alerts_due", "delivered_us", "next_us"),
     sa.Index("spendguard_alerts_fired", "fired_us"),
 )
+
+# Recent denials, for the reports a person reads (kept a week): who, by what, which model.
+denials = sa.Table(
+    "spendguard_denials",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("team", sa.String(100), nullable=False),
+    sa.Column("api_key", sa.String(100), nullable=False),  # '' = no key
+    sa.Column("team_id", sa.Text, nullable=False),
+    sa.Column("api_key_id", sa.Text, nullable=True),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("at_us", sa.BigInteger, nullable=False),
+    sa.Index("spendguard_denials_team_at", "team", "at_us"),
+    sa.Index("spendguard_denials_at", "at_us"),
+)

@@ -46,7 +46,7 @@ def base(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
 def browser() -> Iterator[webdriver.Chrome]:
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"):
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,1150"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(str(DRIVER)), options=options)
     driver.implicitly_wait(5)  # an element a page load is still bringing
@@ -100,7 +100,11 @@ def test_a_person_signs_in_and_sees_limits_top_spenders_and_alerts(
     browser.find_element(By.ID, "token").submit()
     # The alerts pass runs every second: the page shows them once they are in the outbox.
     deadline = time.monotonic() + 15
-    while "reached 100%" not in browser.find_element(By.TAG_NAME, "body").text:
+    while not {"reached 100%", "api_key:day"} <= set(
+        t
+        for t in ("reached 100%", "api_key:day")
+        if t in browser.find_element(By.TAG_NAME, "body").text
+    ):
         assert time.monotonic() < deadline, browser.find_element(By.TAG_NAME, "body").text
         time.sleep(0.5)
         browser.get(page)
@@ -125,6 +129,8 @@ def test_a_person_signs_in_and_sees_limits_top_spenders_and_alerts(
     assert len(limits.find_elements(By.TAG_NAME, "tr")) == 1 + 2  # a header, two limits
     top = browser.find_element(By.ID, "top").text
     assert top.index("acme / alpha") < top.index("acme / beta")  # the bigger spender first
+    denials = browser.find_element(By.ID, "denials").text
+    assert "acme / alpha api_key:day gpt-4o-mini" in denials  # refused at its day limit
     alerts = browser.find_element(By.ID, "alerts").text
     for pct in (50, 80, 100):
         assert f"acme/alpha reached {pct}% of its day limit" in alerts
