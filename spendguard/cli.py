@@ -437,8 +437,12 @@ def _version() -> str:
         return __version__
 
 
+# Plain text: --help prints it as it is (the module docstring is reST).
+DESCRIPTION = "policies, usage, settlement, schema and prices from the command line."
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spendguard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="spendguard", description=f"spendguard: {DESCRIPTION}")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="machine-readable output")
