@@ -7,8 +7,8 @@ embedded store, and the CLI as a separate process sharing only the database.
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime, timedelta
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import pytest
 from spendguard.engine.pricing import PriceTable
 from spendguard.testing import expected_usage
 from tests.support import clean_env, run_cli, serve_demo
+
 
 def key_day_message() -> str:
     """The $0 daily limit's message: it names the limit and the next UTC midnight."""
