@@ -105,7 +105,7 @@ def test_a_top_up_out_of_range_is_a_usage_error_and_nothing_is_written(
 
 
 def test_the_bound_itself_is_accepted(db: str, capsys: pytest.CaptureFixture[str]) -> None:
-    # $1,000,000,000: the largest limit or top-up (README, "Amounts").
+    # $1,000,000,000: the largest limit or top-up (docs/limits.md, "Amounts").
     code, out = run(capsys, "policy", "set", *ALPHA_DAY, "--limit-usd", "1000000000")
     assert code == 0 and "$1000000000.000000" in out
     assert (

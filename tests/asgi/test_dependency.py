@@ -200,7 +200,7 @@ GUARDED = [Depends(auth), Depends(spendguard_guard)]
 
 
 def router_dependencies(provider: Provider) -> tuple[FastAPI, str]:
-    """The README's recipe: the dependencies on the router, the router included."""
+    """docs/getting-started.md's recipe: the dependencies on the router, the router included."""
     router = APIRouter(dependencies=GUARDED)
     router.post("/v1/chat/completions")(provider)
     app = FastAPI()
