@@ -8,6 +8,7 @@ Reads the same ``SPENDGUARD_*`` settings as the middleware. Readable output by d
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.metadata
 import json
 import logging
@@ -91,8 +92,30 @@ async def cmd_db_init(args: argparse.Namespace, ctx: Ctx) -> int:
     return 0
 
 
+async def _hint_new_team(ctx: Ctx, team: str) -> None:
+    """On stderr, when a command is about to give ``team`` its first policy while the ledger
+    knows other teams: a mistyped team would otherwise be a silent success that limits
+    nobody. The teams spelled alike, or a few the ledger knows."""
+    known = sorted({p.team_id for p in await ctx.admin.list_policies(None)})
+    if not known or team in known or await ctx.admin.balance(team) is not None:
+        return
+    alike = difflib.get_close_matches(team, known, n=3)
+    hint = f"did you mean {', '.join(alike)}?" if alike else f"teams with policies: {_few(known)}"
+    print(
+        f"spendguard: team {team!r} has no policy yet in {ledger_description(ctx.settings)}: "
+        f"this makes it a new team ({hint})",
+        file=sys.stderr,
+    )
+
+
+def _few(names: Sequence[str], shown: int = 5) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 async def cmd_policy_set(args: argparse.Namespace, ctx: Ctx) -> int:
     amount = _amount("--limit-usd", args.limit_usd, "a limit", allow_zero=True)
+    await _hint_new_team(ctx, args.team)
     # A bad id or amount is a ValueError naming what is wrong: exit code 2.
     policy = await ctx.admin.set_policy(
         args.team, args.api_key, window=args.period, limit_usd=amount, hard=args.mode == "hard"
@@ -464,8 +487,12 @@ def _version() -> str:
         return __version__
 
 
+# Plain text: --help prints it as it is (the module docstring is reST).
+DESCRIPTION = "policies, usage, settlement, schema and prices from the command line."
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spendguard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="spendguard", description=f"spendguard: {DESCRIPTION}")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="machine-readable output")

@@ -200,7 +200,7 @@ async def check_gateway(ctx: DoctorContext) -> Finding:
     parts = [
         _LIFESPAN_TEXT.get(state, str(state)),
         f"record writer {'running' if writer.get('running') else 'NOT running'} "
-        f"({writer.get('pending', 0)} records pending)",
+        f"({_records(writer.get('pending', 0))} pending)",
         f"worker {'running' if worker.get('running') else 'NOT running'}",
         f"store {store.get('mode')}",
     ]
@@ -221,3 +221,8 @@ async def run_checks(ctx: DoctorContext) -> list[Finding]:
     return [
         await check(ctx) for name, check in CHECKS if name != "gateway" or ctx.gateway is not None
     ]
+
+
+def _records(n: int) -> str:
+    """``1 record``, ``2 records``."""
+    return f"{n} record{'' if n == 1 else 's'}"

@@ -64,7 +64,7 @@ DEFAULT_PRICED = Counter(
     "spendguard_default_priced_total",
     "Costs computed at the price table's 'default' entry, for models the table does not price "
     "(stage: estimate = postflight's estimate, settlement = the charge of a record without a "
-    "price of its own).",
+    "price of its own, hold = preflight's worst case held on hard limits, not a charge).",
     ["stage"],
 )
 

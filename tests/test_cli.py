@@ -105,7 +105,7 @@ def test_a_top_up_out_of_range_is_a_usage_error_and_nothing_is_written(
 
 
 def test_the_bound_itself_is_accepted(db: str, capsys: pytest.CaptureFixture[str]) -> None:
-    # $1,000,000,000: the largest limit or top-up (README, "Amounts").
+    # $1,000,000,000: the largest limit or top-up (docs/limits.md, "Amounts").
     code, out = run(capsys, "policy", "set", *ALPHA_DAY, "--limit-usd", "1000000000")
     assert code == 0 and "$1000000000.000000" in out
     assert (
@@ -314,3 +314,51 @@ def test_prices_show_reads_a_litellm_price_file(
     code, out = run(capsys, "prices", "show", "acme-chat-1")
     assert code == 0
     assert "(acme; your price file)" in out.splitlines()[0]
+
+
+def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert "spendguard: policies, usage, settlement" in out
+    assert "``" not in out  # reST markup printed as is
+
+
+def test_policy_set_on_a_team_spelled_like_another_hints_at_it(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def policy_set(team: str, period: str = "day") -> tuple[int, str]:
+        code = main(["policy", "set", "--team", team, "--period", period, "--limit-usd", "5"])
+        return code, capsys.readouterr().err
+
+    assert "has no policy yet" not in policy_set("acme")[1]  # the ledger's first team
+    code, err = policy_set("acmee")
+    # Still set (a new team is allowed), but not silently.
+    assert code == 0 and "team 'acmee' has no policy yet" in err and "did you mean acme?" in err
+    assert "teams with policies: acme, acmee" in policy_set("zeta")[1]
+    assert "has no policy yet" not in policy_set("acme", "month")[1]  # a team the ledger knows
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("pending", "said"), [(1, "1 record pending"), (2, "2 records pending")])
+async def test_doctor_gateway_counts_records_in_words(
+    monkeypatch: pytest.MonkeyPatch, pending: int, said: str
+) -> None:
+    import httpx
+
+    from spendguard import Settings, doctor
+
+    status = {
+        "lifespan": "lifespan",
+        "running": True,
+        "record_writer": {"running": True, "pending": pending},
+        "worker": {"running": True},
+        "store": {"mode": "embedded"},
+    }
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=status))
+    real = httpx.AsyncClient
+    monkeypatch.setattr(doctor.httpx, "AsyncClient", lambda **kw: real(transport=transport, **kw))
+    settings = Settings(admin_token="t", database_url="sqlite:///unused.db")
+    found = await doctor.check_gateway(doctor.DoctorContext(settings, gateway="http://gw/admin"))
+    assert said in found.detail

@@ -1,6 +1,7 @@
 """Error responses spendguard sends itself, in the dialect of the route (OpenAI or Anthropic).
 
-A 429 names only the limit that denied, never any usage. :func:`send_refusal` renders every
+A 429 names only the limit that denied (its amount, and for a spend limit when it resets),
+never any usage. :func:`send_refusal` renders every
 admission the engine refused; the adapter decides nothing about it.
 
 A spend-limit or balance 429 carries ``x-should-retry: false``: the official OpenAI and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Final
 
 from starlette.types import Send
@@ -25,6 +27,7 @@ from starlette.types import Send
 from ..budgets.gate import OUTAGE_RETRY_AFTER, BudgetAdmission, BudgetVerdict
 from ..engine.decision import Admission, Never, Verdict
 from ..engine.reservation import usd
+from ..engine.views import time_text
 from ..limits import Limit, Period, SubjectKind
 from ..limits.kinds import KINDS
 from ..limits.rates import RateDenial, RateKind
@@ -68,9 +71,14 @@ def limit_name(limit: Limit) -> str:
     return f"{_SUBJECT_NAMES[limit.subject.kind]} {_WINDOW_NAMES[limit.window]} spend limit"
 
 
-def limit_message(limit: Limit) -> str:
-    """``API Key daily spend limit exceeded.`` and the like."""
-    return f"{limit_name(limit)} exceeded."
+def limit_message(limit: Limit, amount: int | None = None, t0: datetime | None = None) -> str:
+    """``API Key daily spend limit exceeded.`` and the like; with the limit's ``amount``
+    (micro-USD) and the request's ``t0``, what it is and when it resets, so a caller reading
+    only the message knows when to come back."""
+    if amount is None or t0 is None:
+        return f"{limit_name(limit)} exceeded."
+    resets = time_text(limit.window.end(t0))
+    return f"{limit_name(limit)} exceeded: limit {usd(amount)}, resets at {resets}."
 
 
 _RATE_NAMES = {
@@ -203,7 +211,8 @@ async def send_refusal(
                 anthropic_type=AS_SENT_ANTHROPIC_TYPE,
             )
         else:
-            message, retry = limit_message(limit), decision.retry_after
+            message = limit_message(limit, decision.denied.limit, decision.t0)
+            retry = decision.retry_after
             code = "spend_limit_exceeded"
             await send_error(send, dialect, 429, code, message, retry_after=retry, headers=denial)
     else:

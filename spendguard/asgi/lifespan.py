@@ -16,6 +16,7 @@ from anyio.abc import TaskGroup
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine.guard import SpendGuard
+from ..errors import SpendGuardError
 
 log = logging.getLogger("spendguard")
 
@@ -31,7 +32,7 @@ async def run_lifespan(
     """``started`` runs once the app's own startup is done (its routes may have changed), and
     before the guard starts: what it reads from the app (a router's model names) then prices
     the settlement worker's first pass too."""
-    seen = {"startup": False, "answered": False}
+    seen = {"startup": False, "answered": False, "failed": False}
     async with anyio.create_task_group() as tg:
 
         async def lifespan_receive() -> Message:
@@ -41,11 +42,16 @@ async def run_lifespan(
             return message
 
         async def lifespan_send(message: Message) -> None:
+            if seen["failed"]:
+                # The server was told start-up failed and is exiting: what the app says as it
+                # is torn down (Starlette's "shutdown failed" with its traceback) is noise.
+                return
             if message["type"] == "lifespan.startup.complete":
                 seen["answered"] = True
                 if started is not None:
                     started()
                 if not await _start(guard, tg, send):
+                    seen["failed"] = True
                     return
             elif message["type"] == "lifespan.startup.failed":
                 seen["answered"] = True
@@ -72,7 +78,12 @@ async def _start(guard: SpendGuard, tg: TaskGroup, send: Send) -> bool:
         await guard.start(task_group=tg)
         return True
     except Exception as exc:
-        log.exception("spendguard failed to start")
+        if isinstance(exc, SpendGuardError):
+            # An outage or a setting, named in its message (the database down, a bad URL):
+            # one line says it all, where a traceback would bury it.
+            log.error("spendguard cannot start: %s", exc)
+        else:  # a bug: the traceback is what its report needs
+            log.exception("spendguard failed to start")
         await send({"type": "lifespan.startup.failed", "message": f"spendguard: {exc}"})
         return False
 

@@ -429,7 +429,8 @@ class Wiring:
             f"{STATE_IDENTITY}, request.state.{STATE_TEAM}/{STATE_API_KEY} or the same "
             'attributes of scope["user"], set by an auth middleware that runs before it (added '
             "after it). FastAPI Depends auth runs after every middleware: add "
-            'Depends(spendguard_guard) after your auth dependency (README, "FastAPI Depends"), '
+            "Depends(spendguard_guard) after your auth dependency (docs/getting-started.md, "
+            '"FastAPI Depends auth"), '
             "or pass SpendGuardMiddleware(resolve_identity=...)"
         )
 

@@ -92,7 +92,8 @@ async def test_a_refusal_never_reaches_the_endpoint(guard: SpendGuard) -> None:
         await guard.admin.set_policy("acme", "alpha", window=Period.DAY, limit_usd=0)
         r = await c.post("/v1/chat/completions", json=chat_body(), headers=ALPHA)
         assert r.status_code == 429 and r.headers["retry-after"]
-        assert r.json()["error"]["message"] == "API Key daily spend limit exceeded."
+        message = r.json()["error"]["message"]
+        assert message.startswith("API Key daily spend limit exceeded: limit $0.00, resets at ")
         assert provider.calls == 0
         await guard.recorder.flush()
         assert await guard.ledger.unsettled() == (0, 0)
@@ -199,7 +200,7 @@ GUARDED = [Depends(auth), Depends(spendguard_guard)]
 
 
 def router_dependencies(provider: Provider) -> tuple[FastAPI, str]:
-    """The README's recipe: the dependencies on the router, the router included."""
+    """docs/getting-started.md's recipe: the dependencies on the router, the router included."""
     router = APIRouter(dependencies=GUARDED)
     router.post("/v1/chat/completions")(provider)
     app = FastAPI()
@@ -327,11 +328,9 @@ async def test_included_routes_refuse_a_key_over_its_limit(
         r = await c.post(gw.path, json=chat_body(), headers=ALPHA)
         assert r.status_code == 429 and r.headers["retry-after"]
         assert r.headers["x-should-retry"] == "false"
-        assert r.json()["error"] == {
-            "type": "insufficient_quota",
-            "code": "spend_limit_exceeded",
-            "message": "API Key daily spend limit exceeded.",
-        }
+        error = r.json()["error"]
+        assert error.pop("message").startswith("API Key daily spend limit exceeded: limit $0.00")
+        assert error == {"type": "insufficient_quota", "code": "spend_limit_exceeded"}
         # Another key of the same team has no limit: still admitted on the same route.
         other = await c.post(gw.path, json=chat_body(), headers=BETA)
         assert other.status_code == 200

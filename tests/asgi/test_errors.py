@@ -64,6 +64,8 @@ async def test_a_limit_denial_is_a_429_naming_the_limit_with_retry_after(
     target: Target, message: str
 ) -> None:
     assert limit_message(target) == message  # type: ignore[arg-type]
+    # The answer also says what the limit is and when it resets (T0 is 2026-09-30 12:00 UTC).
+    message = message.removesuffix(".") + ": limit $0.0001, resets at 2026-10-01T00:00:00Z."
     status, headers, body = await refusal(deny(Dialect.OPENAI, target, 43_200))
     assert status == 429 and headers["retry-after"] == "43200"
     assert body == {

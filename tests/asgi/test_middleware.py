@@ -61,7 +61,8 @@ async def test_key_day_under_limit_but_team_month_exhausted_is_429(gw: Gateway) 
         "error": {
             "type": "insufficient_quota",
             "code": "spend_limit_exceeded",
-            "message": "Team monthly spend limit exceeded.",
+            "message": "Team monthly spend limit exceeded: limit $0.000015, resets at "
+            "2026-10-01T00:00:00Z.",
         }
     }
     # Retry-After: seconds from 2026-09-30 12:00 UTC to October 1st.
@@ -76,11 +77,16 @@ async def test_limit_zero_blocks_and_anthropic_routes_get_their_envelope(gw: Gat
     assert openai_style.status_code == anthropic_style.status_code == 429
     assert openai_style.content == (
         b'{"error":{"type":"insufficient_quota","code":"spend_limit_exceeded",'
-        b'"message":"API Key daily spend limit exceeded."}}'
+        b'"message":"API Key daily spend limit exceeded: limit $0.00, resets at '
+        b'2026-10-01T00:00:00Z."}}'
     )
     assert anthropic_style.json() == {
         "type": "error",
-        "error": {"type": "rate_limit_error", "message": "API Key daily spend limit exceeded."},
+        "error": {
+            "type": "rate_limit_error",
+            "message": "API Key daily spend limit exceeded: limit $0.00, resets at "
+            "2026-10-01T00:00:00Z.",
+        },
     }
     assert gw.postflights == 0
     assert await gw.guard.ledger.unsettled() == (0, 0)

@@ -264,7 +264,8 @@ async def test_a_zero_spend_limit_is_named_before_any_budget_refusal(
     assert denied.json()["error"] == {
         "type": "insufficient_quota",
         "code": "spend_limit_exceeded",
-        "message": "API Key daily spend limit exceeded.",
+        "message": "API Key daily spend limit exceeded: limit $0.00, resets at "
+        "2026-10-01T00:00:00Z.",
     }
     assert denied.headers["x-should-retry"] == "false"
 

@@ -1,4 +1,5 @@
-"""The README's ``Depends`` recipe on the oldest FastAPI spendguard supports, in a child process.
+"""The ``Depends`` recipe of docs/getting-started.md on the oldest FastAPI spendguard
+supports, in a child process.
 
 FastAPI 0.110.1 is the first release that accepts a Starlette spendguard runs on
 (``starlette>=0.37``: 0.110.0 pins ``starlette<0.37``), and it requires ``starlette>=0.37.2``.

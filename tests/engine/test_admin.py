@@ -157,21 +157,33 @@ async def test_a_limit_stored_beyond_the_bound_is_checked_not_a_500(
         await store.aclose()
 
 
-async def test_readme_admin_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_example_admin_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/admin_api.py (docs/admin.md): the admin API behind a route of the gateway;
+    its auth and its answers to bad input are tests/docs/test_admin_example.py's."""
     monkeypatch.setenv("SPENDGUARD_DATABASE_URL", f"sqlite:///{tmp_path / 'admin.db'}")
+    monkeypatch.setenv("ADMIN_TOKEN", "t")
     example = importlib.import_module("examples.admin_api")
     example = importlib.reload(example)  # a fresh guard on this test's database
     async with lifespan(example.app):
         transport = httpx.ASGITransport(app=example.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://admin") as c:
             with anyio.fail_after(10):
-                r = await c.put("/admin/teams/acme/limits/day?usd=5&api_key=alpha")
+                r = await c.put(
+                    "/admin/teams/acme/limits/day?api_key=alpha",
+                    json={"limit_usd": "5"},
+                    headers={"authorization": "Bearer t"},
+                )
         assert r.status_code == 200
         # The key's new day limit, beside the team's spend (no limit) of the day and month.
-        limited = [row for row in r.json()["limits"] if row[1] is not None]
-        [(window, amount, remaining, resets_at)] = limited
-        assert (window, amount, remaining) == ("day", 5_000_000, 5_000_000)
-        assert datetime.fromisoformat(resets_at) == Period.DAY.end(datetime.now(UTC))
+        limited = [row for row in r.json()["limits"] if row["limit_micros"] is not None]
+        [row] = limited
+        assert (row["period"], row["limit_micros"], row["remaining_micros"]) == (
+            "day",
+            5_000_000,
+            5_000_000,
+        )
+        resets_at = datetime.fromisoformat(row["resets_at"].replace("Z", "+00:00"))
+        assert resets_at == Period.DAY.end(datetime.now(UTC))
         policies = await example.guard.admin.list_policies("acme")
         assert [(p.limit, p.amount) for p in policies] == [
             (key_limit(ALPHA, Period.DAY), 5_000_000)

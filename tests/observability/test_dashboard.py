@@ -14,6 +14,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 import spendguard.metrics
+from spendguard.engine.costing import Stage
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "examples" / "grafana-dashboard.json"
@@ -145,10 +146,32 @@ def test_label_values_in_queries_are_from_the_closed_sets() -> None:
 @pytest.mark.parametrize("doc", ["docs/metrics.md"])
 def test_every_registered_metric_is_documented(doc: str) -> None:
     text = (ROOT / doc).read_text()
+    # The names a scrape shows (a counter's with its _total), each a whole word on the page:
+    # spendguard_budget_used alone does not document spendguard_budget_used_total.
+    series = registered()
     names = {
-        name.removesuffix("_total")
-        for name in registered()
-        if not name.endswith(("_created", "_bucket", "_count", "_sum"))
+        n.removesuffix("_bucket") for n in series if not n.endswith(("_created", "_count", "_sum"))
     }
-    missing = sorted(n for n in names if n not in text)
+    missing = sorted(n for n in names if not re.search(rf"\b{n}\b", text))
     assert not missing, missing
+    # A counter named without its _total is a series no scrape shows.
+    truncated = sorted({m for m, _ in SERIES.findall(text) if f"{m}_total" in series})
+    assert not truncated, truncated
+
+
+def test_help_texts_name_every_stage() -> None:
+    """The HELP of the two per-stage counters names each stage value they are counted with."""
+    helps = {
+        family.name: family.documentation
+        for family in REGISTRY.collect()
+        if family.name in ("spendguard_unknown_model", "spendguard_default_priced")
+    }
+    stages = {stage.value for stage in Stage}
+    # A default price never answers at admission: only the reject rule refuses there.
+    expected = {
+        "spendguard_unknown_model": stages,
+        "spendguard_default_priced": stages - {"admission"},
+    }
+    for name, values in expected.items():
+        missing = sorted(v for v in values if v not in helps[name])
+        assert not missing, (name, missing)

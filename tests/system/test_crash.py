@@ -3,8 +3,8 @@
 The embedded store lives in the gateway's memory and dies with it; the ledger keeps what the
 record writer wrote. The writer lingers 25 ms after a record so batches form, then writes in a
 worker thread: a record is on disk well within 100 ms of its response's end. The test kills
-the gateway half a second after the last response (the bound the README states, with a margin
-for a loaded CI machine) and finds every served inference in the ledger.
+the gateway half a second after the last response (the bound docs/durability.md states, with a
+margin for a loaded CI machine) and finds every served inference in the ledger.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,22 @@ from spendguard.engine.pricing import PriceTable
 from spendguard.testing import expected_usage
 from tests.support import clean_env, run_cli, serve_demo
 
-R52_KEY_DAY = {
-    "error": {
-        "type": "insufficient_quota",
-        "code": "spend_limit_exceeded",
-        "message": "API Key daily spend limit exceeded.",
+
+def key_day_message() -> str:
+    """The $0 daily limit's message: it names the limit and the next UTC midnight."""
+    midnight = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    resets = (midnight + timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"API Key daily spend limit exceeded: limit $0.00, resets at {resets}."
+
+
+def key_day() -> dict[str, Any]:
+    return {
+        "error": {
+            "type": "insufficient_quota",
+            "code": "spend_limit_exceeded",
+            "message": key_day_message(),
+        }
     }
-}
 
 
 ALPHA_DAY = ("--team", "acme", "--api-key", "alpha", "--period", "day")
@@ -56,7 +66,7 @@ def test_demo_gateway_acceptance(gateway: str, env: dict[str, str]) -> None:
 
     with pytest.raises(openai.RateLimitError) as denied:
         alpha.chat.completions.create(model="gpt-4o-mini", messages=messages)  # type: ignore[arg-type]
-    assert denied.value.response.json() == R52_KEY_DAY
+    assert denied.value.response.json() == key_day()
     assert int(denied.value.response.headers["retry-after"]) > 0
 
     expected = 0
@@ -104,7 +114,7 @@ def test_demo_gateway_acceptance(gateway: str, env: dict[str, str]) -> None:
         ).messages.create(**body)
     assert denied_claude.value.response.json() == {
         "type": "error",
-        "error": {"type": "rate_limit_error", "message": "API Key daily spend limit exceeded."},
+        "error": {"type": "rate_limit_error", "message": key_day_message()},
     }
 
     # Streaming without usage is estimated, so it is kept out of the exact sum above.
