@@ -1,7 +1,7 @@
 """Budgets: token and USD quotas over rolling windows for API keys, models and the fleet.
 
-Independent of spend limits and balances: a request must pass both. See the README section
-"Budgets" and design.md "Budgets"; :func:`gate_for` builds the gate the middleware uses.
+Independent of spend limits and balances: a request must pass both. See docs/rolling-budgets.md
+and design.md "Budgets"; :func:`gate_for` builds the gate the middleware uses.
 """
 
 from __future__ import annotations

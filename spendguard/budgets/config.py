@@ -1,4 +1,4 @@
-"""The budgets section: parsed, validated, frozen (README, "Budgets").
+"""The budgets section: parsed, validated, frozen (docs/rolling-budgets.md).
 
 A budgets file is JSON or YAML, either the section itself or a document with a top-level
 ``budgets:`` key::
