@@ -218,7 +218,9 @@ def _usage_line(row: dict[str, Any]) -> str:
     f = row.get("forecast")
     if f and f["rate_per_hour_micros"]:
         line += f"; at ${f['rate_per_hour_usd']}/h ${f['projected_usd']} by then"
-        if f["runs_out_at"] is not None:
+        if row["limit_micros"] is not None and row["used_micros"] >= row["limit_micros"]:
+            line += ", limit reached"
+        elif f["runs_out_at"] is not None:
             line += f", runs out {f['runs_out_at']}"
     return line
 

@@ -46,9 +46,14 @@ def forecast(
     runs_out: datetime | None = None
     if limit is not None:
         if used >= limit:
-            runs_out = now
+            runs_out = _whole(now)
         elif per_s > 0:
             seconds = Fraction(limit - used) / per_s
             if seconds < left:
-                runs_out = now + timedelta(seconds=math.ceil(seconds))
+                runs_out = _whole(now + timedelta(seconds=math.ceil(seconds)))
     return Forecast(last_hour, last_day, math.ceil(per_s * HOUR_S), projected, runs_out)
+
+
+def _whole(at: datetime) -> datetime:
+    """``at`` rounded up to a whole second (a projection has no finer grain to offer)."""
+    return at if not at.microsecond else at.replace(microsecond=0) + timedelta(seconds=1)
