@@ -10,14 +10,23 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import anyio
 import httpx
 import pytest
+import sqlalchemy as sa
 
 from spendguard.alerts import SIGNATURE_HEADER, verify
-from tests.support import clean_env, free_port, run_cli, stop, uvicorn, wait_healthy
+from spendguard.engine.admin import Admin
+from spendguard.ledger import Ledger
+from spendguard.ledger.schema import records
+from spendguard.limits import KeyCodec
+from spendguard.money import micros_to_usd
+from spendguard.store.redis import RedisStore
+from tests.support import clean_env, free_port, stop, uvicorn, wait_healthy
+from tests.support.sql import sql_rows
 from tests.support.webhook import WebhookReceiver
 
 SECRET = "whsec-system"
@@ -73,16 +82,32 @@ async def _fire(bases: list[str], count: int) -> list[int]:
     return statuses
 
 
-def _one_cost(base: str) -> None:
-    """One request first: every later one costs the same (same body, same fake answer)."""
-    r = httpx.post(f"{base}/v1/chat/completions", json=BODY, headers=AUTH, timeout=30)
+async def _set_day_limit(env: dict[str, str], micros: int) -> None:
+    """The key's day limit through the admin API (the gateways' cached policy is evicted, as
+    the CLI does), in this process: no CLI process to start."""
+    ledger = Ledger(env["SPENDGUARD_DATABASE_URL"])
+    store = RedisStore.from_url(env["SPENDGUARD_REDIS_URL"], timeout=2)
+    await ledger.connect()
+    try:
+        await ledger.init_schema()
+        admin = Admin(ledger, store, KeyCodec("quota", timedelta(days=2)))
+        await admin.set_policy("acme", "alpha", window="day", limit_usd=micros_to_usd(micros))
+    finally:
+        await ledger.disconnect()
+        await store.aclose()
+
+
+async def _one_cost(env: dict[str, str], base: str) -> int:
+    """One request's estimate, from its record: every later one costs the same (same body,
+    same fake answer)."""
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(f"{base}/v1/chat/completions", json=BODY, headers=AUTH)
     assert r.status_code == 200
-
-
-def _settled_usage(env: dict[str, str]) -> int:
-    run_cli(env, "settle")
-    report = run_cli(env, "usage", "--team", "acme", "--api-key", "alpha", "--json")
-    return sum(int(limit["used_micros"]) for limit in report["limits"] if limit["api_key"])
+    query = sa.select(records.c.estimate_micros)
+    with anyio.fail_after(10):
+        while not (rows := await sql_rows(env["SPENDGUARD_DATABASE_URL"], query)):
+            await anyio.sleep(0.05)  # the gateway's record writer batches for 100 ms
+    return int(rows[0][0])
 
 
 def _wait_for(receiver: WebhookReceiver, count: int, timeout: float) -> None:
@@ -104,36 +129,14 @@ def _check(receiver: WebhookReceiver) -> None:
 
 def _limit_for_300(env: dict[str, str], base: str) -> None:
     """A day limit of the key that 300 requests cross (about 150 requests' worth)."""
-    run_cli(
-        env,
-        "policy",
-        "set",
-        "--team",
-        "acme",
-        "--api-key",
-        "alpha",
-        "--period",
-        "day",
-        "--limit-usd",
-        "1000",
-    )
-    _one_cost(base)
-    cost = _settled_usage(env)
-    assert cost > 0
-    limit = cost * 150
-    run_cli(
-        env,
-        "policy",
-        "set",
-        "--team",
-        "acme",
-        "--api-key",
-        "alpha",
-        "--period",
-        "day",
-        "--limit-usd",
-        f"{limit / 1_000_000:.6f}",
-    )
+
+    async def set_it() -> None:
+        await _set_day_limit(env, 10**9)
+        cost = await _one_cost(env, base)
+        assert cost > 0
+        await _set_day_limit(env, cost * 150)
+
+    anyio.run(set_it)
 
 
 @pytest.mark.timeout(180)
@@ -144,7 +147,7 @@ def test_300_concurrent_requests_on_two_gateways_alert_once_per_threshold(
     bases, procs = _serve([env, env], tmp_path)
     try:
         _limit_for_300(env, bases[0])
-        time.sleep(1.5)  # the gateways' cached policy: read again after the CLI evicted it
+        time.sleep(1.5)  # the gateways read the policy again (the admin API evicted it)
         statuses = anyio.run(_fire, bases, 300)
         assert statuses.count(200) >= 150 and set(statuses) <= {200, 429}
         _wait_for(receiver, 3, timeout=30)
