@@ -44,13 +44,12 @@ from .engine.views import (
     removed_json,
     top_json,
     usage_json,
-    usd_text,
 )
 from .engine.worker import SettlementWorker
 from .errors import ConfigurationError, SpendGuardError
 from .ledger import Ledger
 from .limits import KeyCodec, Period
-from .money import checked_amount, usd_to_micros
+from .money import checked_amount, usd_text, usd_to_micros
 from .settings import Settings, UnknownModel, load_settings
 from .store import OwnerLog, Store, make_store
 

@@ -34,3 +34,8 @@ def utcnow() -> datetime:
 def to_millis(t: datetime) -> int:
     """Epoch milliseconds (the rate windows' time, passed to the store scripts)."""
     return to_micros(t) // 1000
+
+
+def time_text(at: datetime) -> str:
+    """A time as RFC 3339 in UTC with a ``Z`` (``2026-12-02T00:00:00Z``): every JSON view's."""
+    return at.astimezone(UTC).isoformat().replace("+00:00", "Z")

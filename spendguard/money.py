@@ -49,6 +49,11 @@ def micros_to_usd(micros: int) -> Decimal:
     return (Decimal(micros) / MICROS_PER_USD).quantize(_MICRO)
 
 
+def usd_text(micros: int | None) -> str | None:
+    """Micro-USD as an exact decimal string (``"1.500000"``); None stays None."""
+    return None if micros is None else str(micros_to_usd(micros))
+
+
 def ceil_micros(amount: Decimal) -> MicroUSD:
     """Round a fractional micro-USD cost up: a budget errs towards the operator, not the caller."""
     return MicroUSD(int(amount.to_integral_value(rounding=ROUND_CEILING)))

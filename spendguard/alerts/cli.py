@@ -7,39 +7,29 @@ import argparse
 import json
 from typing import Any
 
-from ..clock import utcnow
-from ..engine.views import alerts_json, time_text
-from ..errors import ConfigurationError
+from ..clock import time_text
+from ..engine.views import alert_test_json, alerts_json
 from ..ledger import Ledger
 from ..limits import KeyCodec
-from ..settings import AlertFormat, Settings
+from ..settings import Settings
 from ..store import MemoryStore, Store
-from .events import sample_alert
 from .service import AlertService
 
 
 def service_for(
     settings: Settings, ledger: Ledger, store: Store | None, codec: KeyCodec
 ) -> AlertService:
-    secret = settings.alert_webhook_secret
-    return AlertService(
-        ledger,
-        store if store is not None else MemoryStore(),
-        codec,
-        webhook_url=settings.alert_webhook_url,
-        secret=secret.get_secret_value() if secret else None,
-        slack=settings.alert_webhook_format is AlertFormat.SLACK,
+    # Without Redis the CLI moves no alerts (they live in each gateway): an empty store.
+    return AlertService.from_settings(
+        settings, ledger, store if store is not None else MemoryStore(), codec
     )
 
 
 async def run(args: argparse.Namespace, service: AlertService) -> int:
     cmd = args.alerts_cmd
     if cmd == "test":
-        if service.webhook_url is None:
-            raise ConfigurationError("no webhook: set SPENDGUARD_ALERT_WEBHOOK_URL")
-        alert = sample_alert(utcnow())
-        error = await service.send(alert)
-        data = {"sent": alert.as_json(), "delivered": error is None, "error": error}
+        alert, error = await service.send_sample()
+        data = alert_test_json(alert, error)
         text = (
             f"sample alert {alert.id} delivered to {service.webhook_url}"
             if error is None

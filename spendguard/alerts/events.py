@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ..clock import from_micros
+from ..clock import from_micros, time_text
 from ..limits import Limit, Period
 from ..limits.codec import parse_field
-from ..money import micros_to_usd
+from ..money import usd_text
 
 THRESHOLD = "threshold"  # a percentage of a limit reached
 PROJECTED = "projected"  # at the recent spend rate, the limit runs out before it resets
@@ -84,15 +84,6 @@ class Alert:
         if slack:
             data = {"text": self.text, "spendguard": data}
         return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
-
-
-def usd_text(micros: int) -> str:
-    return str(micros_to_usd(micros))
-
-
-def time_text(at: datetime) -> str:
-    """RFC 3339 in UTC with a ``Z``, as every JSON view of spendguard writes times."""
-    return at.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 def alert_id(team: str, label: str, percent: int, limit: int, kind: str = THRESHOLD) -> str:

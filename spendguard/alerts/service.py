@@ -20,9 +20,10 @@ from anyio.abc import TaskStatus
 
 from .. import metrics
 from ..clock import utcnow
-from ..errors import LedgerUnavailable, StoreUnavailable
+from ..errors import ConfigurationError, LedgerUnavailable, StoreUnavailable
 from ..limits.codec import field_of
-from .events import PROJECTED, Alert, alert_id, parse_pending
+from ..settings import AlertFormat, Settings
+from .events import PROJECTED, Alert, alert_id, parse_pending, sample_alert
 from .signing import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, sign
 
 if TYPE_CHECKING:  # the ledger keeps alerts: it imports this package's values
@@ -100,6 +101,31 @@ class AlertService:
         self.forecast_interval = forecast_interval
         self._charged: set[str] = set()
         self._next_forecast = clock()
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        ledger: Ledger,
+        store: Store,
+        codec: KeyCodec,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+        usage: UsageOf | None = None,
+    ) -> AlertService:
+        """The service the ``SPENDGUARD_ALERT_*`` settings describe (a gateway's, the CLI's)."""
+        secret = settings.alert_webhook_secret
+        return cls(
+            ledger,
+            store,
+            codec,
+            webhook_url=settings.alert_webhook_url,
+            secret=secret.get_secret_value() if secret else None,
+            slack=settings.alert_webhook_format is AlertFormat.SLACK,
+            clock=clock,
+            usage=usage,
+            forecast_interval=settings.alert_forecast_interval,
+        )
 
     def note(self, team: str) -> None:
         """``team``'s postflight fired an alert: move it on the next pass."""
@@ -204,6 +230,14 @@ class AlertService:
                 error,
             )
         return done
+
+    async def send_sample(self) -> tuple[Alert, str | None]:
+        """Send a ``spendguard.test`` alert to the webhook (``alerts test``): it, and None when
+        a 2xx took it, else what went wrong. ConfigurationError without a webhook."""
+        if self.webhook_url is None:
+            raise ConfigurationError("no webhook: set SPENDGUARD_ALERT_WEBHOOK_URL")
+        alert = sample_alert(self.clock())
+        return alert, await self.send(alert)
 
     async def send(self, alert: Alert) -> str | None:
         """POST one alert to the webhook; None when a 2xx took it, else what went wrong."""

@@ -39,16 +39,16 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from ..alerts.events import sample_alert
 from ..budgets import BudgetGate
 from ..budgets.admin import BudgetAdmin
 from ..clock import utcnow
 from ..describe import redact_url
 from ..doctor import effective_settings
-from ..engine.admin import Admin
+from ..engine.admin import Admin, TopReport
 from ..engine.guard import SpendGuard
 from ..engine.views import (
     RATE_FIELDS,
+    alert_test_json,
     alerts_json,
     balance_json,
     balance_report_json,
@@ -62,7 +62,7 @@ from ..engine.views import (
     top_json,
     usage_json,
 )
-from ..errors import LedgerUnavailable, SpendGuardError, StoreUnavailable
+from ..errors import ConfigurationError, LedgerUnavailable, SpendGuardError, StoreUnavailable
 from ..identity import Identity
 from ..limits import Period
 from ..money import checked_amount, micros_to_usd, usd_to_micros
@@ -352,7 +352,7 @@ class AdminApp:
             return HTMLResponse("spendguard is not running here", status_code=503)
         try:
             admin = await self._admin(target)
-            teams = await self.teams_with_limits(admin)
+            _, teams = await self.teams_with_limits(admin)
             reports = [await admin.usage(team) for team in teams[:_PAGE_TEAMS]]
             top = await admin.top_spenders("key", Period.DAY, 10)
             alerts = await admin.alerts(20)
@@ -367,11 +367,13 @@ class AdminApp:
         return HTMLResponse(spend_page(utcnow(), reports, top, alerts, denials))
 
     @staticmethod
-    async def teams_with_limits(admin: Admin) -> list[str]:
-        """Every team with a limit or spend this month: the biggest spenders first."""
+    async def teams_with_limits(admin: Admin) -> tuple[TopReport, list[str]]:
+        """Every team with a limit or spend this month, the biggest spenders first, and the
+        month's report they were read from."""
         report = await admin.top_spenders("team", Period.MONTH, 1000)
         spent = [s.row.team_id for s in report.spenders]
-        return spent + sorted({p.team_id for p in await admin.list_policies()} - set(spent))
+        idle = sorted({p.team_id for p in await admin.list_policies()} - set(spent))
+        return report, spent + idle
 
     def _expected_token(self) -> str | None:
         if self._token is not None:
@@ -509,12 +511,9 @@ class AdminApp:
         """Every team with a limit or spend this month, biggest spender first (then the
         teams with limits and no spend yet, by id)."""
         admin = await self._admin(target)
-        report = await admin.top_spenders("team", Period.MONTH, 1000)
+        report, teams = await self.teams_with_limits(admin)
         spent = {s.row.team_id: s.row.spent for s in report.spenders}
-        rows = [
-            {"team": team, "spent_month_micros": spent.get(team, 0)}
-            for team in await self.teams_with_limits(admin)
-        ]
+        rows = [{"team": team, "spent_month_micros": spent.get(team, 0)} for team in teams]
         return JSONResponse({"month": report.period_id, "teams": rows})
 
     async def alerts(self, request: Request, target: _Target) -> Response:
@@ -527,13 +526,13 @@ class AdminApp:
     async def alerts_test(self, request: Request, target: _Target) -> Response:
         await self._admin(target)
         assert target.guard is not None
-        service = target.guard.alerts
-        if service.webhook_url is None:
-            raise AdminError(404, "no_webhook", "no webhook: set SPENDGUARD_ALERT_WEBHOOK_URL")
-        alert = sample_alert(utcnow())
-        error = await service.send(alert)
-        data = {"sent": alert.as_json(), "delivered": error is None, "error": error}
-        return JSONResponse(data, status_code=200 if error is None else 502)
+        try:
+            alert, error = await target.guard.alerts.send_sample()
+        except ConfigurationError as exc:
+            raise AdminError(404, "no_webhook", str(exc)) from None
+        return JSONResponse(
+            alert_test_json(alert, error), status_code=200 if error is None else 502
+        )
 
     async def usage(self, request: Request, target: _Target) -> Response:
         identity = _identity(request)

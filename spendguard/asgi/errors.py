@@ -25,9 +25,9 @@ from typing import Final
 from starlette.types import Send
 
 from ..budgets.gate import OUTAGE_RETRY_AFTER, BudgetAdmission, BudgetVerdict
+from ..clock import time_text
 from ..engine.decision import Admission, Never, Verdict
 from ..engine.reservation import usd
-from ..engine.views import time_text
 from ..limits import Limit, Period, SubjectKind
 from ..limits.kinds import KINDS
 from ..limits.rates import RateDenial, RateKind

@@ -17,9 +17,10 @@ from datetime import datetime
 from html import escape
 
 from ..alerts.events import Alert
+from ..clock import time_text
 from ..engine.admin import LimitUsage, TopReport, UsageReport
-from ..engine.views import time_text, usd_text
 from ..ledger import DenialRow
+from ..money import usd_text
 
 COOKIE = "spendguard_page"
 REFRESH_SECONDS = 30

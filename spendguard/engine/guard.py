@@ -43,7 +43,7 @@ from ..limits.rates import WINDOW_MS, RateDenial, RateState
 from ..providers.model import ProviderKey
 from ..providers.pool import ProviderPool
 from ..record import InferenceRecord, PostflightStatus
-from ..settings import AlertFormat, FailMode, MissingIdentity, Settings, load_settings
+from ..settings import FailMode, MissingIdentity, Settings, load_settings
 from ..store import (
     EntryWrite,
     LimitState,
@@ -200,16 +200,13 @@ class SpendGuard:
         # Threshold alerts: fired by the postflight script, moved and sent off the request path.
         self._thresholds = s.alert_thresholds
         self._projected = s.alert_projected
-        self.alerts = AlertService(
+        self.alerts = AlertService.from_settings(
+            s,
             self.ledger,
             self.store,
             self.codec,
-            webhook_url=s.alert_webhook_url,
-            secret=s.alert_webhook_secret.get_secret_value() if s.alert_webhook_secret else None,
-            slack=s.alert_webhook_format is AlertFormat.SLACK,
             clock=clock,
             usage=self._usage_of if s.alert_projected else None,
-            forecast_interval=s.alert_forecast_interval,
         )
         self.denials = DenialLog(self.ledger, clock)  # recent denials, for reports
         self._pool: ProviderPool | None = None

@@ -13,12 +13,13 @@ team's own entry under ``"api_key": null`` (model lists, keyed by encoded id, us
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from ..clock import time_text
 from ..limits import Policy
 from ..limits.rates import Rates
-from ..money import micros_to_usd
+from ..money import usd_text
 from .admin import BalanceReport, LimitUsage, TopReport, UsageReport
 
 if TYPE_CHECKING:
@@ -28,16 +29,6 @@ if TYPE_CHECKING:
     from .forecast import Forecast
 
 RATE_FIELDS = ("rpm", "tpm", "max_parallel")
-
-
-def usd_text(micros: int | None) -> str | None:
-    """Micro-USD as an exact decimal string (``"1.500000"``); None stays None."""
-    return None if micros is None else str(micros_to_usd(micros))
-
-
-def time_text(at: datetime) -> str:
-    """A time as RFC 3339 in UTC with a ``Z`` (``2026-12-02T00:00:00Z``)."""
-    return at.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 # -- policies --------------------------------------------------------------------------------
@@ -224,6 +215,11 @@ def top_json(report: TopReport) -> dict[str, Any]:
 
 
 # -- alerts ----------------------------------------------------------------------------------
+def alert_test_json(sent: Alert, error: str | None) -> dict[str, Any]:
+    """What ``alerts test`` (and ``POST /alerts/test``) sent, and whether it was taken."""
+    return {"sent": sent.as_json(), "delivered": error is None, "error": error}
+
+
 def alerts_json(rows: Iterable[tuple[Alert, datetime | None, int]]) -> dict[str, Any]:
     """The newest alerts, each as its webhook carries it plus where its delivery stands."""
     out = []
