@@ -48,7 +48,7 @@ from .engine.views import (
 from .engine.worker import SettlementWorker
 from .errors import ConfigurationError, SpendGuardError
 from .ledger import Ledger
-from .limits import KeyCodec, Period
+from .limits import KeyCodec, Period, Policy
 from .money import checked_amount, usd_text, usd_to_micros
 from .settings import Settings, UnknownModel, load_settings
 from .store import OwnerLog, Store, make_store
@@ -116,15 +116,28 @@ async def cmd_policy_set(args: argparse.Namespace, ctx: Ctx) -> int:
     amount = _amount("--limit-usd", args.limit_usd, "a limit", allow_zero=True)
     await _hint_new_team(ctx, args.team)
     # A bad id or amount is a ValueError naming what is wrong: exit code 2.
+    alert_at = args.alert_at
     policy = await ctx.admin.set_policy(
-        args.team, args.api_key, window=args.period, limit_usd=amount, hard=args.mode == "hard"
+        args.team,
+        args.api_key,
+        window=args.period,
+        limit_usd=amount,
+        hard=args.mode == "hard",
+        alert_at="" if alert_at == "none" else alert_at,
     )
     who = _who(policy.team_id, policy.api_key_id)
     window = policy.limit.window.value
     mode = "hard" if policy.hard else "soft"
-    text = f"policy set: {who} {window} limit ${usd_text(policy.amount)} ({mode})"
+    text = f"policy set: {who} {window} limit ${usd_text(policy.amount)} ({mode}"
+    text += f", alerts at {_alerts_text(policy)})"
     _emit(args, policy_json(policy), text)
     return 0
+
+
+def _alerts_text(policy: Policy) -> str:
+    if policy.alert_at is None:
+        return "the default"
+    return ",".join(f"{p}%" for p in policy.alert_at) or "none"
 
 
 async def cmd_policy_rm(args: argparse.Namespace, ctx: Ctx) -> int:
@@ -136,8 +149,10 @@ async def cmd_policy_rm(args: argparse.Namespace, ctx: Ctx) -> int:
 async def cmd_policy_ls(args: argparse.Namespace, ctx: Ctx) -> int:
     rows = await ctx.admin.list_policies(args.team or None)
     data = policies_json(rows, args.team or None)
-    lines = [f"{'TEAM':<20} {'API KEY':<20} {'PERIOD':<6} LIMIT USD"] + [
-        f"{p.team_id:<20} {p.api_key_id or '-':<20} {p.limit.window.value:<6} {usd_text(p.amount)}"
+    lines = [f"{'TEAM':<20} {'API KEY':<20} {'PERIOD':<6} {'MODE':<4} {'LIMIT USD':>12} ALERTS"]
+    lines += [
+        f"{p.team_id:<20} {p.api_key_id or '-':<20} {p.limit.window.value:<6} "
+        f"{'hard' if p.hard else 'soft':<4} {usd_text(p.amount):>12} {_alerts_text(p)}"
         for p in rows
     ]
     _emit(args, data, "\n".join(lines) if rows else "no policies")
@@ -520,6 +535,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="soft",
         help="soft (default): admitted while usage is below the limit; hard: admitted only "
         "if the request's worst-case cost fits, held until it ends",
+    )
+    p_set.add_argument(
+        "--alert-at",
+        default=None,
+        metavar="PCTS",
+        help="the limit's own alert thresholds, e.g. 50,80,100; 'none': never alerts; "
+        "'default': SPENDGUARD_ALERT_THRESHOLDS (unset: a limit keeps what it has)",
     )
     p_set.set_defaults(handler=cmd_policy_set)
     p_rm.set_defaults(handler=cmd_policy_rm)

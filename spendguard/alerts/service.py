@@ -101,6 +101,9 @@ class AlertService:
         self.forecast_interval = forecast_interval
         self._charged: set[str] = set()
         self._next_forecast = clock()
+        # Whether passes do anything: a gateway with no default thresholds starts idle (no
+        # ledger query a second) and wakes at the first alert a limit of its own fires.
+        self.active = True
 
     @classmethod
     def from_settings(
@@ -130,6 +133,7 @@ class AlertService:
     def note(self, team: str) -> None:
         """``team``'s postflight fired an alert: move it on the next pass."""
         self._teams.add(team)
+        self.active = True
 
     def charged(self, team_id: str) -> None:
         """``team_id`` (as the host gave it) was charged: forecast it on the next forecast."""
@@ -138,6 +142,8 @@ class AlertService:
     async def run_once(self) -> tuple[int, int]:
         """One pass: move what was noted, deliver what is due. Returns (alerts moved into the
         outbox, alerts delivered); a store or ledger outage leaves the rest for the next."""
+        if not self.active:
+            return 0, 0
         moved = 0
         for team in sorted(self._teams):
             try:

@@ -40,19 +40,30 @@ def _marks(limit: int, thresholds: tuple[int, ...]) -> tuple[int, tuple[tuple[in
     return limit, tuple((p, amount_at(limit, p)) for p in thresholds)
 
 
+@lru_cache(maxsize=1024)
+def stored_thresholds(text: str) -> tuple[int, ...]:
+    """A limit's own thresholds as its policy stores them (``"50,80"``; ``""``: none). A
+    value that is not one (written by hand) alerts at nothing rather than failing a request."""
+    try:
+        return parse_thresholds(text)
+    except ValueError:
+        return ()
+
+
 def marks_for(
     alerts_key: str, limits: Sequence[LimitState], thresholds: tuple[int, ...]
 ) -> AlertMarks | None:
     """What a postflight charging ``limits`` asks its store to check, or None when nothing
-    can alert (no thresholds, or only balances and zero limits)."""
-    if not thresholds:
-        return None
+    can alert. ``thresholds`` are the gateway's default; a limit with its own (``alert_at``)
+    alerts at those instead."""
     marks: list[tuple[int, tuple[tuple[int, int], ...]] | None] = []
     any_mark = False
     for state in limits:
-        if state.is_balance or state.limit <= 0:
+        own = state.alert_at
+        wanted = thresholds if own is None else stored_thresholds(own)
+        if not wanted or state.is_balance or state.limit <= 0:
             marks.append(None)
             continue
-        marks.append(_marks(state.limit, thresholds))
+        marks.append(_marks(state.limit, wanted))
         any_mark = True
     return AlertMarks(alerts_key, marks) if any_mark else None

@@ -39,6 +39,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ..alerts.thresholds import parse_thresholds
 from ..budgets import BudgetGate
 from ..budgets.admin import BudgetAdmin
 from ..clock import utcnow
@@ -169,6 +170,26 @@ async def _body(request: Request, allowed: set[str], required: set[str]) -> dict
     if missing:
         raise AdminError(400, "invalid_request", f"missing fields: {', '.join(sorted(missing))}")
     return body
+
+
+def _alert_at(body: dict[str, Any]) -> list[int] | str | None:
+    """A policy body's alert_at: absent keeps the limit's thresholds, null goes back to the
+    gateway's default, a list of percentages (``[]``: none) sets the limit's own."""
+    if "alert_at" not in body:
+        return None
+    value = body["alert_at"]
+    if value is None:
+        return "default"
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise AdminError(
+            400, "invalid_request", "alert_at must be a list of whole percentages, or null"
+        )
+    try:
+        return list(parse_thresholds(value))
+    except ValueError as exc:
+        raise AdminError(400, "invalid_request", str(exc)) from None
 
 
 def _amount(body: dict[str, Any], name: str, what: str, *, allow_zero: bool) -> int:
@@ -482,7 +503,7 @@ class AdminApp:
             if not removed:
                 raise AdminError(404, "not_found", "no such active policy")
             return JSONResponse(removed_json(True))
-        body = await _body(request, {"limit_usd", "mode"}, {"limit_usd"})
+        body = await _body(request, {"limit_usd", "mode", "alert_at"}, {"limit_usd"})
         micros = _amount(body, "limit_usd", "a limit", allow_zero=True)
         hard = _mode(body, "soft")
         admin = await self._admin(target)
@@ -492,6 +513,7 @@ class AdminApp:
             window=period,
             limit_usd=micros_to_usd(micros),
             hard=hard,
+            alert_at=_alert_at(body),
         )
         return JSONResponse(policy_json(saved))
 

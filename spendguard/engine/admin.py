@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 
 from ..alerts.events import Alert
+from ..alerts.thresholds import parse_thresholds
 from ..clock import utcnow
 from ..errors import StoreUnavailable
 from ..identity import Identity
@@ -148,17 +149,26 @@ class Admin:
         window: Window | str,
         limit_usd: Decimal | str | int,
         hard: bool = False,
+        alert_at: Iterable[int] | str | None = None,
     ) -> Policy:
         """Create or change a limit (0 blocks everything); ValueError on a bad argument.
 
         ``hard``: a request is admitted only if its worst-case cost fits under the limit (held
-        until it ends); soft (the default): admitted while usage is below it."""
+        until it ends); soft (the default): admitted while usage is below it.
+
+        ``alert_at``: the limit's own alert thresholds, percentages (``[50, 80, 100]`` or
+        ``"50,80,100"``) that alert once per window; ``[]`` or ``""``: this limit never
+        alerts; ``"default"``: back to the gateway's ``SPENDGUARD_ALERT_THRESHOLDS``; None
+        (the default): a limit keeps what it has (a new one: the gateway's)."""
         identity = Identity(team_id, api_key_id)
         limit = Limit(Subject(identity.team, identity.api_key), _window(window))
         amount = checked_amount(usd_to_micros(limit_usd), "a limit", allow_zero=True)
+        own = None if alert_at is None or alert_at == "default" else parse_thresholds(alert_at)
         now = self.clock()
         policy = await self.ledger.set_policy(
-            Policy(limit, amount, identity.team_id, identity.api_key_id, hard=hard), now=now
+            Policy(limit, amount, identity.team_id, identity.api_key_id, hard=hard, alert_at=own),
+            now=now,
+            keep_alerts=alert_at is None,
         )
         await self._sync(limit.team, "policy saved", activated=(limit, limit.window.bucket(now)))
         return policy

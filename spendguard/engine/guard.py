@@ -208,6 +208,7 @@ class SpendGuard:
             clock=clock,
             usage=self._usage_of if s.alert_projected else None,
         )
+        self.alerts.active = bool(self._thresholds or self._projected)
         self.denials = DenialLog(self.ledger, clock)  # recent denials, for reports
         self._pool: ProviderPool | None = None
         self._stack: AsyncExitStack | None = None
@@ -338,8 +339,9 @@ class SpendGuard:
                         await tg.start(self._heartbeat)
                     if run_worker:
                         await tg.start(self.worker.run, self.settings.settle_interval)
-                    if self._thresholds or self._projected:
-                        await tg.start(self.alerts.run, self.settings.alert_interval)
+                    # Always: a limit can carry thresholds of its own (the service idles
+                    # until one fires).
+                    await tg.start(self.alerts.run, self.settings.alert_interval)
                     task_status.started(scope)
         finally:
             self._entries_on = False
@@ -450,7 +452,7 @@ class SpendGuard:
             with anyio.move_on_after(self.settings.db_timeout):
                 with suppress(LedgerUnavailable):
                     await self.denials.flush()
-            if self._thresholds or self._projected:
+            if self.alerts.active:
                 with anyio.move_on_after(self.settings.db_timeout):
                     await self.alerts.run_once()  # what this process fired, into the outbox
             if self._owners is not None:
@@ -949,7 +951,9 @@ class SpendGuard:
         if entry_key is not None:
             closed = closed_entry(self.owner, record, to_micros(decision.t0))
         marks = None
-        if self._thresholds and keys:
+        if keys and (
+            self._thresholds or any(state.alert_at is not None for state in decision.limits)
+        ):  # the default thresholds, or a limit's own
             alerts_key = self.codec.alerts_key(decision.identity.team)
             marks = marks_for(alerts_key, decision.limits, self._thresholds)
         if keys or entry_key is not None or rate_keys:

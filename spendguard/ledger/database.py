@@ -240,6 +240,7 @@ _ADDED_COLUMNS = (
     ("spendguard_policies", "hard", "BOOLEAN NOT NULL DEFAULT FALSE"),
     ("spendguard_balances", "hard", "BOOLEAN NOT NULL DEFAULT FALSE"),
     ("spendguard_records", "price", "TEXT"),  # NULL: priced by the settling table
+    ("spendguard_policies", "alert_at", "TEXT"),  # NULL: the gateway's default thresholds
 )
 
 

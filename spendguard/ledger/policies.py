@@ -8,6 +8,7 @@ aggregate row per bucket of its window: the settled spend counted against it the
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -54,16 +55,33 @@ def _policy_of(m: Any) -> Policy:
         team_id=m["team_id"],
         api_key_id=m["api_key_id"],
         hard=bool(m["hard"]),
+        alert_at=_alert_at(m["alert_at"]),
     )
 
 
+def _alert_at(text: str | None) -> tuple[int, ...] | None:
+    """A row's alert_at column: None (the default), or its percentages (a value written by
+    hand that is not one reads as none)."""
+    if text is None:
+        return None
+    return tuple(int(p) for p in text.split(",") if p.isdigit())
+
+
+def _alert_text(alert_at: tuple[int, ...] | None) -> str | None:
+    return None if alert_at is None else ",".join(map(str, alert_at))
+
+
 class PolicyQueries(BalanceQueries):
-    async def set_policy(self, policy: Policy, *, now: datetime | None = None) -> Policy:
+    async def set_policy(
+        self, policy: Policy, *, now: datetime | None = None, keep_alerts: bool = False
+    ) -> Policy:
         """Create, change or reactivate a policy.
 
         A new or reactivated policy's current-window aggregate is rebuilt from that window's
         charges in the same transaction, so spend that happened before the policy existed
         counts against it exactly once. Changing the amount of an active policy keeps it.
+        ``keep_alerts``: an existing policy keeps its alert thresholds (``policy.alert_at`` is
+        ignored); returns the policy as stored.
         """
         if policy.amount < 0:
             raise ValueError("limit must be >= 0")
@@ -75,10 +93,13 @@ class PolicyQueries(BalanceQueries):
             await self._lock_for_write()
             await self._lock_teams([limit.team])
             existing = await self._db.fetch_one(
-                sa.select(policies.c.active).where(
+                sa.select(policies.c.active, policies.c.alert_at).where(
                     *(policies.c[name] == value for name, value in cols.items())
                 )
             )
+            if keep_alerts:
+                kept = None if existing is None else _alert_at(existing[1])
+                policy = dataclasses.replace(policy, alert_at=kept)
             stmt = self._insert(policies).values(
                 **cols,
                 team_id=_text(policy.team_id),
@@ -86,6 +107,7 @@ class PolicyQueries(BalanceQueries):
                 limit_micros=policy.amount,
                 active=True,
                 hard=policy.hard,
+                alert_at=_alert_text(policy.alert_at),
                 created_us=now_us,
                 updated_us=now_us,
             )
@@ -95,6 +117,7 @@ class PolicyQueries(BalanceQueries):
                     "limit_micros": stmt.excluded.limit_micros,
                     "active": True,
                     "hard": stmt.excluded.hard,
+                    "alert_at": stmt.excluded.alert_at,
                     "updated_us": stmt.excluded.updated_us,
                 },
             )

@@ -28,6 +28,8 @@ policies = sa.Table(
     # Added after the first release: databases created before get it at start (see
     # LedgerDatabase._add_missing_columns).
     sa.Column("hard", sa.Boolean, nullable=False, server_default=sa.false()),
+    # The limit's own alert thresholds ("50,80"; "": none); NULL: the gateway's default.
+    sa.Column("alert_at", sa.Text, nullable=True),
     sa.Column("created_us", sa.BigInteger, nullable=False),
     sa.Column("updated_us", sa.BigInteger, nullable=False),
     sa.CheckConstraint("limit_micros >= 0", name="spendguard_policy_limit_nonneg"),

@@ -42,6 +42,9 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 LOADED_FIELD = "_loaded"
 # A hard limit's field in the policy hash: this prefix and its soft field (``h:team:month``).
 HARD_PREFIX = "h:"
+# A limit's own alert thresholds: this prefix and its soft field (``a:team:month`` ->
+# ``"50,80"``; ``""``: none). Absent: the gateway's default thresholds apply.
+ALERT_PREFIX = "a:"
 # The policy-hash field saying the team has a prepaid account (its value is 1). The balance
 # itself lives in the balance key: t (topped up), s (settled charges), p (pending estimates).
 BALANCE_FIELD = "balance"
@@ -289,10 +292,12 @@ class KeyCodec:
         # A limit stored before amounts were bounded (or written to the table by hand) is
         # cached at the bound: above it no store script would take it, and every request of
         # the team would fail instead of being checked.
-        fields: dict[str, int | str] = {
-            (HARD_PREFIX if p.hard else "") + field_of(p.limit): min(p.amount, MAX_AMOUNT_MICROS)
-            for p in policies
-        }
+        fields: dict[str, int | str] = {}
+        for p in policies:
+            name = field_of(p.limit)
+            fields[(HARD_PREFIX if p.hard else "") + name] = min(p.amount, MAX_AMOUNT_MICROS)
+            if p.alert_at is not None:
+                fields[ALERT_PREFIX + name] = ",".join(map(str, p.alert_at))
         if balance:
             fields[(HARD_PREFIX if balance_hard else "") + BALANCE_FIELD] = 1
         for api_key, patterns in (models or {}).items():

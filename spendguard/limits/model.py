@@ -112,6 +112,9 @@ class Policy:
     # Hard: a request is admitted only if its worst case fits under the limit, held from
     # admission to its end. Soft: admitted while usage is below the limit.
     hard: bool = False
+    # Percentages of the limit that alert once per window (``()``: none); None: the
+    # gateway's default thresholds.
+    alert_at: tuple[int, ...] | None = None
 
     @property
     def mode(self) -> Mode:

@@ -58,6 +58,8 @@ class LimitState:
     limit: int  # micro-USD (a balance: topped up)
     used: int  # micro-USD: settled + pending (holds included)
     hard: bool = False  # a hard limit: a request must fit its hold under it
+    # The limit's own alert thresholds as stored ("50,80"; "" none), None: the gateway's.
+    alert_at: str | None = None
 
     @property
     def is_balance(self) -> bool:
@@ -158,26 +160,27 @@ class EntryWrite:
 
 
 def decide(
-    checks: Sequence[tuple[Check, int | None, int | None, bool]], hold: int = 0
+    checks: Sequence[tuple[Check, int | None, int | None, bool, str | None]], hold: int = 0
 ) -> Preflight:
     """The preflight rule shared by every store, on exact integers.
 
     ``checks`` holds, in check order, (check, limit or None for no policy, usage or None
-    for an absent key, hard). The first soft limit with usage >= limit, or hard limit with
-    usage + ``hold`` > limit, denies; otherwise any absent key of a policy-bearing check is a
-    miss; otherwise the request is allowed (and holds ``hold`` in every hard limit). A balance
-    is the same comparison (limit = topped up, usage = charges settled plus pending), so a soft
-    one denies once nothing is left, a hard one once the hold no longer fits.
+    for an absent key, hard, the limit's own alert thresholds or None). The first soft limit
+    with usage >= limit, or hard limit with usage + ``hold`` > limit, denies; otherwise any
+    absent key of a policy-bearing check is a miss; otherwise the request is allowed (and
+    holds ``hold`` in every hard limit). A balance is the same comparison (limit = topped up,
+    usage = charges settled plus pending), so a soft one denies once nothing is left, a hard
+    one once the hold no longer fits.
     """
     checked: list[LimitState] = []
     missing: list[Check] = []
-    for check, limit, used, hard in checks:
+    for check, limit, used, hard, alert_at in checks:
         if limit is None:
             continue
         if used is None:
             missing.append(check)
             continue
-        state = LimitState(check, limit, used, hard)
+        state = LimitState(check, limit, used, hard, alert_at)
         checked.append(state)
         if used + hold > limit if hard else used >= limit:
             return Preflight(Outcome.DENY, tuple(checked))

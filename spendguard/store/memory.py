@@ -7,6 +7,7 @@ raises :class:`StoreFull` and the request is refused, never allowed untracked.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -16,7 +17,7 @@ from ..clock import to_millis, utcnow
 from ..errors import StoreFull
 from ..limits import Balance, Check, KeyPlan
 from ..limits.capacity import Acquired, Attempt, ProviderKey, Refusal, StoredKey
-from ..limits.codec import HARD_PREFIX, LOADED_FIELD
+from ..limits.codec import ALERT_PREFIX, HARD_PREFIX, LOADED_FIELD
 from ..limits.model import SubjectKind, Unit
 from ..limits.models import ALLOW_PREFIX, allows
 from ..limits.rates import (
@@ -61,6 +62,7 @@ class _Policy:
     expires_at: datetime
     models: dict[str, str] = field(default_factory=dict)  # allow field -> encoded list
     rates: dict[str, Rates] = field(default_factory=dict)  # rate field -> the subject's rates
+    alerts: dict[str, str] = field(default_factory=dict)  # check field -> its own thresholds
     # A check's field -> (its limit, hard): the hard limit where the policy has one (read once
     # here, not per request and check).
     held_to: dict[str, tuple[int, bool]] = field(init=False, repr=False, compare=False)
@@ -346,7 +348,7 @@ class MemoryStore:
         )
 
     def _preflight(self, plan: KeyPlan, policy: _Policy, hold: int, now: datetime) -> Preflight:
-        checks: list[tuple[Check, int | None, int | None, bool]] = []
+        checks: list[tuple[Check, int | None, int | None, bool, str | None]] = []
         held_to = policy.held_to
         for check in plan.checks:
             found = held_to.get(check.field)
@@ -359,7 +361,7 @@ class MemoryStore:
                 used = usage.settled + usage.pending
                 if isinstance(check.target, Balance):
                     limit = usage.limit or 0
-            checks.append((check, limit, used, hard))
+            checks.append((check, limit, used, hard, policy.alerts.get(check.field)))
         return decide(checks, hold)
 
     async def fill(
@@ -372,7 +374,16 @@ class MemoryStore:
     ) -> None:
         now = self._clock()
         given = policies or {}
-        amounts = {k: v for k, v in given.items() if not k.startswith((ALLOW_PREFIX, RATE_PREFIX))}
+        amounts = {
+            k: v
+            for k, v in given.items()
+            if not k.startswith((ALLOW_PREFIX, RATE_PREFIX, ALERT_PREFIX))
+        }
+        alerts = {
+            k[len(ALERT_PREFIX) :]: str(v) for k, v in given.items() if k.startswith(ALERT_PREFIX)
+        }
+        if not all(re.fullmatch(r"[\d,]{0,256}", v) for v in alerts.values()):
+            raise ValueError("alert thresholds must be comma-separated whole numbers")
         models = {k: v for k, v in given.items() if k.startswith(ALLOW_PREFIX)}
         rates = {k: Rates.decode(str(v)) for k, v in given.items() if k.startswith(RATE_PREFIX)}
         for value in [*amounts.values(), *(u.settled for u in usage)]:
@@ -394,6 +405,7 @@ class MemoryStore:
                 now + timedelta(seconds=policy_ttl),
                 {k: str(v) for k, v in models.items()},
                 rates,
+                alerts,
             )
         for u in new_usage:
             self._usage[u.usage_key] = _Usage(u.settled, u.expires_at, limit=u.limit)

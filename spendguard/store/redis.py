@@ -206,13 +206,15 @@ class RedisStore:
             return Preflight(Outcome.MISS, missing_policy=True)
         if raw == "model":
             return Preflight(Outcome.MODEL)
-        found: list[tuple[Check, int | None, int | None, bool]] = []
+        found: list[tuple[Check, int | None, int | None, bool, str | None]] = []
         for i, check in enumerate(checks):
-            limit, settled, pending, hard = raw[4 * i : 4 * i + 4]
+            limit, settled, pending, hard, alert_at = raw[5 * i : 5 * i + 5]
             used = None if settled is None else int(settled) + int(pending or 0)
-            found.append((check, None if limit is None else int(limit), used, hard is not None))
+            found.append(
+                (check, None if limit is None else int(limit), used, hard is not None, alert_at)
+            )
         pf = decide(found, hold)
-        n = 4 * len(checks)
+        n = 5 * len(checks)
         if len(raw) == n:
             return pf  # no rates apply (or a limit decided first)
         return with_rates(pf, raw[n], raw[n + 1 : n + 3], now_ms, tokens)

@@ -195,6 +195,41 @@ async def test_a_database_from_before_modes_gets_the_column_at_start(database_ur
         await led.disconnect()
 
 
+async def test_a_policy_keeps_its_alert_thresholds_unless_told(ledger: Ledger) -> None:
+    own = Policy(Limit(ALPHA, Period.DAY), 5_000, "acme", "alpha", alert_at=(50, 90))
+    assert await ledger.set_policy(own, now=SEP30_LATE) == own
+    raised = Policy(Limit(ALPHA, Period.DAY), 6_000, "acme", "alpha")
+    kept = await ledger.set_policy(raised, now=SEP30_LATE, keep_alerts=True)
+    assert kept.alert_at == (50, 90) and kept.amount == 6_000
+    assert await ledger.list_policies("acme") == [kept]
+    silenced = Policy(Limit(ALPHA, Period.DAY), 6_000, "acme", "alpha", alert_at=())
+    await ledger.set_policy(silenced, now=SEP30_LATE)
+    assert [p.alert_at for p in await ledger.list_policies("acme")] == [()]
+    await ledger.set_policy(raised, now=SEP30_LATE)  # not kept: back to the default
+    assert [p.alert_at for p in await ledger.list_policies("acme")] == [None]
+    new = Policy(Limit(ALPHA, Period.MONTH), 9, "acme", "alpha", alert_at=(80,))
+    assert (await ledger.set_policy(new, now=SEP30_LATE, keep_alerts=True)).alert_at is None
+
+
+async def test_a_database_from_before_alert_thresholds_gets_the_column(database_url: str) -> None:
+    old = Ledger(database_url)
+    await old.connect()
+    await old.init_schema()
+    await old.set_policy(policy(Period.DAY, 5_000), now=SEP30_LATE)
+    await old.disconnect()
+    await sql_execute(database_url, "ALTER TABLE spendguard_policies DROP COLUMN alert_at")
+    led = Ledger(database_url)
+    await led.connect()
+    try:
+        await led.init_schema()
+        assert await led.list_policies("acme") == [policy(Period.DAY, 5_000)]  # the default
+        own = Policy(Limit(ALPHA, Period.MONTH), 9, "acme", "alpha", alert_at=(75,))
+        await led.set_policy(own, now=SEP30_LATE)
+        assert [p.alert_at for p in await led.list_policies("acme")] == [None, (75,)]
+    finally:
+        await led.disconnect()
+
+
 async def test_rates_set_list_remove_and_seen_as_a_policy_change(
     ledger: Ledger, database_url: str
 ) -> None:

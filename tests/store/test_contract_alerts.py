@@ -6,10 +6,19 @@ import anyio
 import pytest
 
 from spendguard.alerts import marks_for, parse_pending
-from spendguard.limits import KeyCodec
-from spendguard.store import AlertMarks, EntryWrite, Outcome
+from spendguard.limits import KeyCodec, Policy
+from spendguard.store import AlertMarks, EntryWrite, Outcome, UsageFill
 from tests.store.conftest import Harness
-from tests.store.test_contract import ALPHA, GRACE, KEY_DAY, TEAM_MONTH, keys_for, usage_key, warm
+from tests.store.test_contract import (
+    ALPHA,
+    GRACE,
+    KEY_DAY,
+    KEY_MONTH,
+    TEAM_MONTH,
+    keys_for,
+    usage_key,
+    warm,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
@@ -115,3 +124,32 @@ async def test_no_alert_for_a_missing_usage_key(harness: Harness) -> None:
     assert await harness.store.postflight("r1", 10, [usage_key(p, KEY_DAY)], alerts=marks) == 0
     assert marks.fired == 0 and await harness.store.pending_alerts(ALERTS) == {}
     assert ALPHA.team == "acme"
+
+
+async def test_a_limit_with_thresholds_of_its_own_alerts_at_those(harness: Harness) -> None:
+    """A policy's own thresholds ride in its policy hash and come back with the preflight
+    that reads the limit: its own replace the default, ``()`` silences it, None keeps it."""
+    p = keys_for(harness)
+    policies = [
+        Policy(KEY_DAY, 1000, "acme", "alpha", alert_at=(30, 90)),
+        Policy(TEAM_MONTH, 2000, "acme", alert_at=()),
+        Policy(KEY_MONTH, 4000, "acme", "alpha"),
+    ]
+    wanted = {KEY_DAY, TEAM_MONTH, KEY_MONTH}
+    fills = [UsageFill(c.usage_key, 0, c.expires_at) for c in p.checks if c.target in wanted]
+    await harness.store.fill(
+        p, KeyCodec.policy_fields(policies, balance=False), fills, policy_ttl=60
+    )
+    pf = await harness.store.preflight(p)
+    assert {s.check.target: s.alert_at for s in pf.limits} == {
+        KEY_DAY: "30,90",
+        TEAM_MONTH: "",
+        KEY_MONTH: None,
+    }
+    assert await charge(harness, "r1", 600, (50,)) == 1  # the key's day 30 %; not 50 % of it
+    assert await charge(harness, "r2", 1500, (50,)) == 2  # its day's 90 %, its month's 50 %
+    assert await fired(harness) == {
+        ("alpha", "day", 30, 1000): 600,
+        ("alpha", "day", 90, 1000): 2100,
+        ("alpha", "month", 50, 4000): 2100,
+    }  # and nothing of the team's month (2,100 is past 100 % of it: silenced)

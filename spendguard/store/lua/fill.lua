@@ -33,6 +33,11 @@ for i = 3, first_usage - 1, 2 do
     if not string.match(ARGV[i + 1], '^%d+ %d+ %d+$') then
       return redis.error_reply('spendguard fill: bad rates')
     end
+  elseif string.sub(field, 1, 2) == 'a:' then
+    -- A limit's own alert thresholds: "50,80,100", or "" for none.
+    if #ARGV[i + 1] > 256 or not string.match(ARGV[i + 1], '^[%d,]*$') then
+      return redis.error_reply('spendguard fill: bad alert thresholds')
+    end
   elseif (field ~= 'balance' and string.find(field, ':', 1, true) == nil)
       or not is_uint(ARGV[i + 1]) then
     return redis.error_reply('spendguard fill: bad policy field')

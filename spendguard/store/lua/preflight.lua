@@ -22,8 +22,9 @@
 -- read or written further.
 --
 -- A limit is soft under its field, hard under "h:" .. field. Returns 0 when the policy hash is
--- absent (a miss: the caller loads it from the ledger). Otherwise a flat list, 4 entries per
--- candidate: limit, settled, pending, hard ("1" or nil). A nil limit means "no policy" and then
+-- absent (a miss: the caller loads it from the ledger). Otherwise a flat list, 5 entries per
+-- candidate: limit, settled, pending, hard ("1" or nil), and the limit's own alert thresholds
+-- (its "a:" field: "50,80", "" for none; nil: the gateway's default). A nil limit means "no policy" and then
 -- its usage key is not even read; nil settled means the usage key is absent (a miss for that
 -- key). The "balance" field marks that the team has a prepaid account; its limit is the balance
 -- key's t (topped up).
@@ -36,7 +37,7 @@
 -- exactly, as decimal strings when they are too long for a double.
 --
 -- Rates (design.md, "Rates") are checked only when every limit allows, key first: a rate
--- field holds "rpm tpm par" (0: none). Two entries follow the 4n: the rate that denied
+-- field holds "rpm tpm par" (0: none). Two entries follow the 5n: the rate that denied
 -- ("key:rpm", "team:par", ... or nil), then each rated scope's state "rpm tpm par pr r pt t n"
 -- (key, team; nil for a scope without rates), after counting the request when it is allowed.
 local n = tonumber(ARGV[1])
@@ -48,8 +49,9 @@ local rid, hold, model, entry = ARGV[n + 2], ARGV[n + 3], ARGV[n + 4], ARGV[n + 
 -- each candidate's soft and hard limit fields.
 local fields = {'_loaded', ARGV[n + 5], ARGV[n + 6], ARGV[n + 7], ARGV[n + 8]}
 for i = 1, n do
-  fields[4 + 2 * i] = ARGV[i + 1]
-  fields[5 + 2 * i] = 'h:' .. ARGV[i + 1]
+  fields[3 + 3 * i] = ARGV[i + 1]
+  fields[4 + 3 * i] = 'h:' .. ARGV[i + 1]
+  fields[5 + 3 * i] = 'a:' .. ARGV[i + 1]
 end
 local policy = redis.call('HMGET', KEYS[1], unpack(fields))
 if not policy[1] and redis.call('EXISTS', KEYS[1]) == 0 then
@@ -109,14 +111,14 @@ if not uint(hold) then
 end
 
 local limits = {}
-for j = 1, 2 * n do
+for j = 1, 3 * n do
   limits[j] = policy[5 + j]
 end
 local out = {}
 local allow = true
 local holds = {}
 for i = 1, n do
-  local limit, hard = limits[2 * i - 1], limits[2 * i]
+  local limit, hard = limits[3 * i - 2], limits[3 * i - 1]
   if hard then
     limit = hard
   end
@@ -125,10 +127,11 @@ for i = 1, n do
     if ARGV[i + 1] == 'balance' then
       limit = usage[3] or '0'
     end
-    out[4 * i - 3] = limit
-    out[4 * i - 2] = usage[1]
-    out[4 * i - 1] = usage[2]
-    out[4 * i] = hard and '1' or false
+    out[5 * i - 4] = limit
+    out[5 * i - 3] = usage[1]
+    out[5 * i - 2] = usage[2]
+    out[5 * i - 1] = hard and '1' or false
+    out[5 * i] = limits[3 * i] or false
     if allow then
       local settled, pending = usage[1], usage[2] or '0'
       if not settled then
@@ -165,10 +168,11 @@ for i = 1, n do
       end
     end
   else
-    out[4 * i - 3] = false
-    out[4 * i - 2] = false
-    out[4 * i - 1] = false
-    out[4 * i] = false
+    out[5 * i - 4] = false
+    out[5 * i - 3] = false
+    out[5 * i - 2] = false
+    out[5 * i - 1] = false
+    out[5 * i] = false
   end
 end
 local rated = {}
@@ -179,7 +183,7 @@ if allow and (scoped[3] or scoped[4]) then
   end
   local minute = math.floor(now / W)
   local weight = T - math.floor((now - minute * W) / 100) -- 100 ms ticks the last 60 s cover
-  out[4 * n + 1] = false
+  out[5 * n + 1] = false
   for s = 1, 2 do
     local spec = scoped[s + 2]
     if spec then
@@ -231,7 +235,7 @@ if allow and (scoped[3] or scoped[4]) then
     end
   end
   if allow ~= true then
-    out[4 * n + 1] = allow
+    out[5 * n + 1] = allow
     allow = false
   else
     local deadline = now + ttl
@@ -271,7 +275,7 @@ if allow and (scoped[3] or scoped[4]) then
   end
   for s = 1, 2 do
     local q = rated[s]
-    out[4 * n + 1 + s] = q and table.concat({q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9]}, ' ') or false
+    out[5 * n + 1 + s] = q and table.concat({q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9]}, ' ') or false
   end
 end
 if allow then
