@@ -18,6 +18,7 @@ from ..money import usd_text
 THRESHOLD = "threshold"  # a percentage of a limit reached
 PROJECTED = "projected"  # at the recent spend rate, the limit runs out before it resets
 TEST = "test"  # `spendguard alerts test`: a sample, never stored
+BALANCE = "balance"  # an alert's window when it is of a prepaid balance (and its store label)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +28,8 @@ class Alert:
     id: str  # the same wherever and however often it fires: the receiver's idempotency key
     team: str  # encoded ids, as the ledger keeps them
     api_key: str | None
-    window: str  # "day" or "month"
-    bucket: str  # the window's id: 20261203, 202612
+    window: str  # "day" or "month", or "balance" (a prepaid balance: no window)
+    bucket: str  # the window's id: 20261203, 202612 ("" for a balance)
     percent: int
     limit_micros: int
     used_micros: int  # when it fired
@@ -37,7 +38,10 @@ class Alert:
     runs_out_at: datetime | None = None  # a projected alert's forecast
 
     @property
-    def resets_at(self) -> datetime:
+    def resets_at(self) -> datetime | None:
+        """When the limit's window ends (None: a balance, which ends when it is topped up)."""
+        if self.window == BALANCE:
+            return None
         start = datetime.strptime(self.bucket + ("01" if len(self.bucket) == 6 else ""), "%Y%m%d")
         return Period(self.window).end(start.replace(tzinfo=UTC))
 
@@ -48,16 +52,23 @@ class Alert:
     @property
     def text(self) -> str:
         """One line a person reads (the log line, Slack's text)."""
+        if self.window == BALANCE:
+            return (
+                f"spendguard: {self.who} used {self.percent}% of its prepaid balance of "
+                f"${usd_text(self.limit_micros)} (${usd_text(self.used_micros)} used, "
+                f"${usd_text(max(0, self.limit_micros - self.used_micros))} left)"
+            )
+        resets = "never" if self.resets_at is None else time_text(self.resets_at)
         if self.kind == PROJECTED and self.runs_out_at is not None:
             return (
                 f"spendguard: {self.who} is projected to run out of its {self.window} limit of "
                 f"${usd_text(self.limit_micros)} at {time_text(self.runs_out_at)}, before it "
-                f"resets {time_text(self.resets_at)} (${usd_text(self.used_micros)} used)"
+                f"resets {resets} (${usd_text(self.used_micros)} used)"
             )
         return (
             f"spendguard: {self.who} reached {self.percent}% of its {self.window} limit of "
             f"${usd_text(self.limit_micros)} (${usd_text(self.used_micros)} used, "
-            f"resets {time_text(self.resets_at)})"
+            f"resets {resets})"
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -74,7 +85,7 @@ class Alert:
             "limit_micros": self.limit_micros,
             "used_micros": self.used_micros,
             "fired_at": time_text(self.fired_at),
-            "resets_at": time_text(self.resets_at),
+            "resets_at": None if self.resets_at is None else time_text(self.resets_at),
             "runs_out_at": None if self.runs_out_at is None else time_text(self.runs_out_at),
         }
 
@@ -100,15 +111,19 @@ def parse_pending(team: str, field: str, value: str) -> Alert | None:
     try:
         label, pct, limit = field.split(" ")
         used, ms = value.split(" ")
-        stem, _, bucket = label.rpartition(":")
-        target = parse_field(team, stem)
-        if not isinstance(target, Limit) or not bucket.isdigit():
-            return None
+        if label == BALANCE:
+            api_key, window, bucket = None, BALANCE, ""
+        else:
+            stem, _, bucket = label.rpartition(":")
+            target = parse_field(team, stem)
+            if not isinstance(target, Limit) or not bucket.isdigit():
+                return None
+            api_key, window = target.subject.api_key, target.window.value
         return Alert(
             alert_id(team, label, int(pct), int(limit)),
             team,
-            target.subject.api_key,
-            target.window.value,
+            api_key,
+            window,
             bucket,
             int(pct),
             int(limit),

@@ -61,7 +61,9 @@ def marks_for(
     for state in limits:
         own = state.alert_at
         wanted = thresholds if own is None else stored_thresholds(own)
-        if not wanted or state.is_balance or state.limit <= 0:
+        # A balance's limit is what was topped up: its thresholds are shares of it used, and
+        # a top-up (a new amount) arms them again.
+        if not wanted or state.limit <= 0:
             marks.append(None)
             continue
         marks.append(_marks(state.limit, wanted))

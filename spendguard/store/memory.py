@@ -486,7 +486,9 @@ class MemoryStore:
             looked.add(key)
             limit, at = marks
             used = usage.settled + usage.pending
-            label = key.partition(":spend:usage:")[2] or key
+            label = key.partition(":spend:usage:")[2]
+            if not label:
+                label = "balance" if key.endswith(":spend:balance") else key
             for pct, amount in at:
                 mark = f"{pct}:{limit}"
                 if used >= amount and mark not in usage.alerted:

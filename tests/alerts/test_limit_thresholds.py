@@ -94,3 +94,28 @@ def test_the_cli_sets_lists_and_refuses_thresholds(
     assert code == 2
     code, out = run("policy", "ls", "--team", "acme", "--json")
     assert [p["alert_at"] for p in json.loads(out)["policies"]] == [None, [50, 80], []]
+
+
+async def test_a_prepaid_balance_alerts_as_it_is_used_and_again_after_a_top_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", "spendguard.alerts")
+    async with Gateway(tmp_path, alert_thresholds="80", alert_interval=3600) as gw:
+        await gw.guard.admin.topup("acme", "0.0001")
+        await spend(gw, 5)  # 75 of 100
+        assert await fired(gw) == []
+        await spend(gw, 1)  # 90
+        assert await fired(gw) == [("-", "balance", 80)]
+        await gw.guard.admin.topup("acme", "0.0001")  # 200 topped up: 80 % is 160
+        await spend(gw, 4)  # 150
+        assert await fired(gw) == [("-", "balance", 80)]
+        await spend(gw, 1)  # 165
+        assert await fired(gw) == [("-", "balance", 80), ("-", "balance", 80)]
+        [data] = [a.as_json() for a, _, _ in await gw.guard.admin.alerts() if a.limit_micros == 200]
+        assert (data["window"], data["limit_micros"], data["used_micros"]) == ("balance", 200, 165)
+        assert data["resets_at"] is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "spendguard.alerts"]
+    assert lines[-1] == (
+        "spendguard: acme used 80% of its prepaid balance of $0.000200 ($0.000165 used, "
+        "$0.000035 left)"
+    )

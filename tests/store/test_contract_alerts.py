@@ -7,14 +7,16 @@ import pytest
 
 from spendguard.alerts import marks_for, parse_pending
 from spendguard.limits import KeyCodec, Policy
-from spendguard.store import AlertMarks, EntryWrite, Outcome, UsageFill
+from spendguard.store import AlertMarks, EntryWrite, Outcome, RefreshEntry, UsageFill
 from tests.store.conftest import Harness
 from tests.store.test_contract import (
     ALPHA,
+    BALANCE,
     GRACE,
     KEY_DAY,
     KEY_MONTH,
     TEAM_MONTH,
+    fields,
     keys_for,
     usage_key,
     warm,
@@ -153,3 +155,24 @@ async def test_a_limit_with_thresholds_of_its_own_alerts_at_those(harness: Harne
         ("alpha", "day", 90, 1000): 2100,
         ("alpha", "month", 50, 4000): 2100,
     }  # and nothing of the team's month (2,100 is past 100 % of it: silenced)
+
+
+async def test_a_balance_alerts_at_shares_of_what_was_topped_up(harness: Harness) -> None:
+    """A prepaid balance's thresholds are shares of its topped-up total used; a top-up is a new
+    amount, so they fire again from it."""
+    p = keys_for(harness)
+    bal = p.find(BALANCE)
+    fill = UsageFill(bal.usage_key, 0, bal.expires_at, limit=1000)
+    await harness.store.fill(p, fields({BALANCE: 1}), [fill], policy_ttl=60)
+    assert await charge(harness, "r1", 799, (80,)) == 0
+    assert await charge(harness, "r2", 1, (80,)) == 1
+    assert await charge(harness, "r3", 100, (80,)) == 0  # once
+    await harness.store.refresh([RefreshEntry(bal.usage_key, 900, ("r1", "r2", "r3"), limit=1100)])
+    assert await charge(harness, "r4", 1, (80,)) == 1  # 901 of 1,100: 80 % of the new amount
+    assert await fired(harness) == {
+        (None, "balance", 80, 1000): 800,
+        (None, "balance", 80, 1100): 901,
+    }
+    pending = await harness.store.pending_alerts(ALERTS)
+    alerts = [parse_pending("acme", name, value) for name, value in pending.items()]
+    assert {a.resets_at for a in alerts if a is not None} == {None}

@@ -153,7 +153,8 @@ for i = 1, nkeys do
     local sp = redis.call('HMGET', KEYS[i], 's', 'p')
     if limit and sp[1] then
       local used = tonumber(sp[1]) + (tonumber(sp[2]) or 0)
-      local label = string.match(KEYS[i], ':spend:usage:(.+)$') or KEYS[i]
+      local label = string.match(KEYS[i], ':spend:usage:(.+)$')
+        or (string.match(KEYS[i], ':spend:balance$') and 'balance') or KEYS[i]
       for pct, at in string.gmatch(marks, '(%d+):(%d+)') do
         if used >= tonumber(at)
             and redis.call('HSETNX', KEYS[i], 'a:' .. pct .. ':' .. limit, '1') == 1 then
