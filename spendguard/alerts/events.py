@@ -13,12 +13,17 @@ from typing import Any
 from ..clock import from_micros, time_text
 from ..limits import Limit, Period
 from ..limits.codec import parse_field
+from ..limits.model import SubjectKind
 from ..money import usd_text
+from ..store.rolling import Bucket
 
 THRESHOLD = "threshold"  # a percentage of a limit reached
 PROJECTED = "projected"  # at the recent spend rate, the limit runs out before it resets
 TEST = "test"  # `spendguard alerts test`: a sample, never stored
 BALANCE = "balance"  # an alert's window when it is of a prepaid balance (and its store label)
+SPEND, BUDGET = "spend", "budget"  # an alert's scope: a spend limit or balance; a budget
+USD, TOKENS = "usd", "tokens"
+_UNITS = {"t": TOKENS, "c": USD}  # a budget store's unit letters
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,22 +41,39 @@ class Alert:
     fired_at: datetime
     kind: str = THRESHOLD
     runs_out_at: datetime | None = None  # a projected alert's forecast
+    # What kind of limit: a spend limit or balance (SPEND), or a rolling budget (BUDGET: then
+    # ``window`` is the budget window's id, ``bucket`` the epoch of its length it fired in,
+    # ``team`` "" for a model's or the fleet's budget, ``model`` the model's).
+    scope: str = SPEND
+    unit: str = USD  # or TOKENS: limit_micros and used_micros then count tokens
+    model: str | None = None
 
     @property
     def resets_at(self) -> datetime | None:
         """When the limit's window ends (None: a balance, which ends when it is topped up)."""
-        if self.window == BALANCE:
-            return None
+        if self.window == BALANCE or self.scope == BUDGET:
+            return None  # a rolling window drains instead
         start = datetime.strptime(self.bucket + ("01" if len(self.bucket) == 6 else ""), "%Y%m%d")
         return Period(self.window).end(start.replace(tzinfo=UTC))
 
     @property
     def who(self) -> str:
+        if self.scope == BUDGET and not self.team:
+            return "the fleet" if self.model is None else f"model {self.model}"
         return self.team if self.api_key is None else f"{self.team}/{self.api_key}"
+
+    def _amount(self, value: int) -> str:
+        return f"{value:,} tokens" if self.unit == TOKENS else f"${usd_text(value)}"
 
     @property
     def text(self) -> str:
         """One line a person reads (the log line, Slack's text)."""
+        if self.scope == BUDGET:
+            return (
+                f"spendguard: {self.who} reached {self.percent}% of its {self.window} budget of "
+                f"{self._amount(self.limit_micros)} ({self._amount(self.used_micros)} used in "
+                "the window)"
+            )
         if self.window == BALANCE:
             return (
                 f"spendguard: {self.who} used {self.percent}% of its prepaid balance of "
@@ -72,6 +94,7 @@ class Alert:
         )
 
     def as_json(self) -> dict[str, Any]:
+        usd = self.unit == USD
         return {
             "id": self.id,
             "type": f"spendguard.{self.kind}",
@@ -80,10 +103,15 @@ class Alert:
             "window": self.window,
             "window_id": self.bucket,
             "threshold_percent": self.percent,
-            "limit_usd": usd_text(self.limit_micros),
-            "used_usd": usd_text(self.used_micros),
-            "limit_micros": self.limit_micros,
-            "used_micros": self.used_micros,
+            "scope": self.scope,
+            "model": self.model,
+            "unit": self.unit,
+            "limit_usd": usd_text(self.limit_micros) if usd else None,
+            "used_usd": usd_text(self.used_micros) if usd else None,
+            "limit_micros": self.limit_micros if usd else None,
+            "used_micros": self.used_micros if usd else None,
+            "limit_tokens": None if usd else self.limit_micros,
+            "used_tokens": None if usd else self.used_micros,
             "fired_at": time_text(self.fired_at),
             "resets_at": None if self.resets_at is None else time_text(self.resets_at),
             "runs_out_at": None if self.runs_out_at is None else time_text(self.runs_out_at),
@@ -129,6 +157,38 @@ def parse_pending(team: str, field: str, value: str) -> Alert | None:
             int(limit),
             int(used),
             from_micros(int(ms) * 1000),
+        )
+    except ValueError:
+        return None
+
+
+def parse_bucket_pending(bucket: Bucket, field: str, value: str) -> Alert | None:
+    """The alert a budget bucket's pending hash holds (see ``Store.commit_buckets``); None
+    for anything else (never raises)."""
+    try:
+        window, unit, pct, limit, epoch = field.split(" ")
+        used, ms = value.split(" ")
+        if unit not in _UNITS or not epoch.isdigit():
+            return None
+        team, api_key, model = "", None, None
+        if bucket.kind is SubjectKind.API_KEY:
+            team, _, api_key = bucket.subject.partition(":")
+        elif bucket.kind is SubjectKind.MODEL:
+            model = bucket.subject
+        label = f"{BUDGET} {bucket.tag} {window} {unit} {epoch}"
+        return Alert(
+            alert_id(team, label, int(pct), int(limit)),
+            team,
+            api_key,
+            window,
+            epoch,
+            int(pct),
+            int(limit),
+            int(used),
+            from_micros(int(ms) * 1000),
+            scope=BUDGET,
+            unit=_UNITS[unit],
+            model=model,
         )
     except ValueError:
         return None

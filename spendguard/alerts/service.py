@@ -23,7 +23,8 @@ from ..clock import utcnow
 from ..errors import ConfigurationError, LedgerUnavailable, StoreUnavailable
 from ..limits.codec import field_of
 from ..settings import AlertFormat, Settings
-from .events import PROJECTED, Alert, alert_id, parse_pending, sample_alert
+from ..store.rolling import Bucket
+from .events import PROJECTED, Alert, alert_id, parse_bucket_pending, parse_pending, sample_alert
 from .signing import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, sign
 
 if TYPE_CHECKING:  # the ledger keeps alerts: it imports this package's values
@@ -70,6 +71,33 @@ async def move_alerts(ledger: Ledger, store: Store, codec: KeyCodec, team: str) 
     return added
 
 
+async def move_bucket_alerts(ledger: Ledger, store: Store, bucket: Bucket) -> list[Alert]:
+    """:func:`move_alerts` for a budget bucket's fired alerts."""
+    key = store.bucket_alerts_key(bucket)
+    pending = await store.pending_alerts(key)
+    if not pending:
+        return []
+    fired: list[Alert] = []
+    for name, value in pending.items():
+        alert = parse_bucket_pending(bucket, name, value)
+        if alert is None:
+            log.error("spendguard dropped an unreadable budget alert of %s: %r", bucket.tag, name)
+        else:
+            fired.append(alert)
+    added = await keep_alerts(ledger, fired)
+    await store.drop_alerts(key, list(pending))
+    return added
+
+
+async def sweep_bucket_alerts(ledger: Ledger, store: Store) -> int:
+    """Move the fired alerts of every budget bucket the store has (after a gateway died with
+    alerts it had not moved: which buckets they are in died with it). Returns how many."""
+    moved = 0
+    for bucket in await store.buckets():
+        moved += len(await move_bucket_alerts(ledger, store, bucket))
+    return moved
+
+
 class AlertService:
     def __init__(
         self,
@@ -100,6 +128,7 @@ class AlertService:
         self._usage = usage
         self.forecast_interval = forecast_interval
         self._charged: set[str] = set()
+        self._buckets: set[tuple[Store, Bucket]] = set()
         self._next_forecast = clock()
         # Whether passes do anything: a gateway with no default thresholds starts idle (no
         # ledger query a second) and wakes at the first alert a limit of its own fires.
@@ -135,6 +164,12 @@ class AlertService:
         self._teams.add(team)
         self.active = True
 
+    def note_bucket(self, store: Store, bucket: Bucket) -> None:
+        """A budget commit on ``store`` fired an alert of ``bucket``: move it on the next
+        pass (the store: the gateway's, or a budgets section's own in-process one)."""
+        self._buckets.add((store, bucket))
+        self.active = True
+
     def charged(self, team_id: str) -> None:
         """``team_id`` (as the host gave it) was charged: forecast it on the next forecast."""
         self._charged.add(team_id)
@@ -152,6 +187,13 @@ class AlertService:
                 log.warning("spendguard alerts of team %s wait for the next pass: %r", team, exc)
                 continue
             self._teams.discard(team)
+        for store, bucket in list(self._buckets):
+            try:
+                moved += len(await move_bucket_alerts(self.ledger, store, bucket))
+            except (LedgerUnavailable, StoreUnavailable) as exc:
+                log.warning("spendguard alerts of %s wait for the next pass: %r", bucket.tag, exc)
+                continue
+            self._buckets.discard((store, bucket))
         if self._usage is not None and self.clock() >= self._next_forecast:
             self._next_forecast = self.clock() + timedelta(seconds=self.forecast_interval)
             moved += len(await self.project())

@@ -105,6 +105,8 @@ class SpendGuardMiddleware:
         self.budgets = budgets
         if budgets is None and self.guard is not None:
             self.budgets = gate_for(self.guard)
+        if self.budgets is not None and self.guard is not None and self.budgets.on_alert is None:
+            self.budgets.on_alert = self.guard.alerts.note_bucket  # budgets' threshold alerts
         # Provider keys leased at admission: the gateway's hook, or the settings' globs.
         self.providers: ProviderRouting | None = None
         if self.guard is not None:

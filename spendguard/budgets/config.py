@@ -34,6 +34,7 @@ import yaml
 
 from ..errors import ConfigurationError
 from ..limits.model import BudgetLimit, SubjectKind
+from ..limits.percentages import parse_thresholds
 from ..limits.windows import Rolling
 from ..money import MAX_AMOUNT_MICROS, usd_to_micros
 
@@ -117,6 +118,8 @@ class BudgetsConfig:
     # The output a request without max_tokens reserves here; None: the gateway's setting
     # (SPENDGUARD_DEFAULT_OUTPUT_TOKENS), the one the spend limits reserve too.
     default_output_tokens: int | None = None
+    # The alert thresholds of a limit without its own (a key's override from the ledger too).
+    alert_at: tuple[int, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -142,6 +145,7 @@ class BudgetsConfig:
             "hold_seconds": self.hold_seconds,
             # null: the gateway's SPENDGUARD_DEFAULT_OUTPUT_TOKENS
             "default_output_tokens": self.default_output_tokens,
+            "alert_at": list(self.alert_at),
             "windows": [
                 {"id": w.id, "period": w.period, "seconds": w.seconds} for w in self.windows
             ],
@@ -186,12 +190,30 @@ def _bool(value: object, where: str, default: bool, problems: _Problems) -> bool
     return value
 
 
-def _limit(value: object, where: str, problems: _Problems) -> BudgetLimit | None:
+def _alert_at(value: object, where: str, problems: _Problems) -> tuple[int, ...] | None:
+    """A list of whole percentages (None: not given)."""
     if value is None:
         return None
-    data = _keys(value, where, {"tokens", "cost_usd"}, problems)
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        problems.add(where, f"must be a list of whole percentages, got {value!r}")
+        return None
+    try:
+        return parse_thresholds(value)
+    except ValueError as exc:
+        problems.add(where, str(exc))
+        return None
+
+
+def _limit(
+    value: object, where: str, problems: _Problems, alert_at: tuple[int, ...] = ()
+) -> BudgetLimit | None:
+    """A scope's limit; ``alert_at``: the section's thresholds, for a limit without its own."""
+    if value is None:
+        return None
+    data = _keys(value, where, {"tokens", "cost_usd", "alert_at"}, problems)
     if data is None:
         return None
+    own = _alert_at(data.get("alert_at"), f"{where}.alert_at", problems)
     tokens = cost = None
     raw_tokens = data.get("tokens")
     if raw_tokens is not None:
@@ -210,7 +232,7 @@ def _limit(value: object, where: str, problems: _Problems) -> BudgetLimit | None
         if "tokens" not in data and "cost_usd" not in data:
             problems.add(where, "set tokens, cost_usd or both")
         return None
-    return BudgetLimit(tokens, cost)
+    return BudgetLimit(tokens, cost, alert_at if own is None else own)
 
 
 def _cost(value: object, where: str, problems: _Problems) -> int | None:
@@ -276,7 +298,9 @@ def _windows(value: object, problems: _Problems) -> tuple[Rolling, ...]:
     return tuple(out)
 
 
-def _models(value: object, problems: _Problems) -> dict[str, BudgetLimit]:
+def _models(
+    value: object, problems: _Problems, alert_at: tuple[int, ...] = ()
+) -> dict[str, BudgetLimit]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -294,7 +318,7 @@ def _models(value: object, problems: _Problems) -> dict[str, BudgetLimit]:
         if raw is None:
             problems.add(where, "set tokens, cost_usd or both")
             continue
-        limit = _limit(raw, where, problems)
+        limit = _limit(raw, where, problems, alert_at)
         if limit is not None:
             out[name] = limit
     return out
@@ -309,7 +333,7 @@ def parse_budgets(document: object) -> BudgetsConfig:
         document = document["budgets"]
         if document is None:
             return DISABLED
-    allowed = {"enabled", "storage", "fail_open", "windows", "scopes", "cost_source"}
+    allowed = {"enabled", "storage", "fail_open", "windows", "scopes", "cost_source", "alert_at"}
     data = _keys(document, "budgets", allowed | {"hold_seconds", "default_output_tokens"}, problems)
     if data is None:
         raise BudgetConfigError(problems.items)
@@ -338,14 +362,18 @@ def parse_budgets(document: object) -> BudgetsConfig:
         )
         output = None
     windows = _windows(data.get("windows"), problems)
+    # The thresholds of every limit without its own (none by default).
+    alert_at = _alert_at(data.get("alert_at"), "budgets.alert_at", problems) or ()
     per_key = model_limits = global_ = None
     scopes = data.get("scopes")
     if scopes is not None:
         scope_data = _keys(scopes, "budgets.scopes", {s.value for s in Scope}, problems)
         if scope_data is not None:
-            per_key = _limit(scope_data.get("per_api_key"), "budgets.scopes.per_api_key", problems)
-            model_limits = _models(scope_data.get("per_model"), problems)
-            global_ = _limit(scope_data.get("global"), "budgets.scopes.global", problems)
+            per_key = _limit(
+                scope_data.get("per_api_key"), "budgets.scopes.per_api_key", problems, alert_at
+            )
+            model_limits = _models(scope_data.get("per_model"), problems, alert_at)
+            global_ = _limit(scope_data.get("global"), "budgets.scopes.global", problems, alert_at)
     config = BudgetsConfig(
         enabled=enabled,
         storage=storage,
@@ -356,6 +384,7 @@ def parse_budgets(document: object) -> BudgetsConfig:
         global_=global_,
         hold_seconds=hold,
         default_output_tokens=output,
+        alert_at=alert_at,
     )
     raw_windows = data.get("windows")
     if enabled and config.has_limits and not raw_windows:

@@ -207,6 +207,8 @@ class BudgetGate:
         self.overrides = overrides
         self.clock = clock
         self._warned_no_redis = False
+        # Told of every bucket whose commit fired a threshold alert (the guard's alerts).
+        self.on_alert: Callable[[Store, Bucket], None] | None = None
         # The usage counters' children by (scope, window id), bound once: window ids come
         # from the operator's file, a closed set.
         self._counted: dict[tuple[Scope, str], tuple[CounterLike, CounterLike]] = {}
@@ -244,7 +246,7 @@ class BudgetGate:
             subject = Bucket(SubjectKind.API_KEY, f"{identity.team}:{identity.api_key}")
             if override is not None:
                 window = override_window(override)
-                limit = BudgetLimit(tokens=override.max_tokens)
+                limit = BudgetLimit(tokens=override.max_tokens, alert_at=config.alert_at)
                 calls.append(BucketCheck(subject, (WindowCheck(window, limit),)))
             elif config.per_api_key is not None:
                 checks = tuple(WindowCheck(w, config.per_api_key) for w in config.windows)
@@ -601,16 +603,25 @@ class BudgetGate:
             cost=cost,
             ttl_ms=hold.ttl_ms,
         )
-        return self._committed(admission, committing, tokens, cost)
+        return self._committed(admission, store, committing, tokens, cost)
 
     async def _committed(
-        self, admission: BudgetAdmission, committing: Awaitable[object], tokens: int, cost: int
+        self,
+        admission: BudgetAdmission,
+        store: Store,
+        committing: Awaitable[list[int]],
+        tokens: int,
+        cost: int,
     ) -> None:
         try:
-            await committing
+            fired = await committing
         except Exception as exc:  # the response is out; the hold expires by itself
             log.warning("budget usage could not be recorded: %r", exc)
             return
+        if self.on_alert is not None and any(fired):
+            for call, n in zip(admission.calls, fired, strict=False):
+                if n:
+                    self.on_alert(store, call.bucket)
         for tokens_used, usd_used in admission.counters:
             tokens_used.inc(tokens)
             if cost:

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 
 from .. import metrics
-from ..alerts.service import move_alerts
+from ..alerts.service import move_alerts, sweep_bucket_alerts
 from ..errors import LedgerBusy, LedgerDown, LedgerRefused, LedgerUnavailable, StoreUnavailable
 from ..ledger import Ledger
 from ..limits import KeyCodec
@@ -55,6 +55,9 @@ class Recovery:
                 written += await self._recover_team(owner, team)
                 # The alerts it fired and had not moved into the outbox yet.
                 await move_alerts(self._ledger, self._store, codec, team)
+            # Its budgets' alerts: which buckets they wait in died with it, so every bucket's
+            # (rare: once per dead gateway).
+            await sweep_bucket_alerts(self._ledger, self._store)
             # Every entry it left is in the ledger now (a failure above raised): forget it.
             await owners.delete(teams_key)
             await owners.remove_member(codec.owners_key(), owner)

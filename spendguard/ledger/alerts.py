@@ -108,6 +108,9 @@ def _row(alert: Alert) -> dict[str, object]:
         "api_key": alert.api_key or "",
         "period": alert.window,
         "bucket": alert.bucket,
+        "scope": alert.scope,
+        "unit": alert.unit,
+        "model": alert.model,
         "percent": alert.percent,
         "limit_micros": alert.limit_micros,
         "used_micros": alert.used_micros,
@@ -133,4 +136,7 @@ def _alert(m: object) -> Alert:
         from_micros(int(row["fired_us"])),  # type: ignore[call-overload]
         str(row["kind"]),
         None if row["runs_out_us"] is None else from_micros(int(row["runs_out_us"])),  # type: ignore[call-overload]
+        scope=str(row["scope"]),
+        unit=str(row["unit"]),
+        model=None if row["model"] is None else str(row["model"]),
     )

@@ -232,8 +232,12 @@ alerts = sa.Table(
     sa.Column("kind", sa.String(32), nullable=False),
     sa.Column("team", sa.String(100), nullable=False),
     sa.Column("api_key", sa.String(100), nullable=False),  # '' = a team's limit
-    sa.Column("period", sa.String(8), nullable=False),
-    sa.Column("bucket", sa.String(8), nullable=False),
+    # "day", "month", "balance", or a budget window's id (up to 64 characters)
+    sa.Column("period", sa.String(64), nullable=False),
+    sa.Column("bucket", sa.String(24), nullable=False),  # a budget's: its window epoch
+    sa.Column("scope", sa.String(8), nullable=False, server_default="spend"),  # or "budget"
+    sa.Column("unit", sa.String(8), nullable=False, server_default="usd"),  # or "tokens"
+    sa.Column("model", sa.Text, nullable=True),  # a model's budget
     sa.Column("percent", sa.Integer, nullable=False),
     sa.Column("limit_micros", sa.BigInteger, nullable=False),
     sa.Column("used_micros", sa.BigInteger, nullable=False),

@@ -81,6 +81,8 @@ class BudgetLimit:
 
     tokens: int | None = None
     cost_micros: int | None = None
+    # Percentages of each amount that alert, at most once per window length (``()``: none).
+    alert_at: tuple[int, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -88,6 +90,8 @@ class BudgetLimit:
             out["tokens"] = self.tokens
         if self.cost_micros is not None:
             out["cost_usd"] = str(Decimal(self.cost_micros) / 1_000_000)
+        if self.alert_at:
+            out["alert_at"] = list(self.alert_at)
         return out
 
 

@@ -327,8 +327,17 @@ class Store(Protocol):
         tokens: int,
         cost: int,
         ttl_ms: int,
-    ) -> Awaitable[object]:
-        """Replace the hold by the actual usage, counted in the slice of ``at_ms``."""
+    ) -> Awaitable[list[int]]:
+        """Replace the hold by the actual usage, counted in the slice of ``at_ms``; returns
+        how many alerts each call fired. In the same step, a window whose committed usage
+        reached one of its limit's alert thresholds (``BudgetLimit.alert_at``) fires it, at
+        most once per epoch of the window's length (``now_ms // period_ms``): the alert waits
+        in :meth:`bucket_alerts_key` (:meth:`pending_alerts`, field ``"<window id> <t|c>
+        <percent> <amount> <epoch>"``, value ``"<used> <epoch ms>"``)."""
+        ...
+
+    def bucket_alerts_key(self, bucket: Bucket) -> str:
+        """Where ``bucket``'s fired alerts wait (its slot)."""
         ...
 
     def release_buckets(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[object]:

@@ -41,7 +41,16 @@ from .base import (
     decide,
     with_rates,
 )
-from .rolling import Bucket, BucketCheck, BucketUsage, Hold, Reserved, WindowUsage, retry_ms
+from .rolling import (
+    Bucket,
+    BucketCheck,
+    BucketUsage,
+    Hold,
+    Reserved,
+    WindowUsage,
+    limit_marks,
+    retry_ms,
+)
 
 
 @dataclass(slots=True)
@@ -110,6 +119,7 @@ def _window_key(window: Rolling) -> tuple[str, int]:
 class _Slices:
     tokens: dict[int, int] = field(default_factory=dict)
     cost: dict[int, int] = field(default_factory=dict)
+    alerted: dict[str, str] = field(default_factory=dict)  # threshold -> epoch it last fired in
 
     def drop_before(self, lo: int) -> None:
         for series in (self.tokens, self.cost):
@@ -641,7 +651,8 @@ class MemoryStore:
         tokens: int,
         cost: int,
         ttl_ms: int,
-    ) -> Awaitable[None]:
+    ) -> Awaitable[list[int]]:
+        fired: list[int] = []
         try:
             for call in calls:
                 state = self._bucket(call.bucket, now_ms)
@@ -653,9 +664,35 @@ class MemoryStore:
                     slices = state.slices(window)
                     slices.tokens[idx] = slices.tokens.get(idx, 0) + tokens
                     slices.cost[idx] = slices.cost.get(idx, 0) + cost
+                fired.append(self._bucket_alert(call, state, now_ms))
         except StoreFull as exc:
             return _failed(exc)
-        return _ready(None)
+        return _ready(fired)
+
+    def bucket_alerts_key(self, bucket: Bucket) -> str:
+        return f"{{{bucket.tag}}}:budget:alerts"
+
+    def _bucket_alert(self, call: BucketCheck, state: _Bucket, now_ms: int) -> int:
+        """bucket_commit.lua's thresholds, on the same integers."""
+        fired = 0
+        for check in call.checks:
+            marks = limit_marks(check.limit)
+            if not marks:
+                continue
+            window = check.window
+            epoch = str(now_ms // window.period_ms)
+            slices = state.slices(window)
+            tokens, cost = slices.current(window, now_ms)
+            for unit, pct, amount, at in marks:
+                used = tokens if unit == "t" else cost
+                mark = f"{unit}{pct}:{amount}"
+                if used >= at and slices.alerted.get(mark) != epoch:
+                    slices.alerted[mark] = epoch
+                    pending = self._alerts.setdefault(self.bucket_alerts_key(call.bucket), {})
+                    name = f"{window.id} {unit} {pct} {amount} {epoch}"
+                    pending[name] = f"{used} {now_ms}"
+                    fired += 1
+        return fired
 
     def release_buckets(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[None]:
         for bucket in buckets:

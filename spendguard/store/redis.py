@@ -57,6 +57,7 @@ from .rolling import (
     Hold,
     Reserved,
     WindowUsage,
+    bucket_marks,
 )
 
 log = logging.getLogger("spendguard.store")
@@ -125,7 +126,9 @@ class RedisStore:
         # Plans' keys and arguments, by the plan's id (see _plan_wire).
         self._wire: dict[int, tuple[KeyPlan, list[str], list[str], list[str]]] = {}
         # Per bucket check (by id, the check held so its id is not reused): its wire parts.
-        self._bucket_wires: dict[int, tuple[BucketCheck, list[str], list[str], list[str]]] = {}
+        self._bucket_wires: dict[
+            int, tuple[BucketCheck, list[str], list[str], list[str], _Marks]
+        ] = {}
         # The hot path: concurrent calls share pipelines; ``timeout`` bounds each batch.
         self.pipeline = ScriptPipeline(
             client, timeout=timeout, max_batch=max_batch, max_in_flight=max_in_flight
@@ -459,12 +462,16 @@ class RedisStore:
             *(f"{base}:w:{w.id}:{w.seconds}" for w in windows),
         ]
 
-    def _bucket_wire(self, call: BucketCheck) -> tuple[list[str], list[str], list[str]]:
-        """A bucket check's keys, its reserve's window arguments and its commit's, made once
-        per check (a gate reuses a plan's checks) and kept, bounded, with the check."""
+    def bucket_alerts_key(self, bucket: Bucket) -> str:
+        return f"{self._prefix}:{{{bucket.tag}}}:budget:alerts"
+
+    def _bucket_wire(self, call: BucketCheck) -> tuple[list[str], list[str], list[str], _Marks]:
+        """A bucket check's keys, its reserve's window arguments, its commit's and its
+        windows' alert thresholds, made once per check (a gate reuses a plan's checks) and
+        kept, bounded, with the check."""
         found = self._bucket_wires.get(id(call))
         if found is not None and found[0] is call:
-            return found[1], found[2], found[3]
+            return found[1], found[2], found[3], found[4]
         limits: list[str] = []
         for check in call.checks:
             lim = check.limit
@@ -475,10 +482,11 @@ class RedisStore:
             ]
         keys = self.bucket_keys(call.bucket, call.windows)
         slices = [str(w.slice_ms) for w in call.windows]
+        marks = bucket_marks(call)
         if len(self._bucket_wires) >= _MAX_BUCKET_WIRES:
             self._bucket_wires.clear()
-        self._bucket_wires[id(call)] = (call, keys, limits, slices)
-        return keys, limits, slices
+        self._bucket_wires[id(call)] = (call, keys, limits, slices, marks)
+        return keys, limits, slices, marks
 
     def reserve_buckets(
         self, calls: Sequence[BucketCheck], hold: Hold, *, require_seed: bool = False
@@ -495,7 +503,7 @@ class RedisStore:
         ]
         pending = []
         for call in calls:
-            keys, limits, _ = self._bucket_wire(call)
+            keys, limits, _, _ = self._bucket_wire(call)
             pending.append(self._batched("bucket_reserve", keys, head + limits))
         return self._reserved(calls, hold, pending)
 
@@ -542,9 +550,17 @@ class RedisStore:
         head = [str(now_ms), hold_id, str(at_ms), str(tokens), str(cost), str(ttl_ms)]
         pending = []
         for call in calls:
-            keys, _, slices = self._bucket_wire(call)
-            pending.append(self._batched("bucket_commit", keys, head + slices))
-        return _gather(pending)
+            keys, _, slices, marks = self._bucket_wire(call)
+            if marks is None:
+                pending.append(self._batched("bucket_commit", keys, head + slices))
+                continue
+            specs = [
+                "" if m is None else f"{w.id} {now_ms // w.period_ms} {m}"
+                for w, m in zip(call.windows, marks, strict=True)
+            ]
+            keys = [*keys, self.bucket_alerts_key(call.bucket)]
+            pending.append(self._batched("bucket_commit", keys, [*head, *slices, "alerts", *specs]))
+        return _fired(pending)
 
     def release_buckets(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[list[Any]]:
         return _gather(
@@ -704,6 +720,14 @@ def client_for(
 
 def _took(reply: Any) -> bool:
     return isinstance(reply, list) and bool(reply) and int(reply[0]) == 1
+
+
+_Marks = tuple[str | None, ...] | None  # a bucket check's windows' alert thresholds
+
+
+async def _fired(calls: Sequence[Awaitable[Any]]) -> list[int]:
+    """How many alerts each commit fired (a commit without thresholds: 0)."""
+    return [int(r[1]) if isinstance(r, list) else 0 for r in await _gather(calls)]
 
 
 async def _gather(calls: Sequence[Awaitable[Any]]) -> list[Any]:

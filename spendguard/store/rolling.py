@@ -14,6 +14,7 @@ Each call on one bucket is atomic (one Lua script on Redis: a bucket's keys shar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Final
 
 from ..limits.model import BudgetLimit, SubjectKind, Unit
@@ -103,6 +104,32 @@ class BucketUsage:
     held_tokens: int  # live holds (in every window)
     held_cost: int
     windows: tuple[WindowUsage, ...]
+
+
+# A threshold of one amount of a budget limit: unit ("t" tokens, "c" micro-USD), percent, the
+# amount, and the usage at which it fires (rounded up).
+Mark = tuple[str, int, int, int]
+
+
+@lru_cache(maxsize=1024)
+def limit_marks(limit: BudgetLimit) -> tuple[Mark, ...]:
+    """What ``limit``'s alert thresholds fire at, per amount it has (made once per limit)."""
+    out: list[Mark] = []
+    for pct in limit.alert_at:
+        for unit, amount in (("t", limit.tokens), ("c", limit.cost_micros)):
+            if amount:
+                out.append((unit, pct, amount, -(-amount * pct // 100)))
+    return tuple(out)
+
+
+def bucket_marks(call: BucketCheck) -> tuple[str | None, ...] | None:
+    """The commit script's thresholds of each window of ``call`` (``"t80:1000:800 ..."``, None
+    for a window without any), or None when no window has any."""
+    specs = tuple(
+        " ".join(f"{u}{p}:{a}:{at}" for u, p, a, at in limit_marks(c.limit)) or None
+        for c in call.checks
+    )
+    return specs if any(specs) else None
 
 
 def retry_ms(

@@ -12,6 +12,7 @@ from spendguard.budgets import BudgetConfigError, BudgetsSource, parse_budgets, 
 from spendguard.budgets.config import DISABLED, Storage
 from spendguard.cli import main
 from spendguard.errors import ConfigurationError
+from spendguard.limits.model import BudgetLimit
 from spendguard.settings import load_settings
 
 SEED_EXAMPLE = """
@@ -105,6 +106,16 @@ def test_absent_or_disabled_is_off() -> None:
         ({"scopes": {"global": {}}}, "budgets.scopes.global: set tokens, cost_usd or both"),
         ({"storage": "disk"}, "budgets.storage: must be memory or redis"),
         ({"windows": [{"id": "d", "period": "1h", "x": 1}]}, "budgets.windows[0].x: unknown"),
+        ({"alert_at": [0]}, "budgets.alert_at: alert threshold 0 is not a whole percentage"),
+        ({"alert_at": "80"}, "budgets.alert_at: must be a list of whole percentages"),
+        (
+            {"scopes": {"global": {"tokens": 5, "alert_at": [50, 1001]}}},
+            "budgets.scopes.global.alert_at: alert threshold 1001",
+        ),
+        (
+            {"scopes": {"per_model": {"m": {"tokens": 5, "alert_at": [True]}}}},
+            "budgets.scopes.per_model.m.alert_at: must be a list",
+        ),
     ],
 )
 def test_each_problem_names_its_field(section: dict[str, object], problem: str) -> None:
@@ -153,3 +164,29 @@ def test_the_file_is_polled_about_once_a_second(tmp_path: Path) -> None:
     path.write_text("{broken")
     now[0] = 2.5
     assert source.current().enabled  # an invalid edit leaves the last good section
+
+
+def test_alert_thresholds_of_the_section_and_of_a_limit() -> None:
+    """The section's ``alert_at`` is every limit's without its own; ``[]`` turns a limit's off."""
+    config = parse_budgets(
+        {
+            "alert_at": [80, 50],
+            "windows": [{"id": "h", "period": "1h"}],
+            "scopes": {
+                "per_api_key": {"tokens": 10},
+                "per_model": {
+                    "m": {"tokens": 5, "alert_at": [90]},
+                    "n": {"tokens": 5, "alert_at": []},
+                },
+                "global": {"cost_usd": 1},
+            },
+        }
+    )
+    assert config.alert_at == (50, 80)
+    assert config.per_api_key is not None and config.per_api_key.alert_at == (50, 80)
+    assert (config.per_model["m"].alert_at, config.per_model["n"].alert_at) == ((90,), ())
+    assert config.global_ is not None and config.global_.alert_at == (50, 80)
+    assert config.as_json()["scopes"]["per_model"]["m"] == {"tokens": 5, "alert_at": [90]}
+    assert parse_budgets({"windows": [], "scopes": {"global": {"tokens": 1}}}).global_ == (
+        BudgetLimit(tokens=1)
+    )  # none unless asked for

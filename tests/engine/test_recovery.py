@@ -4,6 +4,7 @@ ledger, and written as records by a settling worker when their gateway died."""
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -32,11 +33,14 @@ from spendguard.errors import LedgerUnavailable
 from spendguard.ledger import Ledger
 from spendguard.ledger.schema import charges, records
 from spendguard.limits import KeyCodec
+from spendguard.limits.model import BudgetLimit, SubjectKind
 from spendguard.limits.rates import Rates, rate_field
+from spendguard.limits.windows import Rolling
 from spendguard.record import PostflightStatus
 from spendguard.settings import UnknownModel
 from spendguard.store import Outcome
 from spendguard.store.redis import RedisStore
+from spendguard.store.rolling import Bucket, BucketCheck, WindowCheck
 from spendguard.usage import Dialect
 from tests.support.records import make_record
 from tests.support.sql import sql_rows
@@ -278,3 +282,27 @@ async def test_recovered_records_carry_the_price_they_were_charged_at(
     assert (await SettlementWorker(ledger, None, coster_of_settler, CODEC).run_once()).settled == 3
     charged = await sql_rows(database_url, sa.select(charges.c.record_id, charges.c.amount_micros))
     assert dict(charged) == {"done": 25, "legacy": 25 * 2, "cut": 40}
+
+
+async def test_a_dead_gateways_budget_alerts_reach_the_outbox(
+    ledger: Ledger, store: RedisStore
+) -> None:
+    """Which buckets a dead gateway's budget alerts wait in died with it: recovery moves every
+    bucket's."""
+    bucket = Bucket(SubjectKind.API_KEY, f"acme:{uuid.uuid4().hex[:12]}")
+    window = Rolling("hourly", "1h", 3600)
+    call = BucketCheck(bucket, (WindowCheck(window, BudgetLimit(tokens=100, alert_at=(50,))),))
+    now_ms = T0_US // 1000
+    assert await store.commit_buckets(
+        [call], "h1", now_ms=now_ms, at_ms=now_ms, tokens=60, cost=0, ttl_ms=7_200_000
+    ) == [1]
+    await leave(store, "dead", {}, alive=False)
+    await Recovery(ledger, store, store, CODEC, coster(), me="me").run_once()
+    assert await store.pending_alerts(store.bucket_alerts_key(bucket)) == {}
+    [alert] = [a for a, _, _ in await ledger.recent_alerts() if a.api_key == bucket.subject[5:]]
+    assert (alert.scope, alert.window, alert.percent, alert.used_micros) == (
+        "budget",
+        "hourly",
+        50,
+        60,
+    )

@@ -1,7 +1,25 @@
 -- Replace a hold by the actual usage, counted in the slice of the request's start.
--- KEYS: holds, expiry, then one slices hash per window.
--- ARGV: now_ms, hold id, at_ms, tokens, cost, ttl_ms, then per window: slice_ms.
--- Reply: 1 if the hold was still there, 0 if it had expired (the usage is counted either way).
+-- KEYS: holds, expiry, then one slices hash per window; then (alerting) the bucket's pending
+--       alerts hash.
+-- ARGV: now_ms, hold id, at_ms, tokens, cost, ttl_ms, then per window: slice_ms; then
+--       (alerting) "alerts", then per window its thresholds: "" or
+--       "<window id> <epoch> <u><percent>:<limit>:<amount> ..." (u: t tokens, c micro-USD;
+--       epoch: now // the window's length).
+-- Reply: 1 if the hold was still there, 0 if it had expired (the usage is counted either way);
+--        alerting, {that, how many alerts fired}.
+--
+-- Threshold alerts (design.md, "Threshold alerts"): after counting, a window whose committed
+-- usage reached an amount fires it once per epoch: the mark _a<u><percent>:<limit> in the
+-- window's hash holds the epoch it last fired in (a field starting with _ is not a slice),
+-- and the alert waits in the pending hash, in this bucket's slot, until a gateway moves it.
+local nw = #KEYS - 2
+local alerting = #ARGV > 6 + nw
+if alerting then
+  nw = nw - 1
+  if ARGV[7 + nw] ~= 'alerts' or #ARGV ~= 7 + 2 * nw then
+    return redis.error_reply('spendguard budgets: bad alert arguments')
+  end
+end
 local now = arg_int(ARGV[1])
 local at = arg_int(ARGV[3])
 local tokens = arg_int(ARGV[4])
@@ -11,7 +29,7 @@ for _, v in ipairs({now, at, tokens, cost, ttl}) do
   if type(v) == 'table' then return v end
 end
 local found = drop_hold(KEYS[1], KEYS[2], ARGV[2])
-for w = 1, #KEYS - 2 do
+for w = 1, nw do
   local slice_ms = tonumber(ARGV[6 + w])
   local idx = math.floor(at / slice_ms)
   if idx >= math.floor(now / slice_ms) - SLICES + 1 then
@@ -20,5 +38,28 @@ for w = 1, #KEYS - 2 do
     redis.call('PEXPIRE', key, ttl)
   end
 end
-if found then return 1 end
-return 0
+local reply = found and 1 or 0
+if not alerting then return reply end
+local fired, clock, pending = 0, nil, KEYS[#KEYS]
+for w = 1, nw do
+  local wid, epoch, marks = string.match(ARGV[7 + nw + w], '^(%S+) (%d+) (.*)$')
+  if wid then
+    local key = KEYS[w + 2]
+    local t, c = window_totals(key, tonumber(ARGV[6 + w]), now)
+    for u, pct, limit, amount in string.gmatch(marks, '([tc])(%d+):(%d+):(%d+)') do
+      local used = u == 't' and t or c
+      local mark = '_a' .. u .. pct .. ':' .. limit
+      if used >= tonumber(amount) and redis.call('HGET', key, mark) ~= epoch then
+        redis.call('HSET', key, mark, epoch)
+        if not clock then
+          local tm = redis.call('TIME')
+          clock = tm[1] .. string.format('%03d', math.floor(tonumber(tm[2]) / 1000))
+        end
+        redis.call('HSET', pending, table.concat({wid, u, pct, limit, epoch}, ' '),
+          int(used) .. ' ' .. clock)
+        fired = fired + 1
+      end
+    end
+  end
+end
+return {reply, fired}
