@@ -43,7 +43,7 @@ from ..limits.kinds import KINDS
 from ..limits.model import BudgetLimit, SubjectKind, Unit
 from ..limits.windows import SLICES, Rolling
 from ..store import MemoryStore, Store
-from ..store.rolling import Bucket, BucketCheck, Hold, Reserved, WindowCheck
+from ..store.rolling import Bucket, BucketCheck, Hold, Reserved, WindowCheck, bucket_marks
 from ..usage import Usage
 from .config import BudgetsConfig, Scope, Storage, parse_period
 from .overrides import OverrideCache
@@ -617,6 +617,11 @@ class BudgetGate:
             fired = await committing
         except Exception as exc:  # the response is out; the hold expires by itself
             log.warning("budget usage could not be recorded: %r", exc)
+            if self.on_alert is not None:
+                # A commit may have run and fired with its reply lost: look on the next pass.
+                for call in admission.calls:
+                    if bucket_marks(call) is not None:
+                        self.on_alert(store, call.bucket)
             return
         if self.on_alert is not None and any(fired):
             for call, n in zip(admission.calls, fired, strict=False):

@@ -982,6 +982,9 @@ class SpendGuard:
             except Exception as exc:  # the response is already out; never fail the request
                 log.warning("spendguard postflight outcome unknown: %r", exc)
                 status = PostflightStatus.UNKNOWN if keys else PostflightStatus.SKIPPED
+                if marks is not None:
+                    # It may have run and fired with its reply lost: look on the next pass.
+                    self.alerts.note(decision.identity.team)
             finally:
                 _POSTFLIGHT_SECONDS.observe(perf_counter() - started)
         if status is not expected:

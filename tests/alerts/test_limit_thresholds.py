@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from spendguard.cli import main
+from spendguard.errors import StoreUnavailable
+from spendguard.store import MemoryStore
 from tests.support import Gateway
+from tests.support.clock import Clock
+from tests.support.doubles import Override
 
 pytestmark = pytest.mark.anyio
 
@@ -119,3 +124,21 @@ async def test_a_prepaid_balance_alerts_as_it_is_used_and_again_after_a_top_up(
         "spendguard: acme used 80% of its prepaid balance of $0.000200 ($0.000165 used, "
         "$0.000035 left)"
     )
+
+
+async def test_an_alert_whose_postflight_reply_was_lost_is_still_moved(tmp_path: Path) -> None:
+    """The postflight ran and fired, but its reply never came back (a timeout): the gateway
+    can't know it fired, so it looks in the team's pending alerts on the next pass anyway."""
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+
+    async def lost_reply(*args: Any, **kwargs: Any) -> Any:
+        await store.postflight(*args, **kwargs)
+        raise StoreUnavailable("reply lost")
+
+    flaky = Override(store, postflight=lost_reply)
+    gateway = Gateway(tmp_path, clock, store=flaky, alert_thresholds="50", alert_interval=3600)
+    async with gateway as gw:
+        await gw.guard.admin.set_policy("acme", "alpha", window="day", limit_usd="0.00003")
+        await spend(gw, 1)  # 15 of 30: fired, reply lost
+        assert await fired(gw) == [("alpha", "day", 50)]
