@@ -33,6 +33,7 @@ from .postgres import PG_ADMIN_URL, TemporaryDatabase, truncate_spendguard_table
 from .prices import UNIT_MODEL, UNIT_PRICES, write_unit_prices
 from .processes import (
     ROOT,
+    call_cli,
     clean_env,
     die_with_parent,
     run_cli,
@@ -66,6 +67,7 @@ __all__ = [
     "StateAuth",
     "TcpProxy",
     "TemporaryDatabase",
+    "call_cli",
     "charges_in_month",
     "chat_body",
     "clean_env",

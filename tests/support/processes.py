@@ -3,7 +3,9 @@ and the environment they run in."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import io
 import json
 import os
 import signal
@@ -139,3 +141,24 @@ def run_cli(env: dict[str, str], *args: str, timeout: float = 60.0) -> Any:
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+def call_cli(env: dict[str, str], *args: str) -> Any:
+    """``spendguard ARGS --json`` in this process, as :func:`run_cli` would run it: the same
+    ``main`` on ``env`` as the whole environment; its parsed output (exit 0 asserted).
+
+    For a test's further CLI calls once its first one went through a real process: a process
+    costs a second or two of imports each time and shows nothing more about the command."""
+    from unittest import mock
+
+    from spendguard.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        mock.patch.dict(os.environ, env, clear=True),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        code = main([*args, "--json"])
+    assert code == 0, err.getvalue()
+    return json.loads(out.getvalue())

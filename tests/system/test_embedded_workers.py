@@ -22,7 +22,7 @@ import pytest
 
 from spendguard.engine.pricing import PriceTable
 from spendguard.testing import expected_usage
-from tests.support import clean_env, free_port, run_cli, serve_demo, stop, uvicorn
+from tests.support import call_cli, clean_env, free_port, run_cli, serve_demo, stop, uvicorn
 
 ALPHA_DAY = ("--team", "acme", "--api-key", "alpha", "--period", "day")
 BODY = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
@@ -77,8 +77,10 @@ def charged(client: httpx.Client) -> int:
 
 
 def settled(env: dict[str, str]) -> int:
-    run_cli(env, "settle")
-    usage = run_cli(env, "usage", "--team", "acme")
+    # In process: the gateway's workers are real processes, and the CLI's own process is shown
+    # by the policy below (and by settle and usage in test_demo_gateway).
+    call_cli(env, "settle")
+    usage = call_cli(env, "usage", "--team", "acme")
     assert usage["unsettled_records"] == 0, usage
     total: int = usage["charges_total_micros"]
     return total

@@ -19,7 +19,7 @@ from spendguard.store import Store
 from spendguard.store.memory import MemoryStore
 from spendguard.store.redis import RedisStore
 from spendguard.testing.transport import StreamingASGITransport
-from tests.support import Clock, Gateway, run_cli
+from tests.support import Clock, Gateway, call_cli, run_cli
 from tests.support.gateway import MODEL
 from tests.support.processes import clean_env
 from tests.testing.wire import openai_client
@@ -173,17 +173,18 @@ def test_cli_rate_set_rm_ls(tmp_path: Path) -> None:
         "team": "acme",
         "rates": [{"api_key": "k", "rpm": 60, "tpm": None, "max_parallel": None}],
     }
-    run_cli(env, "rate", "set", "--team", "acme", "--max-parallel", "4", "--rpm", "600")
+    # One real process above; the same command's other calls in process (call_cli).
+    call_cli(env, "rate", "set", "--team", "acme", "--max-parallel", "4", "--rpm", "600")
     # A rate not given is kept; 0 removes one.
-    out = run_cli(
+    out = call_cli(
         env, "rate", "set", "--team", "acme", "--api-key", "k", "--rpm", "0", "--tpm", "9"
     )
     assert out["rates"] == [  # the team's own first, as the admin HTTP routes answer
         {"api_key": None, "rpm": 600, "tpm": None, "max_parallel": 4},
         {"api_key": "k", "rpm": None, "tpm": 9, "max_parallel": None},
     ]
-    run_cli(env, "rate", "rm", "--team", "acme")
-    assert run_cli(env, "rate", "ls", "--team", "acme")["rates"] == [
+    call_cli(env, "rate", "rm", "--team", "acme")
+    assert call_cli(env, "rate", "ls", "--team", "acme")["rates"] == [
         {"api_key": "k", "rpm": None, "tpm": 9, "max_parallel": None}
     ]
 

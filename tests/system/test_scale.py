@@ -1,5 +1,6 @@
 """At scale: 3 worker processes and 2 gateway processes on PostgreSQL and
-Redis, 12,000 records across 50 teams crossing a UTC midnight that is also a month end.
+Redis, 4,000 records across 50 teams, half before and half after a UTC midnight that is also a
+month end.
 
 After quiescence: every aggregate equals an independent SQL recomputation from the charges,
 every cached value of the current periods equals its aggregate (closed periods are updated in
@@ -28,14 +29,23 @@ from spendguard.limits import Balance, KeyCodec, Limit, Period, Policy, Subject,
 from spendguard.store.redis import RedisStore
 from tests.support import clean_env, free_port, spawn, stop, topups_total, uvicorn
 
-# 12,000 take over a minute here, so the run crosses the midnight 40 s after T0 with time to
-# spare; set more to load it harder.
-RECORDS = int(os.environ.get("SPENDGUARD_TEST_SCALE_RECORDS", "12000"))
+# Half the records are sent before the midnight 40 s after T0 and half after it: the traffic
+# waits for midnight in between, so the run crosses it however fast the machine is (it used to
+# rely on 12,000 records taking long enough, 5 minutes and more on a loaded 2-core machine).
+# 4,000 still keep 32 clients busy on both gateways, and the three workers racing over the
+# batches, for tens of seconds on each side of midnight; set more to load it harder.
+RECORDS = int(os.environ.get("SPENDGUARD_TEST_SCALE_RECORDS", "4000"))
 TEAMS = [f"team{n:02d}" for n in range(50)]
 # 40 s before the end of November 30th, UTC: the run crosses midnight and the month end. The
 # clock starts when the processes are spawned; on a loaded machine starting them and setting up
 # the policies can take a while, and the traffic must still begin before midnight.
 T0 = datetime(2026, 11, 30, 23, 59, 20, tzinfo=UTC)
+MIDNIGHT = datetime(2026, 12, 1, tzinfo=UTC)
+
+
+def _injected_now(env: dict[str, str]) -> datetime:
+    """What the processes' injected clock reads now (tests.system.scale_app)."""
+    return T0 + timedelta(seconds=time.time() - float(env["SCALE_REF"]))
 
 
 def _grace_to_now() -> str:
@@ -98,9 +108,7 @@ async def _setup(ledger: Ledger) -> None:
             await ledger.topup(team=team, team_id=team, micros=10**12)
 
 
-async def _traffic(bases: list[str]) -> int:
-    rng = random.Random(11)
-    jobs = [(rng.choice(TEAMS), f"k{rng.randrange(3)}", i) for i in range(RECORDS)]
+async def _traffic(bases: list[str], jobs: list[tuple[str, str, int]]) -> int:
     ok = 0
     failures: list[tuple[int, str]] = []
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
@@ -130,7 +138,18 @@ async def _traffic(bases: list[str]) -> int:
     return ok
 
 
-@pytest.mark.timeout(900)  # 3-8 minutes on a loaded 2-core machine
+async def _traffic_across_midnight(bases: list[str], env: dict[str, str]) -> int:
+    """Half the records before MIDNIGHT on the injected clock, the other half after it."""
+    rng = random.Random(11)
+    jobs = [(rng.choice(TEAMS), f"k{rng.randrange(3)}", i) for i in range(RECORDS)]
+    # Setting up the fleet and the policies must leave the first half its side of midnight.
+    assert _injected_now(env) < MIDNIGHT, "the traffic began after midnight: setup too slow"
+    ok = await _traffic(bases, jobs[: RECORDS // 2])
+    await anyio.sleep(max(0.0, (MIDNIGHT - _injected_now(env)).total_seconds()) + 0.5)
+    return ok + await _traffic(bases, jobs[RECORDS // 2 :])
+
+
+@pytest.mark.timeout(600)  # 1-3 minutes on a loaded 2-core machine
 def test_three_workers_two_gateways_across_midnight_and_month_end(
     fleet: tuple[list[str], list[Any]], env: dict[str, str]
 ) -> None:
@@ -141,7 +160,7 @@ def test_three_workers_two_gateways_across_midnight_and_month_end(
         ledger = Ledger(url)
         await ledger.connect()
         await _setup(ledger)
-        assert await _traffic(bases) == RECORDS
+        assert await _traffic_across_midnight(bases, env) == RECORDS
         for proc in gateways:  # graceful: each flushes its record buffer
             proc.terminate()
         for proc in gateways:
