@@ -193,7 +193,8 @@ def _ok_reserved(reply: Any) -> bool:
 
 
 def _ok_preflight(reply: Any) -> bool:
-    return isinstance(reply, list) and len(reply) == 20
+    # Five candidates, five values each (limit, settled, pending, hard, own alert thresholds).
+    return isinstance(reply, list) and len(reply) == 25
 
 
 async def _drive(
