@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING
 
 import anyio
@@ -55,33 +56,32 @@ async def move_alerts(ledger: Ledger, store: Store, codec: KeyCodec, team: str) 
     """Move ``team``'s fired alerts from the store into the outbox; returns those new to it
     (each logged once, wherever it fired and whoever moves it). Raises if either side fails:
     nothing is forgotten before the ledger has it."""
-    key = codec.alerts_key(team)
-    pending = await store.pending_alerts(key)
-    if not pending:
-        return []
-    fired: list[Alert] = []
-    for name, value in pending.items():
-        alert = parse_pending(team, name, value)
-        if alert is None:
-            log.error("spendguard dropped an unreadable alert of team %s: %r", team, name)
-        else:
-            fired.append(alert)
-    added = await keep_alerts(ledger, fired)
-    await store.drop_alerts(key, list(pending))
-    return added
+    return await _move(
+        ledger, store, codec.alerts_key(team), partial(parse_pending, team), f"team {team}"
+    )
 
 
 async def move_bucket_alerts(ledger: Ledger, store: Store, bucket: Bucket) -> list[Alert]:
     """:func:`move_alerts` for a budget bucket's fired alerts."""
     key = store.bucket_alerts_key(bucket)
+    return await _move(ledger, store, key, partial(parse_bucket_pending, bucket), bucket.tag)
+
+
+async def _move(
+    ledger: Ledger,
+    store: Store,
+    key: str,
+    parse: Callable[[str, str], Alert | None],
+    whose: str,
+) -> list[Alert]:
     pending = await store.pending_alerts(key)
     if not pending:
         return []
     fired: list[Alert] = []
     for name, value in pending.items():
-        alert = parse_bucket_pending(bucket, name, value)
+        alert = parse(name, value)
         if alert is None:
-            log.error("spendguard dropped an unreadable budget alert of %s: %r", bucket.tag, name)
+            log.error("spendguard dropped an unreadable alert of %s: %r", whose, name)
         else:
             fired.append(alert)
     added = await keep_alerts(ledger, fired)
