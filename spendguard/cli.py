@@ -24,6 +24,7 @@ import anyio
 
 from .alerts import cli as alerts_cli
 from .budgets import cli as budgets_cli
+from .budgets import recovery_gate
 from .describe import ledger_description, store_description
 from .doctor import DoctorContext, run_checks
 from .engine.admin import Admin, BalanceReport
@@ -341,7 +342,10 @@ def _worker(ctx: Ctx) -> SettlementWorker:
     recovery = None
     if store is not None and store.shared and isinstance(store, OwnerLog):
         # A standalone worker also writes the records of gateways that died (their entries).
-        recovery = Recovery(ctx.ledger, store, store, ctx.codec, coster, me="")
+        # Its budgets' holds become what the recovered records are charged.
+        gate = recovery_gate(settings, coster.table, ctx.ledger, store)
+        holds = gate.recover if gate is not None else None
+        recovery = Recovery(ctx.ledger, store, store, ctx.codec, coster, me="", holds=holds)
     return SettlementWorker(
         ctx.ledger,
         store,

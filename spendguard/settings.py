@@ -194,6 +194,11 @@ class Settings(BaseSettings):
         description="Tell callers their API key's remaining daily/monthly spend limits in "
         "x-spendguard-remaining-usd-* headers (with -limit-usd-* and -reset-*).",
     )
+    ratelimit_headers: bool = Field(
+        False,
+        description="Tell callers their API key's spend limits, RPM, TPM and parallel cap in "
+        "the IETF RateLimit-Policy and RateLimit fields (draft-ietf-httpapi-ratelimit-headers).",
+    )
     settle_interval: float = Field(5.0, gt=0, le=3600, description="Seconds between settlements.")
     settle_batch: int = Field(1000, ge=1, le=100_000, description="Records per settlement batch.")
     run_worker: bool = Field(

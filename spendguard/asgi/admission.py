@@ -25,7 +25,7 @@ from ..providers.routing import STATE_PROVIDER_KEY
 from ..usage import BodyObserver, Dialect
 from .errors import send_budget_refusal, send_error, send_no_capacity, send_refusal
 from .ratelimit import rate_limit_headers
-from .remaining import remaining_headers
+from .remaining import OwnHeaders
 from .request import BadRequest, parse_request
 
 STATE_INFERENCE_ID = "spendguard_inference_id"
@@ -153,7 +153,7 @@ async def admit_inference(
     dialect: Dialect,
     path_model: str | None,
     state: dict[str, Any],
-    remaining: bool,
+    own: OwnHeaders | None,
     routed_by: RoutedBy | None = None,
 ) -> Exchange | Refusal | None:
     """Admit one inference: ``None`` to pass it through unobserved, a refusal to send, or the
@@ -174,7 +174,7 @@ async def admit_inference(
     if isinstance(outcome, Admission):
         return None  # passed through: nothing was checked
     if isinstance(outcome, Refused):
-        return _rendered(outcome, remaining)
+        return _rendered(outcome, own)
     admission = outcome.admission
     decision = admission.decision
     assert decision is not None
@@ -184,15 +184,15 @@ async def admit_inference(
     if outcome.lease is not None:
         state[STATE_PROVIDER_KEY] = outcome.lease
     added = [(_INFERENCE_ID_HEADER, decision.inference_id.encode())]
-    if remaining:
-        added.extend(remaining_headers(decision))
+    if own is not None:
+        added.extend(own(decision))
     added.extend(rate_limit_headers(decision))
     if outcome.budget is not None:
         added.extend(outcome.budget.headers)
     return Exchange(round_, outcome, send, added, state, routed_by)
 
 
-def _rendered(refused: Refused, remaining: bool) -> Refusal:
+def _rendered(refused: Refused, own: OwnHeaders | None) -> Refusal:
     """The refusal the round named, as a response; what the other parts took is given back
     once it is sent (or abandoned unsent)."""
     admission = refused.admission
@@ -214,7 +214,7 @@ def _rendered(refused: Refused, remaining: bool) -> Refusal:
         )
     else:
         decision = admission.decision
-        headers = remaining_headers(decision) if remaining and decision is not None else []
+        headers = own(decision) if own is not None and decision is not None else []
         refusal = partial(send_refusal, admission=admission, headers=headers)
     return _ThenGiveBack(refusal, refused)
 

@@ -28,6 +28,7 @@ from .admission import (
 )
 from .dependency import STATE_ADMIT, Refused
 from .identity import IdentityResolver, resolve
+from .remaining import OwnHeaders
 from .request import BadRequest
 from .routes import RouteMatch
 
@@ -43,7 +44,7 @@ async def deferred_inference(
     read_body: Callable[[Scope, Receive], Awaitable[bytes]],
     resolver: IdentityResolver | None,
     no_identity: Callable[[Scope], None],
-    remaining: bool,
+    own: OwnHeaders | None,
     routed_by: RoutedBy | None = None,
 ) -> None:
     """Read the body, call the app with the admission hook; observe and finish what it
@@ -76,7 +77,7 @@ async def deferred_inference(
             dialect=match.dialect,
             path_model=match.model,
             state=state,
-            remaining=remaining,
+            own=own,
             routed_by=routed_by,
         )
         if isinstance(outcome, Exchange):

@@ -161,7 +161,7 @@ async def send_refusal(
     send: Send, admission: Admission, headers: Sequence[tuple[bytes, bytes]] = ()
 ) -> None:
     """The response to an admission that was not allowed (nothing was charged); ``headers``
-    go on a spend-limit or balance 429 (the remaining-spend headers)."""
+    (about the caller's own limits) go on a spend-limit, balance or rate 429."""
     dialect, decision = admission.dialect, admission.decision
     if admission.verdict is Verdict.UNAUTHENTICATED:
         message = "This route needs an authenticated team and API key."
@@ -175,7 +175,7 @@ async def send_refusal(
     elif admission.verdict is Verdict.RATE_LIMITED and decision and decision.rate_denied:
         rated = decision.rate_denied
         declared = admission.request is None or admission.request.max_tokens is not None
-        rate_headers = rate_limit_headers(decision)
+        rate_headers = [*rate_limit_headers(decision), *headers]
         retry = decision.retry_after
         if retry is None:  # larger than the rate itself: no retry can succeed
             rate_headers.append(_NO_RETRY)

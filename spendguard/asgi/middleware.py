@@ -43,6 +43,7 @@ from .deferred import deferred_inference
 from .errors import send_error
 from .identity import IdentityResolver, resolve
 from .lifespan import run_lifespan
+from .remaining import own_headers
 from .request import BadRequest
 from .routes import AMBIGUOUS, RouteMatch, RouteTable
 from .unlisted import BODY_METHODS, UnlistedInferences
@@ -93,6 +94,10 @@ class SpendGuardMiddleware:
         self.enabled = self.settings.enabled
         self.resolve_identity = resolve_identity
         self.routes = RouteTable(self.settings.routes)
+        # What every answer tells the caller about its own limits (opt-in).
+        self.own_headers = own_headers(
+            self.settings.remaining_headers, self.settings.ratelimit_headers
+        )
         self.unlisted = UnlistedInferences(self.settings)
         self.wiring = Wiring(
             self.settings, self.routes, resolve_identity, self.unlisted.pass_routes
@@ -107,6 +112,8 @@ class SpendGuardMiddleware:
             self.budgets = gate_for(self.guard)
         if self.budgets is not None and self.guard is not None and self.budgets.on_alert is None:
             self.budgets.on_alert = self.guard.alerts.note_bucket  # budgets' threshold alerts
+        if self.budgets is not None and self.guard is not None:
+            self.guard.budgets = self.budgets  # recovery closes their holds
         # Provider keys leased at admission: the gateway's hook, or the settings' globs.
         self.providers: ProviderRouting | None = None
         if self.guard is not None:
@@ -203,7 +210,7 @@ class SpendGuardMiddleware:
                 read_body=self._read_body,
                 resolver=self.resolve_identity,
                 no_identity=self.wiring.no_identity,
-                remaining=self.settings.remaining_headers,
+                own=self.own_headers,
                 routed_by=router.routed if router is not None else None,
             )
             return
@@ -218,7 +225,7 @@ class SpendGuardMiddleware:
             dialect=dialect,
             path_model=path_model,
             state=state,
-            remaining=self.settings.remaining_headers,
+            own=self.own_headers,
             routed_by=router.routed if router is not None else None,
         )
         if outcome is None:  # passed through, unobserved

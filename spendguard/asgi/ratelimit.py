@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from typing import Final
 
+from ..clock import to_millis
 from ..engine.decision import Decision
-from ..limits.model import SubjectKind
+from ..limits.model import Limit, SubjectKind
 from ..limits.rates import RateKind
 
-__all__ = ["rate_limit_headers", "reset_duration"]
+__all__ = ["rate_limit_headers", "ratelimit_fields", "reset_duration"]
 
 # Per rate: its header names (limit, remaining, reset), encoded once.
 _NAMES: Final = {
@@ -59,3 +60,72 @@ def reset_duration(ms: int) -> str:
     minutes, rest = divmod(ms, 60_000)
     seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
     return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
+
+
+# -- the IETF fields ----------------------------------------------------------------------------
+# RateLimit-Policy and RateLimit as draft-ietf-httpapi-ratelimit-headers-11 (May 2026) defines
+# them: Structured Field lists of String items, the policy's name, with parameters (q: quota,
+# qu: quota unit, w: window in seconds; r: what is left, t: seconds in which it is).
+POLICY_FIELD: Final = b"ratelimit-policy"
+STATE_FIELD: Final = b"ratelimit"
+# The draft registers "requests" (the default unit), "content-bytes" and "concurrent-requests".
+# Tokens and money have no registered unit: their names carry spendguard's prefix, as the draft
+# asks of implementation-specific values, so no client mistakes them for requests.
+TOKENS_UNIT: Final = "spendguard-tokens"
+USD_UNIT: Final = "spendguard-usd-micros"
+_SF_INTEGER_MAX: Final = 999_999_999_999_999  # a Structured Field Integer has 15 digits
+
+
+def _int(value: int) -> int:
+    return min(max(0, value), _SF_INTEGER_MAX)
+
+
+def _seconds(ms: int) -> int:
+    return -(-max(0, ms) // 1000)
+
+
+def ratelimit_fields(decision: Decision | None) -> list[tuple[bytes, bytes]]:
+    """``RateLimit-Policy`` and ``RateLimit`` for the caller's own API key: its spend limits
+    (``key-usd-day``, ``key-usd-month``, in micro-USD), its RPM, TPM and parallel cap
+    (``key-rpm``, ``key-tpm``, ``key-parallel``). Team limits, balances and budgets shared by
+    others are never shown. None of them: no fields."""
+    if decision is None:
+        return []
+    policies: list[str] = []
+    states: list[str] = []
+    api_key = decision.identity.api_key
+    now_ms = to_millis(decision.t0)
+    for state in decision.limits:
+        target = state.check.target
+        if (
+            not isinstance(target, Limit)
+            or target.subject.kind is not SubjectKind.API_KEY
+            or target.subject.api_key != api_key
+        ):
+            continue
+        name = f'"key-usd-{target.window.value}"'
+        start, end = target.window.start(decision.t0), target.window.end(decision.t0)
+        length = int((end - start).total_seconds())
+        policies.append(f'{name};q={_int(state.limit)};qu="{USD_UNIT}";w={length}')
+        left = _seconds(to_millis(end) - now_ms)
+        states.append(f"{name};r={_int(state.limit - state.used)};t={left}")
+    rated = decision.rates[0] if decision.rates else None
+    if rated is not None and rated.scope is SubjectKind.API_KEY:
+        rates = rated.rates
+        for kind, limit, unit in (
+            (RateKind.RPM, rates.rpm, ""),
+            (RateKind.TPM, rates.tpm, f';qu="{TOKENS_UNIT}"'),
+        ):
+            if limit is None:
+                continue
+            name = f'"key-{kind.value}"'
+            policies.append(f"{name};q={_int(limit)}{unit};w=60")
+            reset = _seconds(rated.reset_ms(kind))
+            states.append(f"{name};r={_int(rated.remaining(kind))};t={reset}")
+        if rates.max_parallel is not None:
+            cap = rates.max_parallel
+            policies.append(f'"key-parallel";q={_int(cap)};qu="concurrent-requests"')
+            states.append(f'"key-parallel";r={_int(cap - rated.in_flight)}')
+    if not policies:
+        return []
+    return [(POLICY_FIELD, ", ".join(policies).encode()), (STATE_FIELD, ", ".join(states).encode())]

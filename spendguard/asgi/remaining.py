@@ -16,12 +16,31 @@ its own limits only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final
 
 from ..engine.decision import Decision
 from ..limits import Limit, SubjectKind
+from .ratelimit import ratelimit_fields
 
-__all__ = ["remaining_headers"]
+__all__ = ["OwnHeaders", "own_headers", "remaining_headers"]
+
+# The headers that tell a caller about its own limits, from the preflight's decision.
+OwnHeaders = Callable[[Decision], list[tuple[bytes, bytes]]]
+
+
+def own_headers(remaining: bool, fields: bool) -> OwnHeaders | None:
+    """What the settings add to every answer about the caller's own limits: the
+    remaining-spend headers (``remaining_headers``), the IETF ``RateLimit-Policy`` and
+    ``RateLimit`` fields (``ratelimit_headers``), both, or nothing (None)."""
+    if remaining and fields:
+        return lambda decision: remaining_headers(decision) + ratelimit_fields(decision)
+    if remaining:
+        return remaining_headers
+    if fields:
+        return ratelimit_fields
+    return None
+
 
 _PREFIX: Final = "x-spendguard-"
 

@@ -25,6 +25,10 @@ from .source import BudgetsSource
 
 if TYPE_CHECKING:
     from ..engine.guard import SpendGuard
+    from ..engine.pricing import PriceTable
+    from ..ledger import Ledger
+    from ..settings import Settings
+    from ..store import Store
 
 
 def gate_for(guard: SpendGuard) -> BudgetGate | None:
@@ -32,11 +36,8 @@ def gate_for(guard: SpendGuard) -> BudgetGate | None:
     all (then not even a file is watched). A section with ``enabled: false`` still gets a
     gate: enabling it in the file applies without a restart."""
     settings = guard.settings
-    if settings.budgets_file is not None:
-        source = BudgetsSource.from_file(settings.budgets_file)
-    elif settings.budgets is not None:
-        source = BudgetsSource(parse_budgets(settings.budgets))
-    else:
+    source = source_of(settings)
+    if source is None:
         return None
     store, owned = guard.store, False
     if not store.shared and settings.redis_url is not None:
@@ -60,6 +61,36 @@ def gate_for(guard: SpendGuard) -> BudgetGate | None:
     )
 
 
+def source_of(settings: Settings) -> BudgetsSource | None:
+    """The settings' budgets section (its file, watched, or the section itself); None when
+    there is none."""
+    if settings.budgets_file is not None:
+        return BudgetsSource.from_file(settings.budgets_file)
+    if settings.budgets is not None:
+        return BudgetsSource(parse_budgets(settings.budgets))
+    return None
+
+
+def recovery_gate(
+    settings: Settings, prices: PriceTable, ledger: Ledger, store: Store
+) -> BudgetGate | None:
+    """The budgets a standalone worker closes recovered holds with (``spendguard settle``):
+    the gateways' section, on their shared store; None without budgets."""
+    source = source_of(settings)
+    if source is None:
+        return None
+    return make_gate(
+        source,
+        prices,
+        ledger=ledger,
+        override_ttl=settings.policy_ttl,
+        fallback_max_buckets=settings.fail_open_max_keys,
+        memory_max_buckets=settings.memory_max_keys,
+        store=store,
+        override_timeout=settings.db_timeout,
+    )
+
+
 __all__ = [
     "BudgetAdmission",
     "BudgetConfigError",
@@ -78,4 +109,6 @@ __all__ = [
     "parse_budgets",
     "parse_period",
     "read_budgets",
+    "recovery_gate",
+    "source_of",
 ]

@@ -42,6 +42,7 @@ from ..ledger import BudgetOverride, Ledger
 from ..limits.kinds import KINDS
 from ..limits.model import BudgetLimit, SubjectKind, Unit
 from ..limits.windows import SLICES, Rolling
+from ..record import InferenceRecord
 from ..store import MemoryStore, Store
 from ..store.rolling import Bucket, BucketCheck, Hold, Reserved, WindowCheck, bucket_marks
 from ..usage import Usage
@@ -268,14 +269,17 @@ class BudgetGate:
         return await self.begin(identity, request)
 
     def begin(
-        self, identity: Identity, request: InferenceRequest
+        self, identity: Identity, request: InferenceRequest, hold_id: str | None = None
     ) -> Awaitable[BudgetAdmission | None]:
         """:meth:`admit`, with its store calls sent before this returns: on Redis they leave
         in the next pipeline write, together with the spend limits' preflight submitted in
         the same event-loop turn (one round trip for both). The result must be awaited.
 
         A key whose own budget this process has not read yet (or read too long ago) is read
-        from the ledger first: its calls then leave later, on their own."""
+        from the ledger first: its calls then leave later, on their own.
+
+        ``hold_id``: the spend limits' record id of the same admission, so that its admission
+        entry names the hold too (:meth:`recover`); a new id when None."""
         config = self.config
         if not config.active:
             return _no_budget()
@@ -283,15 +287,19 @@ class BudgetGate:
         if identity.api_key is not None and self.overrides is not None:
             known, override = self.overrides.peek(identity)
             if not known:
-                return self._admit_read(config, identity, request)
-        return self._begin(config, identity, request, override)
+                return self._admit_read(config, identity, request, hold_id)
+        return self._begin(config, identity, request, override, hold_id)
 
     async def _admit_read(
-        self, config: BudgetsConfig, identity: Identity, request: InferenceRequest
+        self,
+        config: BudgetsConfig,
+        identity: Identity,
+        request: InferenceRequest,
+        hold_id: str | None,
     ) -> BudgetAdmission | None:
         assert self.overrides is not None
         override = await self.overrides.get(identity)
-        return await self._begin(config, identity, request, override)
+        return await self._begin(config, identity, request, override, hold_id)
 
     def _begin(
         self,
@@ -299,8 +307,41 @@ class BudgetGate:
         identity: Identity,
         request: InferenceRequest,
         override: BudgetOverride | None,
+        hold_id: str | None = None,
     ) -> Awaitable[BudgetAdmission | None]:
         model = request.model
+        planned = self._planned(config, identity, model, override)
+        calls = planned.calls
+        if not calls:
+            return _no_budget()
+        output = self.output.tokens(request, self.prices, config.default_output_tokens)
+        estimate = Usage(input_tokens=request.estimated_input_tokens, output_tokens=output)
+        price = self.prices.lookup(model)
+        cost = 0 if price is None else int(price.cost(estimate))
+        now_ms = self._now_ms()
+        hold_ms = config.hold_seconds * 1000
+        hold = Hold(
+            id=hold_id or new_hold_id(),
+            now_ms=now_ms,
+            expires_ms=now_ms + hold_ms,
+            tokens=estimate.input_tokens + estimate.output_tokens,
+            cost=cost,
+            count_cost=price is not None,
+            ttl_ms=planned.longest_ms + hold_ms,
+        )
+        store = self.store_for(config)
+        reserving = store.reserve_buckets(calls, hold, require_seed=self.ledger is not None)
+        return self._admitted(
+            config, store, planned, hold, reserving, request, estimate, price is not None
+        )
+
+    def _planned(
+        self,
+        config: BudgetsConfig,
+        identity: Identity,
+        model: str,
+        override: BudgetOverride | None,
+    ) -> _Plan:
         # The plan of an identity and model is the same until the section or the key's
         # override changes (a new object then): made once, kept (bounded) with what it is of.
         known = (id(config), identity.team, identity.api_key, model, override)
@@ -316,29 +357,7 @@ class BudgetGate:
                 max((w.period_ms for c in calls for w in c.windows), default=0),
                 self._counters(calls),
             )
-        calls, default_key = planned.calls, planned.default_key
-        if not calls:
-            return _no_budget()
-        output = self.output.tokens(request, self.prices, config.default_output_tokens)
-        estimate = Usage(input_tokens=request.estimated_input_tokens, output_tokens=output)
-        price = self.prices.lookup(model)
-        cost = 0 if price is None else int(price.cost(estimate))
-        now_ms = self._now_ms()
-        hold_ms = config.hold_seconds * 1000
-        hold = Hold(
-            id=new_hold_id(),
-            now_ms=now_ms,
-            expires_ms=now_ms + hold_ms,
-            tokens=estimate.input_tokens + estimate.output_tokens,
-            cost=cost,
-            count_cost=price is not None,
-            ttl_ms=planned.longest_ms + hold_ms,
-        )
-        store = self.store_for(config)
-        reserving = store.reserve_buckets(calls, hold, require_seed=self.ledger is not None)
-        return self._admitted(
-            config, store, planned, hold, reserving, request, estimate, price is not None
-        )
+        return planned
 
     async def _admitted(
         self,
@@ -631,6 +650,44 @@ class BudgetGate:
             tokens_used.inc(tokens)
             if cost:
                 usd_used.inc(cost)
+
+    async def recover(self, record: InferenceRecord) -> None:
+        """Count a dead gateway's admission, recovered from its admission entry as
+        ``record``, in the buckets that still hold it (its hold id is the record id): the
+        hold becomes what the record is charged, as the gateway's own commit would have made
+        it. Where the hold is gone (committed before the gateway died, expired, or counted by
+        an earlier recovery) nothing is counted, so an admission is counted once. Budgets on
+        a store of this process's own (``storage: memory``, the outage fallback) died with
+        the gateway: nothing to do."""
+        config = self.config
+        store = self.store_for(config)
+        if not config.active or not store.shared:
+            return
+        identity = record.identity
+        override = None
+        if identity.api_key is not None and self.overrides is not None:
+            override = await self.overrides.get(identity)
+        planned = self._planned(config, identity, record.model, override)
+        if not planned.calls:
+            return
+        usage = record.usage
+        price = self.prices.lookup(record.model)
+        cost = 0 if price is None else int(price.cost(usage))
+        at_ms = to_micros(record.t0) // 1000
+        fired = await store.commit_buckets(
+            planned.calls,
+            record.id,
+            now_ms=self._now_ms(),
+            at_ms=at_ms,
+            tokens=usage.total_tokens,
+            cost=cost,
+            ttl_ms=planned.longest_ms + config.hold_seconds * 1000,
+            held_only=True,
+        )
+        if self.on_alert is not None:
+            for call, n in zip(planned.calls, fired, strict=False):
+                if n:
+                    self.on_alert(store, call.bucket)
 
     def _counters(
         self, calls: tuple[BucketCheck, ...]

@@ -26,6 +26,7 @@ from datetime import datetime, timedelta
 from functools import partial
 from time import perf_counter, time_ns
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -71,6 +72,9 @@ from .singleflight import SingleFlight
 from .telemetry import admitted, decided, trace_guard
 from .telemetry import charged as count_charge
 from .worker import SettlementWorker
+
+if TYPE_CHECKING:  # the budgets package builds on this one
+    from ..budgets import BudgetGate
 
 log = logging.getLogger("spendguard")
 
@@ -210,6 +214,9 @@ class SpendGuard:
         )
         self.alerts.active = bool(self._thresholds or self._projected)
         self.denials = DenialLog(self.ledger, clock)  # recent denials, for reports
+        # The budgets checked beside these limits, when the gateway has any (set by the
+        # middleware): recovery closes their holds with the admission entries.
+        self.budgets: BudgetGate | None = None
         self._pool: ProviderPool | None = None
         self._stack: AsyncExitStack | None = None
         self._cancel: anyio.CancelScope | None = None
@@ -231,6 +238,11 @@ class SpendGuard:
 
     def _usage_of(self, team_id: str) -> Awaitable[UsageReport]:
         return self.admin.usage(team_id)
+
+    async def _close_budget_hold(self, record: InferenceRecord) -> None:
+        """Recovery's hook: a recovered admission's budget hold becomes its charge."""
+        if self.budgets is not None:
+            await self.budgets.recover(record)
 
     @property
     def admin(self) -> Admin:
@@ -319,7 +331,13 @@ class SpendGuard:
             # lost with the process, so it waits less.
             self.recorder.linger = _SHARED_LINGER
             self.worker.recovery = Recovery(
-                self.ledger, store, store, self.codec, self.coster, me=self.owner
+                self.ledger,
+                store,
+                store,
+                self.codec,
+                self.coster,
+                me=self.owner,
+                holds=self._close_budget_hold,
             )
         if task_group is None:
             self._stack = AsyncExitStack()
@@ -486,11 +504,14 @@ class SpendGuard:
         t0: datetime | None = None,
         inference_id: str | None = None,
         tentative: bool = False,
+        record_id: str | None = None,
     ) -> Admission:
         """Decide whether one inference may call the provider.
 
         ``request`` may be None only when there is no identity (the body is not read then).
         ``t0`` and ``inference_id`` continue an earlier inference (a retry or fallback).
+        ``record_id``: the id its record and admission entry get (a new one when None); the
+        round gives it when another part holds under the same id.
         ``tentative``: checks of other slots decide in the same round; an admission is then
         not counted until :meth:`confirm`, or taken back by :meth:`withdraw`.
         """
@@ -516,6 +537,7 @@ class SpendGuard:
             route=route,
             now=now,
             tentative=tentative,
+            record_id=record_id,
         )
         if decision.verdict is not Verdict.DENY:
             return Admission(decision.verdict, route, dialect, request, decision)
@@ -690,6 +712,7 @@ class SpendGuard:
         route: str = "",
         now: datetime | None = None,
         tentative: bool = False,
+        record_id: str | None = None,
     ) -> Decision:
         """One store call when the cache is warm; on a miss, load from the ledger and retry.
         ``now``: the clock's time, when the caller just read it (rates count from it).
@@ -697,7 +720,7 @@ class SpendGuard:
 
         With ``request`` (and a shared store whose heartbeat runs), an allowed inference
         leaves its admission entry in the same store call (see :mod:`.entries`)."""
-        record_id = new_record_id()
+        record_id = record_id or new_record_id()
         inference_id = inference_id or record_id
         plan = self.codec.plan(identity, t0)
         fail_open = self._fail_open

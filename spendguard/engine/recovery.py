@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 
 from .. import metrics
 from ..alerts.service import move_alerts, sweep_bucket_alerts
@@ -24,6 +25,8 @@ from .entries import is_open, owner_of, recovered_record
 
 log = logging.getLogger("spendguard.recovery")
 
+HoldCloser = Callable[[InferenceRecord], Awaitable[None]]
+
 
 class Recovery:
     def __init__(
@@ -35,6 +38,7 @@ class Recovery:
         coster: Coster,
         *,
         me: str,
+        holds: HoldCloser | None = None,
     ) -> None:
         self._ledger = ledger
         self._store = store
@@ -42,6 +46,8 @@ class Recovery:
         self._codec = codec
         self._coster = coster
         self._me = me
+        # Turns a recovered admission's other holds (its budgets') into what it is charged.
+        self._holds = holds
 
     async def run_once(self) -> int:
         """Recover the entries of every dead owner; returns the records written."""
@@ -90,6 +96,7 @@ class Recovery:
         if not records and not done:
             return 0
         written = await self._write(records)
+        await self._close_holds(written)
         done += [r.id for r in records]
         await self._store.close_entries({key: done})
         await self._free_slots(cut)
@@ -104,6 +111,19 @@ class Recovery:
                 owner,
             )
         return len(written)
+
+    async def _close_holds(self, written: list[InferenceRecord]) -> None:
+        """The budgets' holds of the recovered admissions become what they are charged, as
+        the gateway's own finish would have made them (before the entries go: a pass that
+        dies in between is repeated, and a hold is closed once). A store that fails leaves a
+        hold to its expiry."""
+        if self._holds is None:
+            return
+        for record in written:
+            try:
+                await self._holds(record)
+            except Exception as exc:  # a budget is not money: never block the records
+                log.warning("spendguard left the budget hold of %s to expire: %r", record.id, exc)
 
     async def _free_slots(self, cut: list[InferenceRecord]) -> None:
         """Requests a dead gateway had in flight leave its key's and team's rates now rather

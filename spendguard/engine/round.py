@@ -42,7 +42,7 @@ from ..usage import BodyObserver, Dialect, Usage
 from .decision import Admission, InferenceRequest, Verdict
 from .denials import spend_denial_kind
 from .entries import admission_tokens
-from .guard import SpendGuard
+from .guard import SpendGuard, new_record_id
 
 T = TypeVar("T")
 log = logging.getLogger("spendguard")
@@ -131,9 +131,14 @@ class Round:
         guard, budgets, providers = self.guard, self.budgets, self.providers
         budget_soon: Awaitable[BudgetAdmission | None] | None = None
         lease_soon: Awaitable[Lease | NoCapacity] | None = None
+        record_id: str | None = None
         if identity is not None and request is not None:
             if budgets is not None:
-                budget_soon = budgets.begin(identity, request)
+                # One id for the budget hold and the spend limits' admission entry: a gateway
+                # that dies with the request in flight leaves the entry, whose recovery turns
+                # the hold into the recovered charge (design.md, "The hold model").
+                record_id = new_record_id()
+                budget_soon = budgets.begin(identity, request, record_id)
             if providers is not None:
                 tokens_in, tokens_out = admission_tokens(request, guard.coster.table, guard.output)
                 lease_soon = providers.begin(request.model, identity, tokens_in + tokens_out)
@@ -147,6 +152,7 @@ class Round:
                 t0=t0,
                 inference_id=inference_id,
                 tentative=tentative,
+                record_id=record_id,
             )
         finally:
             budget = await budget_soon if budget_soon is not None else None

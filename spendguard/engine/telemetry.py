@@ -173,6 +173,7 @@ def trace_guard(guard: SpendGuard, enabled: bool) -> bool:
         route: str = "",
         now: datetime | None = None,
         tentative: bool = False,
+        record_id: str | None = None,
     ) -> Decision:
         with tracer.start_as_current_span("spendguard.preflight") as span:
             decision = await preflight(
@@ -183,6 +184,7 @@ def trace_guard(guard: SpendGuard, enabled: bool) -> bool:
                 route=route,
                 now=now,
                 tentative=tentative,
+                record_id=record_id,
             )
             outcome, kind, period = labels_of(decision)
             span.set_attributes(

@@ -71,6 +71,10 @@ class SettlementWorker:
         # settle=False keeps only the cache in sync (policy changes, records settled by a
         # standalone worker): an in-process cache can only be refreshed from inside.
         self._settle = settle
+        # Standing by for a SQLite database another worker settles: the lock is tried again
+        # every pass, so that a worker whose settler died takes over (and recovers its entries).
+        self._standby = False
+        self._lock: IO[bytes] | None = None
         self.running = False  # run() is looping (for the admin status route)
         self._sync = None if store is None else CacheSync(ledger, store, codec, clock)
         self._pruned_at: int | None = None
@@ -183,9 +187,10 @@ class SettlementWorker:
 
     def _claim_sqlite(self) -> IO[bytes] | None:
         """SQLite supports one settlement worker: take an exclusive lock file beside the
-        database. A second worker says so and only keeps its own cache in sync."""
+        database. A second worker says so, only keeps its own cache in sync, and stands by:
+        :meth:`_take_over` tries the lock again every pass."""
         path = self._ledger.sqlite_path
-        if path is None or not self._settle:
+        if path is None or not (self._settle or self._standby):
             return None
         handle = open(f"{path}.settle.lock", "a+b")  # noqa: SIM115 - held for the loop's life
         try:
@@ -193,30 +198,45 @@ class SettlementWorker:
             return handle
         except OSError:
             handle.close()
-            log.warning(
-                "another spendguard worker is settling the SQLite database %s; SQLite supports "
-                "a single worker, so this one only keeps its cache in sync. Use PostgreSQL for "
-                "several workers.",
-                path,
-            )
-            self._settle = False
+            if not self._standby:
+                log.warning(
+                    "another spendguard worker is settling the SQLite database %s; SQLite "
+                    "supports a single worker, so this one only keeps its cache in sync, and "
+                    "takes over if that one stops. Use PostgreSQL for several workers.",
+                    path,
+                )
+            self._settle, self._standby = False, True
             return None
+
+    def _take_over(self) -> None:
+        """A standing-by worker whose settler has stopped (the OS releases a dead process's
+        lock) takes the lock and settles from this pass on."""
+        self._lock = self._claim_sqlite()
+        if self._lock is not None:
+            self._settle, self._standby = True, False
+            log.warning(
+                "spendguard took over settling the SQLite database %s: its worker stopped",
+                self._ledger.sqlite_path,
+            )
 
     async def run(
         self, interval: float, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        lock = self._claim_sqlite()
+        self._lock = self._claim_sqlite()
         self.running = True
         try:
             await self._loop(interval, task_status)
         finally:
             self.running = False
-            if lock is not None:
-                lock.close()
+            if self._lock is not None:
+                self._lock.close()
+                self._lock = None
 
     async def _loop(self, interval: float, task_status: TaskStatus[None]) -> None:
         task_status.started()
         while True:
+            if self._standby:
+                self._take_over()
             started = anyio.current_time()
             try:
                 # A pass is not cancelled half-way (its transaction and pooled connection must

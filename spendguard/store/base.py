@@ -327,13 +327,18 @@ class Store(Protocol):
         tokens: int,
         cost: int,
         ttl_ms: int,
+        held_only: bool = False,
     ) -> Awaitable[list[int]]:
         """Replace the hold by the actual usage, counted in the slice of ``at_ms``; returns
         how many alerts each call fired. In the same step, a window whose committed usage
         reached one of its limit's alert thresholds (``BudgetLimit.alert_at``) fires it, at
         most once per epoch of the window's length (``now_ms // period_ms``): the alert waits
         in :meth:`bucket_alerts_key` (:meth:`pending_alerts`, field ``"<window id> <t|c>
-        <percent> <amount> <epoch>"``, value ``"<used> <epoch ms>"``)."""
+        <percent> <amount> <epoch>"``, value ``"<used> <epoch ms>"``).
+
+        ``held_only``: count the usage only in the buckets that still hold ``hold_id`` (the
+        recovery of a dead gateway's admission: counted once, however often it is recovered,
+        and not at all where the admission's own commit ran)."""
         ...
 
     def bucket_alerts_key(self, bucket: Bucket) -> str:

@@ -651,12 +651,15 @@ class MemoryStore:
         tokens: int,
         cost: int,
         ttl_ms: int,
+        held_only: bool = False,
     ) -> Awaitable[list[int]]:
         fired: list[int] = []
         try:
             for call in calls:
                 state = self._bucket(call.bucket, now_ms)
-                state.holds.pop(hold_id, None)
+                if state.holds.pop(hold_id, None) is None and held_only:
+                    fired.append(0)
+                    continue
                 for window in call.windows:
                     idx = at_ms // window.slice_ms
                     if idx < now_ms // window.slice_ms - SLICES + 1:

@@ -546,8 +546,10 @@ class RedisStore:
         tokens: int,
         cost: int,
         ttl_ms: int,
+        held_only: bool = False,
     ) -> Awaitable[list[Any]]:
-        head = [str(now_ms), hold_id, str(at_ms), str(tokens), str(cost), str(ttl_ms)]
+        held = f"!{hold_id}" if held_only else hold_id  # bucket_commit.lua: only if held
+        head = [str(now_ms), held, str(at_ms), str(tokens), str(cost), str(ttl_ms)]
         pending = []
         for call in calls:
             keys, _, slices, marks = self._bucket_wire(call)

@@ -1,6 +1,7 @@
 """Gateway processes sharing one Redis budget: a key exhausted through one is refused by the
 other, a reset through the CLI is seen by both at once, and the hold of a gateway killed
-mid-request expires by itself."""
+mid-request becomes its recovered charge when another gateway recovers it in time, or expires
+by itself."""
 
 from __future__ import annotations
 
@@ -12,13 +13,26 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
+import sqlalchemy as sa
 
+from spendguard.clock import to_micros, utcnow
+from spendguard.ledger.schema import records
+from spendguard.limits.model import BudgetLimit, SubjectKind
+from spendguard.limits.windows import Rolling
+from spendguard.store.redis import RedisStore
+from spendguard.store.rolling import Bucket, BucketCheck, WindowCheck
 from tests.support import RedisCluster, clean_env, free_port, run_cli, stop, uvicorn, wait_healthy
+from tests.support.sql import sql_rows
 
 ALPHA = {"authorization": "Bearer sk-demo-alpha"}
 BODY = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 90}
+KEY_BUCKET = BucketCheck(
+    Bucket(SubjectKind.API_KEY, "acme:alpha"),
+    (WindowCheck(Rolling("daily", "24h", 86_400), BudgetLimit(tokens=95)),),
+)
 
 
 @pytest.fixture(params=["redis", "cluster"])
@@ -121,5 +135,65 @@ def test_a_hold_left_by_a_killed_gateway_expires(env: dict[str, str], tmp_path: 
             assert time.monotonic() - held_at < 15, "the hold never expired"
             time.sleep(0.25)
         assert time.monotonic() - held_at >= 5  # expired by its time, not by the kill
+    finally:
+        stop([doomed, survivor], timeout=20)
+
+
+async def _bucket_and_records(env: dict[str, str]) -> tuple[int, int, int]:
+    """The key's bucket in Redis (tokens held, tokens counted in its window) and the tokens of
+    the ledger's records."""
+    store = RedisStore.from_url(
+        env["SPENDGUARD_REDIS_URL"], prefix=env["SPENDGUARD_KEY_PREFIX"], timeout=2
+    )
+    try:
+        usage = await store.inspect_bucket(KEY_BUCKET, to_micros(utcnow()) // 1000)
+    finally:
+        await store.aclose()
+    rows = await sql_rows(
+        env["SPENDGUARD_DATABASE_URL"], sa.select(records.c.input_tokens, records.c.output_tokens)
+    )
+    return usage.held_tokens, usage.windows[0].tokens, sum(i + o for i, o in rows)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_gateways_hold_becomes_its_recovered_charge(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """The admission entry the killed gateway left is recovered by the survivor's worker (its
+    heartbeat lapses after 2 s) before the hold's 10 s are up: the hold becomes what the
+    recovered record is charged (its admission estimate, as for the spend limits), in the
+    bucket once, and the budget stays spent instead of coming back when the hold would have
+    expired."""
+    env = {**env, "SPENDGUARD_OWNER_TTL": "2", "SPENDGUARD_SETTLE_INTERVAL": "0.5"}
+    port, log = free_port(), tmp_path / "doomed.log"
+    doomed = uvicorn("examples.gateway:app", port, env, log)
+    survivor_port, survivor_log = free_port(), tmp_path / "survivor.log"
+    survivor = uvicorn("examples.gateway:app", survivor_port, env, survivor_log)
+    try:
+        base, other = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{survivor_port}"
+        wait_healthy(base, doomed, log)
+        wait_healthy(other, survivor, survivor_log)
+
+        def stalled() -> None:
+            headers = {**ALPHA, "x-fake-stall-after": "0"}
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{base}/v1/chat/completions", json=BODY, headers=headers, timeout=30)
+
+        threading.Thread(target=stalled, daemon=True).start()
+        deadline = time.monotonic() + 20
+        while not held(env):
+            assert time.monotonic() < deadline, "the stalled request never reserved"
+            time.sleep(0.05)
+        doomed.kill()
+        doomed.wait(10)
+        deadline = time.monotonic() + 8  # within the hold's 10 s
+        while (state := anyio.run(_bucket_and_records, env))[2] == 0 or state[0] != 0:
+            assert time.monotonic() < deadline, f"never recovered: {state}"
+            time.sleep(0.2)
+        _, counted, recorded = state
+        assert counted == recorded >= 90  # the admission estimate: prompt + max_tokens
+        time.sleep(11)  # past the hold's own expiry: nothing changes, nothing comes back
+        assert anyio.run(_bucket_and_records, env) == (0, counted, recorded)
+        assert post(other) == 429
     finally:
         stop([doomed, survivor], timeout=20)

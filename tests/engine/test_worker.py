@@ -138,6 +138,52 @@ async def test_second_sqlite_worker_says_so_and_does_not_settle(
         await first.stop()
 
 
+async def test_the_second_sqlite_worker_takes_over_when_the_first_stops(
+    sqlite_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lock is the OS's, released when its holder stops or dies: the worker standing by
+    takes it on its next pass and settles what the first left (a dead gateway's entries
+    included, on a shared store)."""
+    import anyio
+
+    settings = Settings(database_url=sqlite_url, prices=write_unit_prices(tmp_path))
+    first, second = SpendGuard(settings), SpendGuard(settings)
+    await first.start(worker=False)
+    await second.start(worker=False)
+    try:
+        first_scope = anyio.CancelScope()
+
+        async def settle_first(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+            with first_scope:
+                await first.worker.run(60.0, task_status=task_status)
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(settle_first)
+            await tg.start(second.worker.run, 0.05)
+            assert first.worker.settling and not second.worker.settling
+            decision = await second.preflight(ALPHA, second.clock())
+            await second.postflight(
+                decision,
+                model="brand-new-model",
+                route="/v1/chat/completions",
+                status_code=200,
+                usage=Usage(input_tokens=3, output_tokens=4),
+            )
+            await second.recorder.flush()
+            await anyio.sleep(0.3)
+            assert await second.ledger.charges_total() == 0  # standing by: nothing settled
+            first_scope.cancel()  # the settling worker stops; its lock goes with it
+            with anyio.fail_after(5):
+                while (total := await second.ledger.charges_total()) == 0:
+                    await anyio.sleep(0.05)
+            assert total == 7 and second.worker.settling
+            tg.cancel_scope.cancel()
+        assert "took over settling" in caplog.text
+    finally:
+        await second.stop()
+        await first.stop()
+
+
 KILLER = """
 import os, signal, sys, anyio
 from spendguard import Settings

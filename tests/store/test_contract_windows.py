@@ -293,3 +293,42 @@ async def test_a_window_written_before_running_totals_gets_them(redis_url: str) 
         assert (await store.inspect_bucket(call, T0)).windows[0].tokens == 94
     finally:
         await store.aclose()
+
+
+async def test_a_commit_held_only_counts_where_the_hold_still_is_and_only_once(
+    store: Store,
+) -> None:
+    # Recovery of a dead gateway's admission: its hold becomes the charge once, however often
+    # the admission is recovered, and not where the gateway's own commit got there first.
+    held, committed = tokens(1000, HOUR), tokens(1000, HOUR, bucket=MODEL)
+    h = hold(T0, 300, id="0190f0aa00000000000000000000abcd")
+    assert all(a.ok for a in await store.reserve_buckets([held, committed], h))
+    await commit(store, committed, h, 40)  # the gateway's own commit reached this bucket
+    for _ in range(2):  # the same admission recovered twice
+        await store.commit_buckets(
+            [held, committed],
+            h.id,
+            now_ms=T0 + MINUTE,
+            at_ms=T0,
+            tokens=25,
+            cost=0,
+            ttl_ms=h.ttl_ms,
+            held_only=True,
+        )
+    key_usage = await store.inspect_bucket(held, T0 + MINUTE)
+    model_usage = await store.inspect_bucket(committed, T0 + MINUTE)
+    assert (key_usage.held_tokens, key_usage.windows[0].tokens) == (0, 25)
+    assert (model_usage.held_tokens, model_usage.windows[0].tokens) == (0, 40)
+    # A bucket that never held it counts nothing either.
+    await store.commit_buckets(
+        [tokens(1000, HOUR, bucket=FLEET)],
+        h.id,
+        now_ms=T0 + MINUTE,
+        at_ms=T0,
+        tokens=25,
+        cost=0,
+        ttl_ms=h.ttl_ms,
+        held_only=True,
+    )
+    fleet = await store.inspect_bucket(tokens(1000, HOUR, bucket=FLEET), T0 + MINUTE)
+    assert fleet.windows[0].tokens == 0

@@ -1,5 +1,6 @@
 """A Redis-mode gateway killed outright (SIGKILL) under traffic, with streams open: nothing it
-admitted is lost, nothing is charged twice, and the cache ends equal to the ledger.
+admitted is lost, nothing is charged twice, and the cache ends equal to the ledger; so does
+the key's rolling token budget (its holds closed by the same recovery).
 
 Each admitted inference leaves an admission entry in Redis in the same script call that admits
 it. After the kill, a standalone worker (``spendguard settle``, as an operator would run it)
@@ -10,6 +11,7 @@ kill. Settlement then charges each once and brings the cache in step with the le
 
 from __future__ import annotations
 
+import json
 import signal
 import uuid
 from collections.abc import Callable
@@ -20,7 +22,12 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
+from spendguard.clock import to_micros, utcnow
 from spendguard.ledger.schema import charges, records
+from spendguard.limits.model import BudgetLimit, SubjectKind
+from spendguard.limits.windows import Rolling
+from spendguard.store.redis import RedisStore
+from spendguard.store.rolling import Bucket, BucketCheck, WindowCheck
 from tests.support import TcpProxy, clean_env, free_port, run_cli, uvicorn, wait_healthy
 from tests.support.redis import RedisServer
 from tests.support.sql import sql_rows, sql_value
@@ -30,6 +37,18 @@ pytestmark = pytest.mark.anyio
 OWNER_TTL = 2.0
 FINISHED = 60  # inferences that end before the kill
 OPEN = 4  # streams the upstream stalls: open at the kill
+# The key's token budget over a rolling hour, far above the traffic: counted, never refusing.
+BUDGET_TOKENS = 10**9
+BUDGETS = {
+    "enabled": True,
+    "storage": "redis",
+    "windows": [{"id": "hourly", "period": "1h"}],
+    "scopes": {"per_api_key": {"tokens": BUDGET_TOKENS}},
+}
+KEY_BUCKET = BucketCheck(
+    Bucket(SubjectKind.API_KEY, "acme:alpha"),
+    (WindowCheck(Rolling("hourly", "1h", 3600), BudgetLimit(tokens=BUDGET_TOKENS)),),
+)
 
 
 async def _gateway_under_traffic(
@@ -156,6 +175,17 @@ async def _assert_recovered_exactly(
     assert len(keys) == 1
     settled, pending = server.cli("HMGET", keys[0], "s", "p").split()
     assert int(settled) == charged and int(pending) == 0
+    # The key's budget counted every record's tokens once: the cut streams' holds became
+    # their recovered charge, and no hold is left to lapse later.
+    tokens = await sql_value(
+        db_url, sa.select(sa.func.sum(records.c.input_tokens + records.c.output_tokens))
+    )
+    store = RedisStore.from_url(server.url, prefix=prefix, timeout=2)
+    try:
+        bucket = await store.inspect_bucket(KEY_BUCKET, to_micros(utcnow()) // 1000)
+    finally:
+        await store.aclose()
+    assert (bucket.held_tokens, bucket.windows[0].tokens) == (0, int(tokens))
 
 
 def _env(redis: RedisServer, db_url: str, prefix: str) -> dict[str, str]:
@@ -166,6 +196,7 @@ def _env(redis: RedisServer, db_url: str, prefix: str) -> dict[str, str]:
         SPENDGUARD_RUN_WORKER="false",  # only the operator's worker settles, after the kill
         SPENDGUARD_OWNER_TTL=str(OWNER_TTL),
         SPENDGUARD_REDIS_TIMEOUT="2",  # a loaded CI machine; this test is about the kill
+        SPENDGUARD_BUDGETS=json.dumps(BUDGETS),
     )
 
 

@@ -5,8 +5,11 @@
 --       (alerting) "alerts", then per window its thresholds: "" or
 --       "<window id> <epoch> <u><percent>:<limit>:<amount> ..." (u: t tokens, c micro-USD;
 --       epoch: now // the window's length).
--- Reply: 1 if the hold was still there, 0 if it had expired (the usage is counted either way);
---        alerting, {that, how many alerts fired}.
+-- A hold id written "!<id>" counts the usage only if that hold is still there: recovery of a
+-- dead gateway's admission (design.md, "The hold model"), so that the same admission
+-- recovered twice, or recovered after its own commit ran, is counted once.
+-- Reply: 1 if the hold was still there, 0 if it had expired (the usage is counted either way,
+--        but for "!"); alerting, {that, how many alerts fired}.
 --
 -- Threshold alerts (design.md, "Threshold alerts"): after counting, a window whose committed
 -- usage reached an amount fires it once per epoch: the mark _a<u><percent>:<limit> in the
@@ -28,7 +31,13 @@ local ttl = arg_int(ARGV[6])
 for _, v in ipairs({now, at, tokens, cost, ttl}) do
   if type(v) == 'table' then return v end
 end
-local found = drop_hold(KEYS[1], KEYS[2], ARGV[2])
+local hold, held_only = ARGV[2], false
+if string.sub(hold, 1, 1) == '!' then hold, held_only = string.sub(hold, 2), true end
+local found = drop_hold(KEYS[1], KEYS[2], hold)
+if held_only and not found then
+  if alerting then return {0, 0} end
+  return 0
+end
 for w = 1, nw do
   local slice_ms = tonumber(ARGV[6 + w])
   local idx = math.floor(at / slice_ms)
