@@ -47,6 +47,7 @@ SEE_ALSO = {
     "provider_candidates": "[provider keys](provider-keys.md)",
     "provider_keys": "[provider keys](provider-keys.md)",
     "remaining_headers": "[limits: remaining-spend headers](limits.md#remaining-spend-headers)",
+    "fit_min_output_tokens": "[limits: fit instead of refuse](limits.md#fit-instead-of-refuse)",
     "ratelimit_headers": "[limits: IETF fields](limits.md#the-ietf-rate-limit-fields)",
     "policy_stale_max": "[Redis and scaling](redis.md#redis)",
     "record_buffer": "[durability](durability.md)",

@@ -194,6 +194,14 @@ class Settings(BaseSettings):
         description="Tell callers their API key's remaining daily/monthly spend limits in "
         "x-spendguard-remaining-usd-* headers (with -limit-usd-* and -reset-*).",
     )
+    fit_min_output_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="Fit instead of refuse: a request a hard spend limit would refuse goes on "
+        "with its max_tokens lowered to what fits, if that is at least this many tokens "
+        "(unset: refuse as sent).",
+    )
     ratelimit_headers: bool = Field(
         False,
         description="Tell callers their API key's spend limits, RPM, TPM and parallel cap in "

@@ -24,6 +24,7 @@ from ..limits.kinds import KINDS
 from ..providers.routing import STATE_PROVIDER_KEY
 from ..usage import BodyObserver, Dialect
 from .errors import send_budget_refusal, send_error, send_no_capacity, send_refusal
+from .fit import FIT_HEADER, with_output_cap
 from .ratelimit import rate_limit_headers
 from .remaining import OwnHeaders
 from .request import BadRequest, parse_request
@@ -93,6 +94,7 @@ class Exchange:
         "_send",
         "_state",
         "admitted",
+        "body",
         "observer",
         "routed",
         "status",
@@ -112,6 +114,8 @@ class Exchange:
         self.status = 0  # no response started (yet)
         self.observer: BodyObserver | None = None
         self.routed: str | None = None  # what the response's headers say was routed to
+        # The body the app must forward instead of the client's: its output cap fitted.
+        self.body: bytes | None = None
 
     def send(self, message: Message) -> Awaitable[None]:
         # Not a coroutine function: what it does is synchronous, and it hands back the server's
@@ -155,11 +159,13 @@ async def admit_inference(
     state: dict[str, Any],
     own: OwnHeaders | None,
     routed_by: RoutedBy | None = None,
+    rewritable: bool = False,
 ) -> Exchange | Refusal | None:
     """Admit one inference: ``None`` to pass it through unobserved, a refusal to send, or the
     exchange to hand the app as its ``send`` (its ``finish`` must then run, in ``finally``).
 
-    ``body`` is None when it was not read (no identity: nothing to parse).
+    ``body`` is None when it was not read (no identity: nothing to parse). ``rewritable``:
+    the app has not read it yet, so a hard limit may fit its output cap (``exchange.body``).
     """
     request: InferenceRequest | None = None
     if identity is not None and body is not None:
@@ -168,8 +174,16 @@ async def admit_inference(
         except BadRequest as exc:
             return bad_request(dialect, exc)
     t0, inference_id = retry_of(state)
+    fitted: list[bytes] = []
+    fit = None if body is None or not rewritable else partial(_fit, body, fitted)
     outcome = await round_.admit(
-        identity, request, route=route, dialect=dialect, t0=t0, inference_id=inference_id
+        identity,
+        request,
+        route=route,
+        dialect=dialect,
+        t0=t0,
+        inference_id=inference_id,
+        fit=fit,
     )
     if isinstance(outcome, Admission):
         return None  # passed through: nothing was checked
@@ -189,7 +203,20 @@ async def admit_inference(
     added.extend(rate_limit_headers(decision))
     if outcome.budget is not None:
         added.extend(outcome.budget.headers)
-    return Exchange(round_, outcome, send, added, state, routed_by)
+    exchange = Exchange(round_, outcome, send, added, state, routed_by)
+    if outcome.fitted is not None:
+        exchange.body = fitted[-1]
+        added.append((FIT_HEADER, str(outcome.fitted).encode()))
+    return exchange
+
+
+def _fit(body: bytes, fitted: list[bytes], cap: int) -> bool:
+    """Whether ``body``'s output cap can be lowered to ``cap`` (the lowered body kept)."""
+    lowered = with_output_cap(body, cap)
+    if lowered is None:
+        return False
+    fitted.append(lowered)
+    return True
 
 
 def _rendered(refused: Refused, own: OwnHeaders | None) -> Refusal:

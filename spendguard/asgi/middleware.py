@@ -41,6 +41,7 @@ from .admission import (
 )
 from .deferred import deferred_inference
 from .errors import send_error
+from .fit import with_length
 from .identity import IdentityResolver, resolve
 from .lifespan import run_lifespan
 from .remaining import own_headers
@@ -227,6 +228,7 @@ class SpendGuardMiddleware:
             state=state,
             own=self.own_headers,
             routed_by=router.routed if router is not None else None,
+            rewritable=True,
         )
         if outcome is None:  # passed through, unobserved
             await self.app(scope, receive if body is None else replay(body, receive), send)
@@ -234,8 +236,12 @@ class SpendGuardMiddleware:
         if not isinstance(outcome, Exchange):
             await outcome(send)
             return
+        forwarded = body or b""
+        if outcome.body is not None:  # its output cap fitted to what a hard limit has left
+            forwarded = outcome.body
+            scope = with_length(scope, len(forwarded))
         try:
-            await self.app(scope, replay(body or b"", receive), outcome.send)
+            await self.app(scope, replay(forwarded, receive), outcome.send)
         finally:
             await outcome.finish()
 

@@ -7,6 +7,7 @@ ASGI adapter renders without interpreting anything.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -151,6 +152,12 @@ class InferenceRequest:
             self._estimate = None
         return self._estimated
 
+    def capped(self, max_tokens: int) -> InferenceRequest:
+        """The same request with its output cap lowered to ``max_tokens`` (fitted)."""
+        out = copy.copy(self)
+        out.max_tokens = max_tokens
+        return out
+
     def _key(self) -> tuple[str, bool, int | None, int]:
         return (self.model, self.stream, self.max_tokens, self.estimated_input_tokens)
 
@@ -184,6 +191,9 @@ class Admission:
     decision: Decision | None = None
     message: str = ""  # for UNPRICED, and a DENY that never passes: what to tell the client
     never: Never | None = None  # a DENY that no wait ends
+    # A hard limit's DENY that a smaller output cap per completion would pass now (fitting
+    # is on): that cap, at least the configured minimum; None otherwise.
+    fits: int | None = None
 
     @property
     def allowed(self) -> bool:

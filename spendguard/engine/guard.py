@@ -565,8 +565,9 @@ class SpendGuard:
         coster, table = self.coster, self.coster.table
         tokens_in, tokens_out = admission_tokens(request, table, self.output)
         hold = worst_case(request, coster, (tokens_in, tokens_out))
+        fits = self._fits(request, decision, tokens_in, tokens_out)
         if hold <= denied.limit:
-            return Admission(Verdict.DENY, route, dialect, request, decision)
+            return Admission(Verdict.DENY, route, dialect, request, decision, fits=fits)
         price = table.lookup(request.model)  # None: the unknown-model rule's price, no hint
         choices = request.choices
         output = describe_output(request, tokens_out, table)
@@ -586,8 +587,28 @@ class SpendGuard:
             verb = "Set" if request.max_tokens is None else "Lower"
             message += f" {verb} max_tokens, or shorten the prompt."
         return Admission(
-            Verdict.DENY, route, dialect, request, decision, message, never=Never.AS_SENT
+            Verdict.DENY, route, dialect, request, decision, message, never=Never.AS_SENT, fits=fits
         )
+
+    def _fits(
+        self, request: InferenceRequest, decision: Decision, tokens_in: int, tokens_out: int
+    ) -> int | None:
+        """The largest output cap per completion under which a request a hard limit refused
+        would fit what every hard limit checked has left now, when fitting is on, the request
+        declared a cap, and that cap is at least the minimum (design.md, "Fit instead of
+        refuse"); None otherwise."""
+        least = self.settings.fit_min_output_tokens
+        price = self.coster.table.lookup(request.model)
+        if least is None or request.max_tokens is None or price is None:
+            return None
+        left = min(s.limit - s.used for s in decision.limits if s.hard)
+        choices = request.choices
+
+        def cost_of(out: int) -> int:
+            return int(price.cost(Usage(input_tokens=tokens_in, output_tokens=out * choices)))
+
+        fitting = largest_fitting(cost_of, left, tokens_out // choices)
+        return fitting if least <= fitting < tokens_out // choices else None
 
     def _continued(
         self, now: datetime, t0: datetime | None, inference_id: str | None

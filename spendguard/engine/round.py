@@ -25,7 +25,7 @@ path and the ``Depends`` path alike.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -58,6 +58,9 @@ class Admitted:
     admission: Admission
     budget: BudgetAdmission | None = None
     lease: Lease | None = None
+    # The output cap per completion the request was fitted to (a hard limit refused it as
+    # sent): the body the provider gets must say so. None: admitted as sent.
+    fitted: int | None = None
 
 
 class Named(StrEnum):
@@ -125,9 +128,45 @@ class Round:
         dialect: Dialect,
         t0: datetime | None = None,
         inference_id: str | None = None,
+        fit: Callable[[int], bool] | None = None,
     ) -> Admitted | Refused | Admission:
         """One inference's admission round: :class:`Admitted`, :class:`Refused`, or the spend
-        limits' :class:`Admission` when nothing was checked (passed through unobserved)."""
+        limits' :class:`Admission` when nothing was checked (passed through unobserved).
+
+        A hard limit's refusal that a smaller output cap would pass (fitting on) gives back
+        what the round took and is asked again, once, with that cap, if ``fit(cap)`` says the
+        request can still be changed to it (the caller rewrites its body): admitted, the
+        answer says what it was fitted to."""
+        outcome = await self._round(identity, request, route, dialect, t0, inference_id)
+        if not isinstance(outcome, Refused):
+            return outcome
+        fits = outcome.admission.fits
+        if fits is not None and request is not None and fit is not None and fit(fits):
+            await outcome.give_back()
+            again = await self._round(
+                identity, request.capped(fits), route, dialect, t0, inference_id
+            )
+            if isinstance(again, Admitted):
+                again.fitted = fits
+                return again
+            if isinstance(again, Refused):
+                outcome = again
+        if identity is not None:
+            kind = _denial_kind(outcome)
+            if kind is not None:
+                model = request.model if request is not None else ""
+                self.guard.denials.note(identity, kind, model)
+        return outcome
+
+    async def _round(
+        self,
+        identity: Identity | None,
+        request: InferenceRequest | None,
+        route: str,
+        dialect: Dialect,
+        t0: datetime | None,
+        inference_id: str | None,
+    ) -> Admitted | Refused | Admission:
         guard, budgets, providers = self.guard, self.budgets, self.providers
         budget_soon: Awaitable[BudgetAdmission | None] | None = None
         lease_soon: Awaitable[Lease | NoCapacity] | None = None
@@ -168,13 +207,7 @@ class Round:
             if tentative:
                 guard.confirm(admission)
             return Admitted(admission, budget, lease if isinstance(lease, Lease) else None)
-        refused = self._refused(admission, budget, lease)
-        if identity is not None:
-            kind = _denial_kind(refused)
-            if kind is not None:
-                model = request.model if request is not None else ""
-                guard.denials.note(identity, kind, model)
-        return refused
+        return self._refused(admission, budget, lease)
 
     def _refused(
         self,

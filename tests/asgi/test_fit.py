@@ -1,0 +1,157 @@
+"""Fit instead of refuse: a request a hard spend limit would refuse as sent goes on with its
+output cap lowered to what the limit has left, when that is at least the configured minimum;
+the body the provider gets differs from the client's in the cap's digits only, and the answer
+says what it was fitted to. Off by default; below the minimum it is refused as before."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import anyio
+import openai
+import pytest
+
+from spendguard import SpendGuardMiddleware
+from spendguard.asgi.fit import FIT_HEADER
+from spendguard.limits import Period
+from spendguard.testing import fake_upstream
+from tests.support import Gateway, StateAuth
+from tests.support.gateway import MODEL
+
+pytestmark = pytest.mark.anyio
+
+FITTED = FIT_HEADER.decode()
+LIMIT = 1_040  # micro-USD: at 1 per token, about 1,000 output tokens besides the prompt
+ASKED = 4_000
+
+
+async def hard_day_limit(gw: Gateway, micros: int) -> None:
+    """The key's hard daily limit, in front of the fake provider (it answers at most the
+    output its request's cap allows, as a provider does)."""
+    gw.inner = fake_upstream()
+    gw.app = StateAuth(SpendGuardMiddleware(gw.inner, guard=gw.guard))
+    await gw.guard.admin.set_policy(
+        "acme", "alpha", window=Period.DAY, limit_usd=Decimal(micros) / 10**6, hard=True
+    )
+
+
+def sdk(http: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        api_key="sk-test", base_url="http://gw/v1", http_client=http, max_retries=0
+    )
+
+
+MESSAGES: Any = [{"role": "user", "content": "hi"}]
+LONG = {"x-fake-chunks": "5000"}  # the provider would answer far more than fits
+
+
+async def test_the_openai_sdk_gets_an_answer_capped_at_what_fits(tmp_path: Path) -> None:
+    async with Gateway(tmp_path, fit_min_output_tokens=100) as gw:
+        await hard_day_limit(gw, LIMIT)
+        async with gw.client() as http:
+            raw = await sdk(http).chat.completions.with_raw_response.create(
+                model=MODEL, messages=MESSAGES, max_tokens=ASKED, extra_headers=LONG
+            )
+        fitted = int(raw.headers[FITTED])
+        completion = raw.parse()
+        [sent] = [json.loads(r.body) for r in gw.inner.received]
+        await gw.settle()
+        charged = await gw.guard.ledger.charges_total()
+    assert 900 < fitted < LIMIT  # what the limit leaves beside the prompt's estimate
+    assert sent["max_tokens"] == fitted  # the provider was asked for no more
+    assert completion.usage is not None and completion.usage.completion_tokens == fitted
+    assert completion.choices[0].finish_reason == "length"
+    assert charged <= LIMIT
+
+
+async def test_a_stream_through_the_sdk_is_fitted_too(tmp_path: Path) -> None:
+    async with Gateway(tmp_path, fit_min_output_tokens=100) as gw:
+        await hard_day_limit(gw, LIMIT)
+        async with gw.client() as http:
+            raw = await sdk(http).chat.completions.with_raw_response.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_completion_tokens=ASKED,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_headers=LONG,
+            )
+            fitted = int(raw.headers[FITTED])
+            words = usage = 0
+            async for chunk in raw.parse():
+                words += sum(1 for c in chunk.choices if c.delta.content)
+                if chunk.usage is not None:
+                    usage = chunk.usage.completion_tokens
+        await gw.settle()
+        charged = await gw.guard.ledger.charges_total()
+    assert 900 < fitted < LIMIT
+    assert words == usage == fitted
+    assert charged <= LIMIT
+
+
+async def test_the_bytes_forwarded_differ_in_the_caps_digits_only(tmp_path: Path) -> None:
+    body = (
+        b'{"model": "' + MODEL.encode() + b'", "x_vendor": {"max_tokens": 9},\n'
+        b' "messages": [{"role": "user", "content": "caf\\u00e9"}], "max_tokens": 4000, '
+        b'"temperature": 1.0E0}'
+    )
+    async with Gateway(tmp_path, fit_min_output_tokens=100) as gw:
+        await hard_day_limit(gw, LIMIT)
+        async with gw.client() as http:
+            r = await http.post(
+                "/v1/chat/completions",
+                content=body,
+                headers={"content-type": "application/json", **LONG},
+            )
+        [received] = gw.inner.received
+    assert r.status_code == 200
+    fitted = r.headers[FITTED].encode()
+    assert received.body == body.replace(b'"max_tokens": 4000', b'"max_tokens": ' + fitted)
+    assert received.headers["content-length"] == str(len(received.body))
+
+
+async def test_below_the_minimum_it_is_refused_as_sent(tmp_path: Path) -> None:
+    async with Gateway(tmp_path, fit_min_output_tokens=2_000) as gw:
+        await hard_day_limit(gw, LIMIT)
+        r = await gw.post(max_tokens=ASKED)
+        assert not gw.inner.received
+    assert r.status_code == 429 and FITTED not in r.headers
+
+
+async def test_off_by_default(tmp_path: Path) -> None:
+    async with Gateway(tmp_path) as gw:
+        await hard_day_limit(gw, LIMIT)
+        r = await gw.post(max_tokens=ASKED)
+    assert r.status_code == 429 and FITTED not in r.headers
+
+
+async def test_200_at_once_never_spend_past_the_hard_limit(tmp_path: Path) -> None:
+    limit = 20_000
+    statuses: list[int] = []
+    fitted: list[int] = []
+    async with Gateway(tmp_path, fit_min_output_tokens=50) as gw:
+        await hard_day_limit(gw, limit)
+        async with gw.client() as http:
+
+            async def one() -> None:
+                r = await http.post(
+                    "/v1/chat/completions",
+                    json={"model": MODEL, "messages": MESSAGES, "max_tokens": ASKED},
+                    headers=LONG,
+                )
+                statuses.append(r.status_code)
+                if FITTED in r.headers:
+                    fitted.append(int(r.headers[FITTED]))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(200):
+                    tg.start_soon(one)
+        await gw.settle()
+        charged = await gw.guard.ledger.charges_total()
+    # Four answers of 4,000 tokens fit as sent; then the rest of the limit goes to fitted ones.
+    assert set(statuses) <= {200, 429} and statuses.count(200) == 4 + len(fitted)
+    assert fitted and all(50 <= f < ASKED for f in fitted)
+    assert limit - 1_000 < charged <= limit
