@@ -49,6 +49,7 @@ from .engine.views import (
 from .engine.worker import SettlementWorker
 from .errors import ConfigurationError, SpendGuardError
 from .ledger import Ledger
+from .ledger.reports import TOP_BY
 from .limits import KeyCodec, Period, Policy
 from .money import checked_amount, usd_text, usd_to_micros
 from .settings import Settings, UnknownModel, load_settings
@@ -205,7 +206,14 @@ async def cmd_top(args: argparse.Namespace, ctx: Ctx) -> int:
     data = top_json(report)
     lines = [f"top spenders by {report.by}, {report.period.value} {report.period_id}"]
     for row in data["spenders"]:
-        who = row.get("model") or row["team"] + (f" key {row['api_key']}" if row["api_key"] else "")
+        if "end_user" in row:
+            who = f"{row['team']} end user {row['end_user']}"
+        elif "tag" in row:
+            who = f"tag {row['tag']}"
+        else:
+            who = row.get("model") or row["team"] + (
+                f" key {row['api_key']}" if row["api_key"] else ""
+            )
         line = f"  {who:<32} ${row['spent_usd']} in {_count(row['requests'], 'request')}"
         if row.get("limit_usd") is not None:
             line += f" of ${row['limit_usd']}, ${row['remaining_usd']} left"
@@ -558,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     use.add_argument("--api-key", default=None)
     use.set_defaults(handler=cmd_usage)
     top = sub.add_parser("top", parents=[common], help="who spends most this day or month")
-    top.add_argument("--by", choices=("team", "key", "model"), default="team")
+    top.add_argument("--by", choices=TOP_BY, default="team")
     top.add_argument("--period", choices=[x.value for x in Period], default="day")
     top.add_argument("--limit", type=int, default=10, help="how many (1 to 1000)")
     top.set_defaults(handler=cmd_top)

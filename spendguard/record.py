@@ -35,3 +35,6 @@ class InferenceRecord:
     # charges whatever table the settling process has: '' = charged nothing (an unpriced
     # model), None = not known (an admission entry of an earlier release).
     price: str | None
+    # Whom the app billed within its team, and the request's tags (raw, as given).
+    end_user: str | None = None
+    tags: tuple[str, ...] = ()

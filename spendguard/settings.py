@@ -12,7 +12,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .errors import ConfigurationError
@@ -149,6 +149,18 @@ class Settings(BaseSettings):
         description="POST routes that pass untouched although their bodies look like "
         "inferences (comma-separated, as routes; 'default' stands for the built-in token "
         "counters; an empty value lists none).",
+    )
+    end_user_from: Annotated[tuple[str, ...], NoDecode] = Field(
+        ("state",),
+        description="Where a request's end user comes from, tried in order (comma-separated): "
+        "state (the app's request.state.spendguard_end_user), header:<name> (a header the "
+        "gateway's own auth sets), body (the client's user or safety_identifier: untrusted).",
+    )
+    tags_from: Annotated[tuple[str, ...], NoDecode] = Field(
+        ("state",),
+        description="Where a request's tags come from, tried in order (comma-separated): state "
+        "(the app's request.state.spendguard_tags, a list) or header:<name> (comma-separated "
+        "values of a header the gateway's own auth sets).",
     )
     unlisted_inference: Unlisted = Field(
         Unlisted.REFUSE,
@@ -304,6 +316,24 @@ class Settings(BaseSettings):
         if value is not None and not value.startswith(("http://", "https://")):
             raise ValueError("an http:// or https:// URL")
         return value or None
+
+    @field_validator("end_user_from", "tags_from", mode="before")
+    @classmethod
+    def _split_sources(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(p.strip() for p in value.split(",") if p.strip())
+        return value
+
+    @field_validator("end_user_from", "tags_from")
+    @classmethod
+    def _check_sources(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        allowed = ("state", "body") if info.field_name == "end_user_from" else ("state",)
+        for source in value:
+            kind, _, name = source.partition(":")
+            if source in allowed or (kind == "header" and name.strip()):
+                continue
+            raise ValueError(f"{source!r}: one of {', '.join(allowed)} or header:<name>")
+        return tuple(s.lower() if s.startswith("header:") else s for s in value)
 
     @field_validator("routes", "pass_routes", mode="before")
     @classmethod

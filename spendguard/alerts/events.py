@@ -173,6 +173,8 @@ def parse_bucket_pending(bucket: Bucket, field: str, value: str) -> Alert | None
         team, api_key, model = "", None, None
         if bucket.kind is SubjectKind.API_KEY:
             team, _, api_key = bucket.subject.partition(":")
+        elif bucket.kind is SubjectKind.END_USER:
+            team = bucket.subject.partition(":")[0]
         elif bucket.kind is SubjectKind.MODEL:
             model = bucket.subject
         label = f"{BUDGET} {bucket.tag} {window} {unit} {epoch}"

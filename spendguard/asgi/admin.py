@@ -65,6 +65,7 @@ from ..engine.views import (
 )
 from ..errors import ConfigurationError, LedgerUnavailable, SpendGuardError, StoreUnavailable
 from ..identity import Identity
+from ..ledger.reports import TOP_BY
 from ..limits import Period
 from ..money import checked_amount, micros_to_usd, usd_to_micros
 from ..settings import Settings
@@ -520,8 +521,8 @@ class AdminApp:
     async def top(self, request: Request, target: _Target) -> Response:
         q = request.query_params
         by, period, raw = q.get("by", "team"), q.get("period", "day"), q.get("limit", "10")
-        if by not in ("team", "key", "model"):
-            raise AdminError(400, "invalid_request", "by: team, key or model")
+        if by not in TOP_BY:
+            raise AdminError(400, "invalid_request", f"by: {', '.join(TOP_BY)}")
         if period not in ("day", "month"):
             raise AdminError(400, "invalid_request", "period: day or month")
         if not raw.isdigit() or not 1 <= int(raw) <= 1000:

@@ -10,7 +10,7 @@ differ in checks, refusals or headers.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from functools import partial
 from typing import Any
@@ -25,6 +25,7 @@ from ..providers.routing import STATE_PROVIDER_KEY
 from ..usage import BodyObserver, Dialect
 from .errors import send_budget_refusal, send_error, send_no_capacity, send_refusal
 from .fit import FIT_HEADER, with_output_cap
+from .parties import Parties
 from .ratelimit import rate_limit_headers
 from .remaining import OwnHeaders
 from .request import BadRequest, parse_request
@@ -160,17 +161,22 @@ async def admit_inference(
     own: OwnHeaders | None,
     routed_by: RoutedBy | None = None,
     rewritable: bool = False,
+    parties: Parties | None = None,
+    headers: Sequence[tuple[bytes, bytes]] = (),
 ) -> Exchange | Refusal | None:
     """Admit one inference: ``None`` to pass it through unobserved, a refusal to send, or the
     exchange to hand the app as its ``send`` (its ``finish`` must then run, in ``finally``).
 
     ``body`` is None when it was not read (no identity: nothing to parse). ``rewritable``:
     the app has not read it yet, so a hard limit may fit its output cap (``exchange.body``).
+    ``parties`` finds the request's end user and tags (in ``state``, ``headers`` or the body).
     """
     request: InferenceRequest | None = None
     if identity is not None and body is not None:
         try:
             request = parse_request(body, path_model)
+            if parties is not None:
+                parties.apply(request, state, headers, body)
         except BadRequest as exc:
             return bad_request(dialect, exc)
     t0, inference_id = retry_of(state)

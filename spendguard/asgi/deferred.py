@@ -28,6 +28,7 @@ from .admission import (
 )
 from .dependency import STATE_ADMIT, Refused
 from .identity import IdentityResolver, resolve
+from .parties import Parties
 from .remaining import OwnHeaders
 from .request import BadRequest
 from .routes import RouteMatch
@@ -46,6 +47,7 @@ async def deferred_inference(
     no_identity: Callable[[Scope], None],
     own: OwnHeaders | None,
     routed_by: RoutedBy | None = None,
+    parties: Parties | None = None,
 ) -> None:
     """Read the body, call the app with the admission hook; observe and finish what it
     admitted."""
@@ -79,6 +81,8 @@ async def deferred_inference(
             state=state,
             own=own,
             routed_by=routed_by,
+            parties=parties,
+            headers=scope.get("headers", ()),
         )
         if isinstance(outcome, Exchange):
             exchange = outcome

@@ -44,6 +44,7 @@ from .errors import send_error
 from .fit import with_length
 from .identity import IdentityResolver, resolve
 from .lifespan import run_lifespan
+from .parties import Parties
 from .remaining import own_headers
 from .request import BadRequest
 from .routes import AMBIGUOUS, RouteMatch, RouteTable
@@ -95,6 +96,8 @@ class SpendGuardMiddleware:
         self.enabled = self.settings.enabled
         self.resolve_identity = resolve_identity
         self.routes = RouteTable(self.settings.routes)
+        # Who a request bills within its team, and its tags: from the sources trusted.
+        self.parties = Parties(self.settings.end_user_from, self.settings.tags_from)
         # What every answer tells the caller about its own limits (opt-in).
         self.own_headers = own_headers(
             self.settings.remaining_headers, self.settings.ratelimit_headers
@@ -213,6 +216,7 @@ class SpendGuardMiddleware:
                 no_identity=self.wiring.no_identity,
                 own=self.own_headers,
                 routed_by=router.routed if router is not None else None,
+                parties=self.parties,
             )
             return
         else:
@@ -229,6 +233,8 @@ class SpendGuardMiddleware:
             own=self.own_headers,
             routed_by=router.routed if router is not None else None,
             rewritable=True,
+            parties=self.parties,
+            headers=scope.get("headers", ()),
         )
         if outcome is None:  # passed through, unobserved
             await self.app(scope, receive if body is None else replay(body, receive), send)

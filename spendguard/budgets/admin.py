@@ -30,7 +30,7 @@ from .gate import BudgetGate, override_window, scope_of
 @dataclass(frozen=True, slots=True)
 class Counter:
     scope: Scope
-    subject: str  # encoded: "team:key", a model, or "" for the fleet
+    subject: str  # encoded: "team:key", "team:end user", a tag, a model, or "" for the fleet
     window: str
     tokens: int  # committed in the window, plus live holds
     cost_micros: int
@@ -100,6 +100,13 @@ class BudgetAdmin:
             limit = next(
                 (lim for m, lim in config.per_model.items() if encode_id(m) == bucket.subject),
                 None,
+            )
+        elif bucket.kind is Scope.PER_END_USER.kind:
+            limit = config.per_end_user
+        elif bucket.kind is Scope.PER_TAG.kind:
+            limit = next(
+                (lim for t, lim in config.per_tag.items() if encode_id(t) == bucket.subject),
+                config.per_tag.get("*"),
             )
         else:
             limit = config.global_

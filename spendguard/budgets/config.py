@@ -68,10 +68,12 @@ class Storage(StrEnum):
 
 
 class Scope(StrEnum):
-    """In check order: the key's own bucket, then its model's, then the fleet's (the section's
-    names for the subjects of the limit model)."""
+    """In check order: the key's own bucket, the end user's, each tag's, the model's, then the
+    fleet's (the section's names for the subjects of the limit model)."""
 
     PER_API_KEY = "per_api_key"
+    PER_END_USER = "per_end_user"
+    PER_TAG = "per_tag"
     PER_MODEL = "per_model"
     GLOBAL = "global"
 
@@ -82,6 +84,8 @@ class Scope(StrEnum):
 
 _KINDS = {
     Scope.PER_API_KEY: SubjectKind.API_KEY,
+    Scope.PER_END_USER: SubjectKind.END_USER,
+    Scope.PER_TAG: SubjectKind.TAG,
     Scope.PER_MODEL: SubjectKind.MODEL,
     Scope.GLOBAL: SubjectKind.FLEET,
 }
@@ -114,6 +118,10 @@ class BudgetsConfig:
     per_api_key: BudgetLimit | None = None
     per_model: Mapping[str, BudgetLimit] = field(default_factory=dict)
     global_: BudgetLimit | None = None
+    # Every end user's own bucket (within its team), from its first request on.
+    per_end_user: BudgetLimit | None = None
+    # Per tag (``*``: every tag not named), each tag's bucket shared by the whole fleet.
+    per_tag: Mapping[str, BudgetLimit] = field(default_factory=dict)
     hold_seconds: int = DEFAULT_HOLD_SECONDS
     # The output a request without max_tokens reserves here; None: the gateway's setting
     # (SPENDGUARD_DEFAULT_OUTPUT_TOKENS), the one the spend limits reserve too.
@@ -128,7 +136,18 @@ class BudgetsConfig:
 
     @property
     def has_limits(self) -> bool:
-        return self.per_api_key is not None or bool(self.per_model) or self.global_ is not None
+        return (
+            self.per_api_key is not None
+            or bool(self.per_model)
+            or self.global_ is not None
+            or self.per_end_user is not None
+            or bool(self.per_tag)
+        )
+
+    def tag_limit(self, tag: str) -> BudgetLimit | None:
+        """The limit of ``tag``: its own, else the ``*`` default, else none."""
+        found = self.per_tag.get(tag)
+        return found if found is not None else self.per_tag.get("*")
 
     @property
     def longest_ms(self) -> int:
@@ -153,6 +172,10 @@ class BudgetsConfig:
                 "per_api_key": None if self.per_api_key is None else self.per_api_key.as_json(),
                 "per_model": {m: lim.as_json() for m, lim in self.per_model.items()},
                 "global": None if self.global_ is None else self.global_.as_json(),
+                "per_end_user": (
+                    None if self.per_end_user is None else self.per_end_user.as_json()
+                ),
+                "per_tag": {t: lim.as_json() for t, lim in self.per_tag.items()},
             },
             "cost_source": "model_metadata",
         }
@@ -299,22 +322,24 @@ def _windows(value: object, problems: _Problems) -> tuple[Rolling, ...]:
 
 
 def _models(
-    value: object, problems: _Problems, alert_at: tuple[int, ...] = ()
+    value: object, problems: _Problems, alert_at: tuple[int, ...] = (), scope: str = "per_model"
 ) -> dict[str, BudgetLimit]:
+    """A scope that maps names (models, tags) to limits."""
+    what = "model" if scope == "per_model" else "tag"
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        problems.add("budgets.scopes.per_model", "must map model names to limits")
+        problems.add(f"budgets.scopes.{scope}", f"must map {what} names to limits")
         return {}
     out: dict[str, BudgetLimit] = {}
     for name, raw in value.items():
         if not isinstance(name, str) or not name.strip():
-            problems.add("budgets.scopes.per_model", f"empty model name {name!r}")
+            problems.add(f"budgets.scopes.{scope}", f"empty {what} name {name!r}")
             continue
         if len(name) > _MAX_MODEL_NAME or not name.isprintable():
-            problems.add("budgets.scopes.per_model", f"unusable model name {name[:40]!r}")
+            problems.add(f"budgets.scopes.{scope}", f"unusable {what} name {name[:40]!r}")
             continue
-        where = f"budgets.scopes.per_model.{name}"
+        where = f"budgets.scopes.{scope}.{name}"
         if raw is None:
             problems.add(where, "set tokens, cost_usd or both")
             continue
@@ -364,7 +389,7 @@ def parse_budgets(document: object) -> BudgetsConfig:
     windows = _windows(data.get("windows"), problems)
     # The thresholds of every limit without its own (none by default).
     alert_at = _alert_at(data.get("alert_at"), "budgets.alert_at", problems) or ()
-    per_key = model_limits = global_ = None
+    per_key = model_limits = global_ = per_end_user = tag_limits = None
     scopes = data.get("scopes")
     if scopes is not None:
         scope_data = _keys(scopes, "budgets.scopes", {s.value for s in Scope}, problems)
@@ -374,6 +399,10 @@ def parse_budgets(document: object) -> BudgetsConfig:
             )
             model_limits = _models(scope_data.get("per_model"), problems, alert_at)
             global_ = _limit(scope_data.get("global"), "budgets.scopes.global", problems, alert_at)
+            per_end_user = _limit(
+                scope_data.get("per_end_user"), "budgets.scopes.per_end_user", problems, alert_at
+            )
+            tag_limits = _models(scope_data.get("per_tag"), problems, alert_at, "per_tag")
     config = BudgetsConfig(
         enabled=enabled,
         storage=storage,
@@ -382,6 +411,8 @@ def parse_budgets(document: object) -> BudgetsConfig:
         per_api_key=per_key,
         per_model=model_limits or {},
         global_=global_,
+        per_end_user=per_end_user,
+        per_tag=tag_limits or {},
         hold_seconds=hold,
         default_output_tokens=output,
         alert_at=alert_at,

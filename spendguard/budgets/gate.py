@@ -56,7 +56,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spendguard.budgets")
 
-_SCOPE_RANK = {SubjectKind.API_KEY: 0, SubjectKind.MODEL: 1, SubjectKind.FLEET: 2}
+_SCOPE_RANK = {
+    SubjectKind.API_KEY: 0,
+    SubjectKind.END_USER: 1,
+    SubjectKind.TAG: 2,
+    SubjectKind.MODEL: 3,
+    SubjectKind.FLEET: 4,
+}
 _SCOPES = {scope.kind: scope for scope in Scope}  # a bucket's subject kind -> the YAML's name
 OUTAGE_RETRY_AFTER = KINDS["budget"].outage_retry_after
 # The budgets' names of the units, in 429 details and metric labels (as docs/budgets.md states).
@@ -93,6 +99,7 @@ class Denial:
     # is made of and what would fit.
     reserved: int | None = None
     explained: str = ""
+    tag: str | None = None  # only for a per-tag denial: the tag, as the request carried it
 
     def details(self) -> dict[str, object]:
         """What the 429 tells: the configured limit (and this request's own estimate), never
@@ -106,6 +113,8 @@ class Denial:
         out["limit" if tokens else "limit_micro_usd"] = self.limit
         if self.model is not None:
             out["model"] = self.model
+        if self.tag is not None:
+            out["tag"] = self.tag
         if self.reserved is not None:
             out["reserved" if tokens else "reserved_micro_usd"] = self.reserved
         return out
@@ -114,6 +123,8 @@ class Denial:
     def message(self) -> str:
         what = {
             Scope.PER_API_KEY: "API key",
+            Scope.PER_END_USER: "End user",
+            Scope.PER_TAG: f"Tag {self.tag!r}",
             Scope.PER_MODEL: f"Model {self.model!r}",
             Scope.GLOBAL: "Global",
         }[self.scope]
@@ -311,6 +322,8 @@ class BudgetGate:
     ) -> Awaitable[BudgetAdmission | None]:
         model = request.model
         planned = self._planned(config, identity, model, override)
+        if request.end_user is not None or request.tags:
+            planned = self._with_parties(planned, identity, request.end_user, request.tags)
         calls = planned.calls
         if not calls:
             return _no_budget()
@@ -358,6 +371,29 @@ class BudgetGate:
                 self._counters(calls),
             )
         return planned
+
+    def _with_parties(
+        self, planned: _Plan, identity: Identity, end_user: str | None, tags: tuple[str, ...]
+    ) -> _Plan:
+        """``planned`` and the buckets of the request's end user (within its team) and tags
+        that have limits: made per request (end users are many), after the key's bucket."""
+        config = planned.config
+        extra: list[BucketCheck] = []
+        if end_user is not None and config.per_end_user is not None:
+            subject = f"{identity.team}:{encode_id(end_user)}"
+            checks = tuple(WindowCheck(w, config.per_end_user) for w in config.windows)
+            extra.append(BucketCheck(Bucket(SubjectKind.END_USER, subject), checks))
+        for tag in tags:
+            limit = config.tag_limit(tag)
+            if limit is not None:
+                checks = tuple(WindowCheck(w, limit) for w in config.windows)
+                extra.append(BucketCheck(Bucket(SubjectKind.TAG, encode_id(tag)), checks))
+        if not extra:
+            return planned
+        calls = (*planned.calls, *extra)
+        counters = (*planned.counters, *self._counters(tuple(extra)))
+        longest = max(planned.longest_ms, config.longest_ms)
+        return _Plan(config, calls, planned.default_key, longest, counters)
 
     async def _admitted(
         self,
@@ -458,6 +494,10 @@ class BudgetGate:
         filters: dict[str, str] = {}
         if bucket.kind is SubjectKind.API_KEY:
             filters["team"], _, filters["api_key"] = bucket.subject.partition(":")
+        elif bucket.kind is SubjectKind.END_USER:
+            filters["team"], _, filters["end_user"] = bucket.subject.partition(":")
+        elif bucket.kind is SubjectKind.TAG:
+            filters["tag"] = bucket.subject
         elif bucket.kind is SubjectKind.MODEL:
             filters["model"] = model
         out = []
@@ -509,6 +549,7 @@ class BudgetGate:
                 limit=limit,
                 model=model if scope is Scope.PER_MODEL else None,
                 retry_after=max(1, -(-answer.retry_ms // 1000)),
+                tag=_tag_of(call.bucket, request),
             )
         metrics.BUDGET_REJECTIONS.labels(scope.value, window).inc()
         admission.verdict = BudgetVerdict.DENY
@@ -568,6 +609,7 @@ class BudgetGate:
             retry_after=None,
             reserved=reserved,
             explained=explained,
+            tag=_tag_of(call.bucket, request),
         )
 
     def _tracker_full(self, calls: tuple[BucketCheck, ...], model: str) -> BudgetAdmission:
@@ -668,6 +710,8 @@ class BudgetGate:
         if identity.api_key is not None and self.overrides is not None:
             override = await self.overrides.get(identity)
         planned = self._planned(config, identity, record.model, override)
+        if record.end_user is not None or record.tags:
+            planned = self._with_parties(planned, identity, record.end_user, record.tags)
         if not planned.calls:
             return
         usage = record.usage
@@ -729,6 +773,13 @@ class BudgetGate:
 
 async def _no_budget() -> None:
     return None
+
+
+def _tag_of(bucket: Bucket, request: InferenceRequest) -> str | None:
+    """The request's tag a tag bucket counts (None for any other bucket)."""
+    if bucket.kind is not SubjectKind.TAG:
+        return None
+    return next((t for t in request.tags if encode_id(t) == bucket.subject), bucket.subject)
 
 
 def scope_of(bucket: Bucket) -> Scope:

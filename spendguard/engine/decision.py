@@ -80,6 +80,9 @@ class Decision:
     rates: tuple[RateState, ...] = ()
     rate_denied: RateDenial | None = None
     rate_keys: tuple[str, ...] = ()
+    # The request's end user and tags, which its record carries.
+    end_user: str | None = None
+    tags: tuple[str, ...] = ()
 
     @property
     def denied(self) -> LimitState | None:
@@ -112,11 +115,13 @@ class InferenceRequest:
         "_estimate",
         "_estimated",
         "choices",
+        "end_user",
         "max_tokens",
         "model",
         "model_pinned",
         "size",
         "stream",
+        "tags",
     )
 
     def __init__(
@@ -143,6 +148,11 @@ class InferenceRequest:
         self.max_tokens = max_tokens  # output cap (the largest of the APIs' cap fields)
         self._estimated = estimated_input_tokens
         self._estimate = estimate
+        # Who the app bills within its team, and what the request is for (raw values as the
+        # app, or the settings' trusted source, gave them): their budgets apply, their records
+        # say so (design.md, "End users and tags").
+        self.end_user: str | None = None
+        self.tags: tuple[str, ...] = ()
 
     @property
     def estimated_input_tokens(self) -> int:

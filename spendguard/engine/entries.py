@@ -93,8 +93,25 @@ def open_entry(
     return (
         f"[{_OPEN},{_quote(owner)},{t0_us},{_quote(identity.team_id)},"
         f"{_text(identity.api_key_id)},{_quote(inference_id)},{_quote(request.model)},"
-        f"{_quote(route)},{tokens_in},{tokens_out}]"
+        f"{_quote(route)},{tokens_in},{tokens_out}{_parties(request.end_user, request.tags)}]"
     )
+
+
+def _parties(end_user: str | None, tags: tuple[str, ...]) -> str:
+    """The end user and tags at an entry's end (nothing without them: older entries end
+    before them too)."""
+    if end_user is None and not tags:
+        return ""
+    return f",{_text(end_user)},[{','.join(_quote(t) for t in tags)}]"
+
+
+def _parties_of(fields: list[object]) -> tuple[str | None, tuple[str, ...]]:
+    end_user, tags = fields
+    if end_user is not None and not isinstance(end_user, str):
+        raise TypeError("an entry's end user is text")
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise TypeError("an entry's tags are a list of text")
+    return end_user, tuple(str(t) for t in tags)
 
 
 def closed_entry(owner: str, record: InferenceRecord, t0_us: int) -> str:
@@ -106,7 +123,8 @@ def closed_entry(owner: str, record: InferenceRecord, t0_us: int) -> str:
         f"{_text(identity.api_key_id)},{_quote(record.inference_id)},{_quote(record.model)},"
         f"{_quote(record.route)},{u.input_tokens},{u.output_tokens},{record.status_code},"
         f"{u.cached_input_tokens},{u.cache_write_tokens},{int(u.estimated)},"
-        f"{record.estimate_micros},{_quote(record.postflight.value)},{_text(record.price)}]"
+        f"{record.estimate_micros},{_quote(record.postflight.value)},{_text(record.price)}"
+        f"{_parties(record.end_user, record.tags)}]"
     )
 
 
@@ -131,7 +149,8 @@ def recovered_record(record_id: str, value: str, estimate: int) -> InferenceReco
         kind, _owner, t0_us, team_id, key_id, inference_id, model, route, tin, tout = f[:10]
         identity = Identity(team_id, key_id)
         t0 = from_micros(int(t0_us))
-        if kind == _OPEN and len(f) == 10:
+        if kind == _OPEN and len(f) in (10, 12):
+            end_user, tags = _parties_of(f[10:]) if len(f) == 12 else (None, ())
             usage = Usage(input_tokens=int(tin), output_tokens=int(tout), estimated=True)
             return InferenceRecord(
                 id=record_id,
@@ -145,10 +164,13 @@ def recovered_record(record_id: str, value: str, estimate: int) -> InferenceReco
                 estimate_micros=estimate,
                 postflight=PostflightStatus.SKIPPED,  # nothing of it reached the cache
                 price=None,
+                end_user=end_user,
+                tags=tags,
             )
-        if kind == _CLOSED and len(f) in (16, 17):
+        if kind == _CLOSED and len(f) in (16, 17, 19):
             status, cached, cache_write, estimated, amount, postflight = f[10:16]
-            charged_at = f[16] if len(f) == 17 else None
+            charged_at = f[16] if len(f) >= 17 else None
+            end_user, tags = _parties_of(f[17:]) if len(f) == 19 else (None, ())
             if charged_at is not None and not isinstance(charged_at, str):
                 raise TypeError("an entry's price is text")
             usage = Usage(
@@ -170,6 +192,8 @@ def recovered_record(record_id: str, value: str, estimate: int) -> InferenceReco
                 estimate_micros=int(amount),
                 postflight=PostflightStatus(postflight),
                 price=charged_at,
+                end_user=end_user,
+                tags=tags,
             )
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise ValueError(f"not an admission entry: {value[:200]!r}") from exc

@@ -539,6 +539,8 @@ class SpendGuard:
             tentative=tentative,
             record_id=record_id,
         )
+        if request.end_user is not None or request.tags:
+            decision.end_user, decision.tags = request.end_user, request.tags
         if decision.verdict is not Verdict.DENY:
             return Admission(decision.verdict, route, dialect, request, decision)
         return self._denied(request, decision, route, dialect)
@@ -991,6 +993,8 @@ class SpendGuard:
             estimate,
             expected,
             _price_text(price),
+            decision.end_user,
+            decision.tags,
         )
         if entry_key is not None:
             closed = closed_entry(self.owner, record, to_micros(decision.t0))

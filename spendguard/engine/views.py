@@ -186,17 +186,21 @@ def top_json(report: TopReport) -> dict[str, Any]:
     rows = []
     for s in report.spenders:
         r = s.row
-        entry: dict[str, Any] = (
-            {"model": r.model}
-            if report.by == "model"
-            else {"team": r.team_id, "api_key": r.api_key_id if r.api_key else None}
-        )
+        entry: dict[str, Any]
+        if report.by == "model":
+            entry = {"model": r.model}
+        elif report.by == "tag":
+            entry = {"tag": r.name}
+        elif report.by == "end_user":
+            entry = {"team": r.team_id, "end_user": r.name}
+        else:
+            entry = {"team": r.team_id, "api_key": r.api_key_id if r.api_key else None}
         entry |= {
             "spent_micros": r.spent,
             "spent_usd": usd_text(r.spent),
             "requests": r.requests,
         }
-        if report.by != "model":
+        if report.by in ("team", "key"):
             entry |= {
                 "limit_micros": s.amount,
                 "limit_usd": usd_text(s.amount),

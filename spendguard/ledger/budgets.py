@@ -90,9 +90,12 @@ class BudgetQueries(LedgerDatabase):
         team: str | None = None,
         api_key: str | None = None,
         model: str | None = None,
+        end_user: str | None = None,
+        tag: str | None = None,
     ) -> list[UsedSlice]:
         """Usage of charged (2xx) records with ``t0`` from ``since``, summed per slice of
-        ``slice_us`` (by start) and model: of one key, one model or everyone."""
+        ``slice_us`` (by start) and model: of one key, one end user (of ``team``), one tag,
+        one model or everyone (ids encoded)."""
         # Integer division on both backends (SQLAlchemy renders // as / for integers there);
         # t0 is positive, so it truncates to the slice's start.
         start = (records.c.t0_us // slice_us) * slice_us
@@ -118,6 +121,11 @@ class BudgetQueries(LedgerDatabase):
             query = query.where(records.c.api_key == api_key)
         if model is not None:
             query = query.where(records.c.model == model)
+        if end_user is not None:
+            query = query.where(records.c.end_user == end_user)
+        if tag is not None:  # found by position, not LIKE: an encoded tag may hold a %
+            find = sa.func.strpos if self.is_postgres else sa.func.instr
+            query = query.where(find(records.c.tags, f",{tag},") > 0)
         async with self._guard("budget usage read"):
             rows = await self._db.fetch_all(query)
         return [

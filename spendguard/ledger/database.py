@@ -241,6 +241,10 @@ _ADDED_COLUMNS = (
     ("spendguard_balances", "hard", "BOOLEAN NOT NULL DEFAULT FALSE"),
     ("spendguard_records", "price", "TEXT"),  # NULL: priced by the settling table
     ("spendguard_policies", "alert_at", "TEXT"),  # NULL: the gateway's default thresholds
+    ("spendguard_records", "end_user", "VARCHAR(100)"),  # NULL: none (or an older record)
+    ("spendguard_records", "end_user_id", "TEXT"),
+    ("spendguard_records", "tags", "TEXT"),
+    ("spendguard_records", "tag_ids", "TEXT"),
 )
 
 

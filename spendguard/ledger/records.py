@@ -15,6 +15,7 @@ import anyio
 import sqlalchemy as sa
 
 from ..clock import from_micros, to_micros, utcnow
+from ..identity import encode_id
 from ..record import InferenceRecord, PostflightStatus
 from .database import (
     ROWS_PER_STATEMENT,
@@ -187,7 +188,25 @@ def _record_row(r: InferenceRecord, now_us: int) -> tuple[Any, ...]:
         False,  # settled
         now_us,  # created_us
         _text(r.price),
+        *_parties(r),
     )
+
+
+def _parties(r: InferenceRecord) -> tuple[str | None, str | None, str | None, str | None]:
+    """The end user and tags columns of a record (all None without them)."""
+    end_user = r.end_user
+    tags = r.tags
+    return (
+        None if end_user is None else encode_id(end_user),
+        _text(end_user),
+        tags_column(tags),
+        json.dumps([_text(t) for t in tags], ensure_ascii=False) if tags else None,
+    )
+
+
+def tags_column(tags: Sequence[str]) -> str | None:
+    """The ``tags`` column of a record with ``tags``: their encodings between commas."""
+    return "," + ",".join(encode_id(t) for t in tags) + "," if tags else None
 
 
 # The row above and the table must agree column for column; a schema change that forgets the
@@ -213,5 +232,9 @@ if _COLUMNS != [
     "settled",
     "created_us",
     "price",
+    "end_user",
+    "end_user_id",
+    "tags",
+    "tag_ids",
 ]:
     raise RuntimeError(f"spendguard_records columns changed: {_COLUMNS}")

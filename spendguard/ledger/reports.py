@@ -5,6 +5,7 @@ Nothing on the request path or in the worker reads these.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -31,19 +32,21 @@ class SpendRow:
 
 @dataclass(frozen=True, slots=True)
 class TopRow:
-    """One spender over a span: a team, an API key of a team, or a model (the other fields
-    empty), with the estimated spend of its charged records and how many there were."""
+    """One spender over a span: a team, an API key of a team, an end user of a team, a tag or
+    a model (the other fields empty), with the estimated spend of its charged records and how
+    many there were."""
 
-    team: str  # encoded ids ("" for a model's row)
+    team: str  # encoded ids ("" for a model's or a tag's row)
     api_key: str
     team_id: str  # as the host app gave them (display)
     api_key_id: str | None
     model: str
     spent: int
     requests: int
+    name: str = ""  # an end user's or a tag's row: the end user or the tag, as given
 
 
-TOP_BY = ("team", "key", "model")
+TOP_BY = ("team", "key", "model", "end_user", "tag")
 
 
 class ReportQueries(LedgerDatabase):
@@ -54,14 +57,22 @@ class ReportQueries(LedgerDatabase):
         postflight estimates of charged (2xx) records, settled or not, by start time."""
         if by not in TOP_BY:
             raise ValueError(f"by: one of {', '.join(TOP_BY)}")
+        if by == "tag":
+            return await self._top_tags(since, until, limit)
         r = records.c
         spent = sa.func.sum(r.estimate_micros)
         group: list[Any] = {
             "team": [r.team],
             "key": [r.team, r.api_key],
             "model": [r.model],
+            "end_user": [r.team, r.end_user],
         }[by]
-        names = [sa.func.max(r.team_id), sa.func.max(r.api_key_id)] if by != "model" else []
+        names: list[Any] = {
+            "team": [sa.func.max(r.team_id), sa.func.max(r.api_key_id)],
+            "key": [sa.func.max(r.team_id), sa.func.max(r.api_key_id)],
+            "model": [],
+            "end_user": [sa.func.max(r.team_id), sa.func.max(r.end_user_id)],
+        }[by]
         query = (
             sa.select(*group, *names, spent, sa.func.count())
             .where(
@@ -76,6 +87,8 @@ class ReportQueries(LedgerDatabase):
         )
         if by == "key":
             query = query.where(r.api_key != "")
+        if by == "end_user":
+            query = query.where(r.end_user.is_not(None))
         async with self._guard("top spenders read"):
             rows = _tuples(await self._db.fetch_all(query))
         out: list[TopRow] = []
@@ -88,10 +101,37 @@ class ReportQueries(LedgerDatabase):
                 out.append(
                     TopRow(str(team), str(key), str(team_id), key_id, "", int(total), int(n))
                 )
+            elif by == "end_user":
+                team, _, team_id, end_user_id, total, n = row
+                out.append(
+                    TopRow(str(team), "", str(team_id), None, "", int(total), int(n), end_user_id)
+                )
             else:
                 model, total, n = row
                 out.append(TopRow("", "", "", None, str(model), int(total), int(n)))
         return out
+
+    async def _top_tags(self, since: datetime, until: datetime, limit: int) -> list[TopRow]:
+        """:meth:`top_spenders` by tag: a record counts for each tag it carries (so the rows
+        add up to more than the spend: a request of two tags is in both)."""
+        r = records.c
+        query = sa.select(r.tag_ids, r.estimate_micros).where(
+            r.t0_us >= to_micros(since),
+            r.t0_us < to_micros(until),
+            r.status_code >= 200,
+            r.status_code < 300,
+            r.tag_ids.is_not(None),
+        )
+        async with self._guard("top spenders read"):
+            rows = _tuples(await self._db.fetch_all(query))
+        totals: dict[str, list[int]] = {}
+        for tag_ids, estimate in rows:
+            for tag in json.loads(str(tag_ids)):
+                entry = totals.setdefault(str(tag), [0, 0])
+                entry[0] += int(estimate)
+                entry[1] += 1
+        ranked = sorted(totals.items(), key=lambda t: (-t[1][0], t[0]))[:limit]
+        return [TopRow("", "", "", None, "", spent, n, tag) for tag, (spent, n) in ranked]
 
     async def spend(self, team: str, now: datetime) -> list[SpendRow]:
         """A team's settled spend in the day and the month containing ``now``: per API key

@@ -92,6 +92,13 @@ records = sa.Table(
     # records carried it, which are priced by the table. Added after the first release (see
     # LedgerDatabase._add_missing_columns).
     sa.Column("price", sa.Text, nullable=True),
+    # The end user (encoded, for filters; raw, for display) and the tags (encoded, each
+    # between commas: ",a,b,", so one is found by its ",a,"; raw, as a JSON list). NULL: none,
+    # or a record written before records carried them (added like ``price``).
+    sa.Column("end_user", sa.String(100), nullable=True),
+    sa.Column("end_user_id", sa.Text, nullable=True),
+    sa.Column("tags", sa.Text, nullable=True),
+    sa.Column("tag_ids", sa.Text, nullable=True),
     # Settlement's queue: the unsettled records, in claim order. Partial, so marking a record
     # settled adds no entry here (a full index on the flag took one per record settled, a
     # fifth of a claim) and the index stays the size of the backlog, not of the history.

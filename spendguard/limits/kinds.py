@@ -89,13 +89,19 @@ KINDS: Final = {
         _team_slot("model_access", _TEAM_OR_KEY, WindowKind.NONE, (), (), False),
         Kind(
             "budget",
-            (SubjectKind.API_KEY, SubjectKind.MODEL, SubjectKind.FLEET),
+            (
+                SubjectKind.API_KEY,
+                SubjectKind.END_USER,
+                SubjectKind.TAG,
+                SubjectKind.MODEL,
+                SubjectKind.FLEET,
+            ),
             WindowKind.ROLLING,
             (Unit.TOKENS, Unit.USD),
             (Mode.HARD,),
             False,
             Part.BUDGETS,
-            "{bk:<team>:<key>} | {bm:<model>} | {bg}",
+            "{bk:<team>:<key>} | {bu:<team>:<end user>} | {bt:<tag>} | {bm:<model>} | {bg}",
             "budgets.fail_open",
             # As docs/budgets.md states them: a budget outage admits, counted per replica, and its
             # 503 (fail_open: false) asks for 5 s.

@@ -22,10 +22,13 @@ from .windows import Period, Window
 
 class SubjectKind(StrEnum):
     """Who or what a limit applies to. Spend limits have team and API key subjects; budgets
-    (their own section) API keys, models and the fleet; the provider pool its keys."""
+    (their own section) API keys, end users, tags, models and the fleet; the provider pool
+    its keys."""
 
     TEAM = "team"
     API_KEY = "api_key"
+    END_USER = "end_user"  # whom the app bills within a team (a request's end user)
+    TAG = "tag"  # what a request is for (a feature, a project, an environment)
     MODEL = "model"
     FLEET = "fleet"
     PROVIDER_KEY = "provider_key"

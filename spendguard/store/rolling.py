@@ -23,8 +23,8 @@ from ..limits.windows import SLICES, Rolling
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """One subject's counters: an API key (``subject`` = ``team:key``, encoded), a model
-    (its encoded name) or the fleet (``''``)."""
+    """One subject's counters: an API key (``subject`` = ``team:key``, encoded), an end user
+    (``team:end user``, encoded), a tag or a model (its encoded name) or the fleet (``''``)."""
 
     kind: SubjectKind
     subject: str
@@ -35,7 +35,13 @@ class Bucket:
         return BUCKET_TAGS[self.kind] + (f":{self.subject}" if self.subject else "")
 
 
-BUCKET_TAGS: Final = {SubjectKind.API_KEY: "bk", SubjectKind.MODEL: "bm", SubjectKind.FLEET: "bg"}
+BUCKET_TAGS: Final = {
+    SubjectKind.API_KEY: "bk",
+    SubjectKind.END_USER: "bu",
+    SubjectKind.TAG: "bt",
+    SubjectKind.MODEL: "bm",
+    SubjectKind.FLEET: "bg",
+}
 """A bucket's kind in its keys' hash tag (``{bk:acme:alpha}``), and back."""
 
 

@@ -3,11 +3,14 @@ bucket is rebuilt from, summed per slice."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from spendguard.identity import encode_id
 from spendguard.ledger import BudgetOverride, Ledger
+from spendguard.record import InferenceRecord
 from tests.support import make_record
 
 pytestmark = pytest.mark.anyio
@@ -43,3 +46,31 @@ async def test_used_slices_sum_per_slice_and_model(ledger: Ledger) -> None:
     assert got == [(start, 15), (start + 60_000_000, 7)]
     everyone = await ledger.used_slices(since=since, slice_us=3_600_000_000)
     assert sum(r.usage.input_tokens for r in everyone) == 1022
+
+
+async def test_used_slices_of_one_end_user_and_of_one_tag(ledger: Ledger) -> None:
+    """What a lost end-user or tag bucket is rebuilt from: the records that carry it (a tag
+    with a comma or a percent sign is found by its encoding, never by a part of another's)."""
+
+    def tagged(rid: str, tokens: int, end_user: str | None, *tags: str) -> InferenceRecord:
+        return dataclasses.replace(make_record(rid, T, tokens), end_user=end_user, tags=tags)
+
+    await ledger.insert_records(
+        [
+            tagged("a", 10, "u1", "search", "50%,off"),
+            tagged("b", 20, "u1", "50%"),
+            tagged("c", 40, "u2", "search"),
+            tagged("d", 80, None),
+        ]
+    )
+    since = T - timedelta(hours=1)
+
+    async def used(**filters: str) -> int:
+        rows = await ledger.used_slices(since=since, slice_us=3_600_000_000, **filters)
+        return sum(r.usage.input_tokens for r in rows)
+
+    assert await used(team="acme", end_user=encode_id("u1")) == 30
+    assert await used(team="acme", end_user=encode_id("u2")) == 40
+    assert await used(tag=encode_id("search")) == 50
+    assert await used(tag=encode_id("50%")) == 20
+    assert await used(tag=encode_id("50%,off")) == 10

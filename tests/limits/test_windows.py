@@ -103,6 +103,8 @@ def test_budget_scopes_are_subjects_of_the_limit_model() -> None:
 
     assert {s: s.kind for s in Scope} == {
         Scope.PER_API_KEY: SubjectKind.API_KEY,
+        Scope.PER_END_USER: SubjectKind.END_USER,
+        Scope.PER_TAG: SubjectKind.TAG,
         Scope.PER_MODEL: SubjectKind.MODEL,
         Scope.GLOBAL: SubjectKind.FLEET,
     }

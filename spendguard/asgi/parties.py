@@ -1,0 +1,129 @@
+"""Who a request bills within its team (its end user) and what it is for (its tags), from the
+sources the settings trust (design.md, "End users and tags").
+
+The app decides what it trusts: by default only its own request state
+(``request.state.spendguard_end_user``, ``request.state.spendguard_tags``), which its auth
+sets. A header its own auth or proxy sets can be named instead (``header:<name>``). The
+client's own ``user`` / ``safety_identifier`` body fields are a source only when listed
+(``body``): any client can send any value there, so a limit per end user taken from them
+limits nothing a client cannot dodge by changing the value.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from ..engine.decision import InferenceRequest
+from .request import BadRequest
+
+__all__ = [
+    "MAX_PARTY_LENGTH",
+    "MAX_TAGS",
+    "STATE_END_USER",
+    "STATE_TAGS",
+    "Parties",
+    "end_user_of",
+    "tags_of",
+]
+
+STATE_END_USER: Final = "spendguard_end_user"
+STATE_TAGS: Final = "spendguard_tags"
+MAX_PARTY_LENGTH: Final = 256  # characters of an end user or a tag
+MAX_TAGS: Final = 16  # tags of one request: each is a bucket checked in the round
+_BODY_FIELDS: Final = ("user", "safety_identifier")
+
+
+def _header(headers: Sequence[tuple[bytes, bytes]], name: str) -> str | None:
+    wanted = name.encode("latin-1")
+    for key, value in headers:
+        if key == wanted:
+            return value.decode("latin-1")
+    return None
+
+
+def _checked(value: object, what: str) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise BadRequest(f"{what} must be a string.")
+    if len(value) > MAX_PARTY_LENGTH:
+        raise BadRequest(f"{what} is longer than {MAX_PARTY_LENGTH} characters.")
+    return value
+
+
+def end_user_of(
+    sources: Sequence[str],
+    state: Mapping[str, Any],
+    headers: Sequence[tuple[bytes, bytes]],
+    body: Mapping[str, Any] | None,
+) -> str | None:
+    """The end user of a request: the first source that names one; None when none does.
+    BadRequest for a value that can't be one (not text, too long)."""
+    for source in sources:
+        if source == "state":
+            found = _checked(state.get(STATE_END_USER), "The request's end user")
+        elif source == "body":
+            found = None
+            for field in _BODY_FIELDS:
+                found = _checked(None if body is None else body.get(field), f"'{field}'")
+                if found is not None:
+                    break
+        else:
+            name = source.partition(":")[2]
+            found = _checked(_header(headers, name), f"The {name} header")
+        if found is not None:
+            return found
+    return None
+
+
+def tags_of(
+    sources: Sequence[str], state: Mapping[str, Any], headers: Sequence[tuple[bytes, bytes]]
+) -> tuple[str, ...]:
+    """The tags of a request, from the first source that gives any (in order, each once)."""
+    for source in sources:
+        raw: object
+        if source == "state":
+            raw = state.get(STATE_TAGS)
+            what = "request.state.spendguard_tags"
+        else:
+            name = source.partition(":")[2]
+            header = _header(headers, name)
+            raw = None if header is None else [t.strip() for t in header.split(",")]
+            what = f"The {name} header"
+        if raw is None:
+            continue
+        if isinstance(raw, str) or not isinstance(raw, Sequence):
+            raise BadRequest(f"{what} must be a list of tags.")
+        tags = tuple(dict.fromkeys(t for t in (_checked(v, "A tag") for v in raw) if t))
+        if len(tags) > MAX_TAGS:
+            raise BadRequest(f"A request carries at most {MAX_TAGS} tags.")
+        if tags:
+            return tags
+    return ()
+
+
+class Parties:
+    """The settings' sources, applied to a parsed request (its ``end_user`` and ``tags``)."""
+
+    __slots__ = ("_body", "_end_user", "_tags")
+
+    def __init__(self, end_user_from: Sequence[str], tags_from: Sequence[str]) -> None:
+        self._end_user, self._tags = tuple(end_user_from), tuple(tags_from)
+        self._body = "body" in self._end_user
+
+    def apply(
+        self,
+        request: InferenceRequest,
+        state: Mapping[str, Any],
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> None:
+        """Set ``request``'s end user and tags; BadRequest for values that can't be them."""
+        parsed = None
+        if self._body:
+            loaded = json.loads(body)  # parse_request accepted it: a JSON object
+            parsed = loaded if isinstance(loaded, dict) else None
+        request.end_user = end_user_of(self._end_user, state, headers, parsed)
+        request.tags = tags_of(self._tags, state, headers)

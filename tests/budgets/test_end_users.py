@@ -1,0 +1,198 @@
+"""End users and tags, new subjects of the budgets: an end user's bucket (within its team) gets
+the section's default from its very first request, atomically; a request must pass the budget
+of every tag it carries and is counted in each; records say whom and what they were for, and
+the usage reports by end user and by tag agree with the records."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import anyio
+import pytest
+import sqlalchemy as sa
+from starlette.types import Receive, Scope, Send
+
+from spendguard.budgets import Scope as BudgetScope
+from spendguard.engine.decision import InferenceRequest
+from spendguard.engine.entries import closed_entry, open_entry, recovered_record
+from spendguard.identity import Identity
+from spendguard.ledger.schema import records
+from spendguard.limits import Period
+from tests.support import RedisCluster
+from tests.support.budgets import BudgetGateway, section
+from tests.support.gateway import chat_body, upstream
+from tests.support.records import make_record
+from tests.support.sql import sql_rows
+
+pytestmark = pytest.mark.anyio
+
+EST = 100  # max_tokens=98 + the 2-token prompt: one request's admission estimate
+USERS, EACH = 50, 4  # 200 requests at once: four from each of 50 never-seen end users
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+def storage(request: pytest.FixtureRequest) -> dict[str, object]:
+    if request.param == "memory":
+        return {}
+    if request.param == "redis":
+        url: str = request.getfixturevalue("redis_url")
+    else:
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        url = cluster.url
+    return {"redis_url": url, "key_prefix": f"e{uuid.uuid4().hex[:8]}", "redis_timeout": 2.0}
+
+
+async def test_never_seen_end_users_each_get_the_default_from_their_first_request(
+    tmp_path: Path, storage: dict[str, object]
+) -> None:
+    inner = upstream()
+    release = anyio.Event()
+    entered = 0
+
+    async def gated(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal entered
+        if scope["type"] == "http":
+            entered += 1
+            await release.wait()  # no hold is replaced before every request was decided
+        await inner(scope, receive, send)
+
+    kind = "redis" if storage else "memory"
+    budgets = section(storage=kind, scopes={"per_end_user": {"tokens": EST}})
+    outcome: list[tuple[str, int]] = []
+    gw = BudgetGateway(
+        tmp_path, budgets=budgets, app=gated, end_user_from="header:x-end-user", **storage
+    )
+    async with gw, gw.client() as c:
+
+        async def one(user: str) -> None:
+            r = await c.post(
+                "/v1/chat/completions",
+                json=chat_body(max_tokens=98),
+                headers={"x-end-user": user},
+            )
+            outcome.append((user, r.status_code))
+            if r.status_code == 429:
+                assert r.json()["error"]["details"]["scope"] == "per_end_user"
+
+        users = [f"user-{uuid.uuid4().hex[:6]}-{i}" for i in range(USERS)]
+        async with anyio.create_task_group() as tg:
+            for _ in range(EACH):
+                for user in users:
+                    tg.start_soon(one, user)
+            with anyio.fail_after(30):
+                while entered + len(outcome) < USERS * EACH:
+                    await anyio.sleep(0.01)
+            admitted_while_held = entered
+            release.set()
+        await gw.guard.recorder.flush()
+        top = await gw.guard.admin.top_spenders("end_user", Period.DAY, 1000)
+    admitted = Counter(user for user, status in outcome if status == 200)
+    assert admitted_while_held == USERS
+    assert admitted == dict.fromkeys(users, 1)  # each end user once, none twice, none refused
+    assert {s.row.name: s.row.requests for s in top.spenders} == dict.fromkeys(users, 1)
+
+
+async def test_a_request_passes_every_tag_it_carries_and_counts_in_each(tmp_path: Path) -> None:
+    budgets = section(
+        scopes={"per_tag": {"search": {"tokens": 150}, "*": {"tokens": 1_000_000}}},
+    )
+    gw = BudgetGateway(tmp_path, budgets=budgets, tags_from="header:x-tags")
+    async with gw, gw.client() as c:
+
+        async def post(tags: str, max_tokens: int) -> tuple[int, dict[str, object]]:
+            r = await c.post(
+                "/v1/chat/completions",
+                json=chat_body(max_tokens=max_tokens),
+                headers={"x-tags": tags},
+            )
+            return r.status_code, r.json()
+
+        first, _ = await post("search, chat", 98)  # counts 15 tokens in both
+        refused, body = await post("chat,search", 140)  # 142 more would pass search's 150
+        other, _ = await post("chat", 140)
+        await gw.guard.recorder.flush()
+        counters = {(c.scope, c.subject): c.tokens for c in (await gw.budgets.inspect()).counters}
+        top = await gw.guard.admin.top_spenders("tag", Period.DAY, 10)
+        rows = await sql_rows(
+            gw.settings.database_url.get_secret_value(),
+            sa.select(records.c.tag_ids, records.c.estimate_micros),
+        )
+    assert (first, refused, other) == (200, 429, 200)
+    error = body["error"]
+    assert isinstance(error, dict)
+    assert error["details"] == {
+        "scope": "per_tag",
+        "window": "hourly",
+        "unit": "tokens",
+        "limit": 150,
+        "tag": "search",
+    }
+    assert "Tag 'search'" in error["message"]
+    assert counters[(BudgetScope.PER_TAG, "search")] == 15
+    assert counters[(BudgetScope.PER_TAG, "chat")] == 30
+    # Usage by tag, recomputed from the records themselves.
+    expected: dict[str, list[int]] = {}
+    for tag_ids, estimate in rows:
+        for tag in json.loads(tag_ids):
+            expected.setdefault(tag, [0, 0])
+            expected[tag][0] += estimate
+            expected[tag][1] += 1
+    assert {s.row.name: [s.row.spent, s.row.requests] for s in top.spenders} == expected
+    assert expected == {"search": [15, 1], "chat": [30, 2]}
+
+
+async def test_the_clients_user_field_counts_only_when_the_settings_trust_it(
+    tmp_path: Path,
+) -> None:
+    budgets = section(scopes={"per_end_user": {"tokens": EST}})
+    for n, (sources, second) in enumerate((("state", 200), ("state,body", 429))):
+        (tmp_path / str(n)).mkdir()
+        gw = BudgetGateway(tmp_path / str(n), budgets=budgets, end_user_from=sources)
+        async with gw, gw.client() as c:
+            statuses = [
+                (
+                    await c.post("/v1/chat/completions", json=chat_body(max_tokens=98, user="u1"))
+                ).status_code
+                for _ in range(2)
+            ]
+        # Untrusted (the default): no end user, no end-user budget. Trusted: one request's
+        # worth is one request, the second answer 15 tokens later does not fit.
+        assert statuses == [200, second], sources
+
+
+async def test_an_unusable_end_user_or_tag_is_a_400_and_costs_nothing(tmp_path: Path) -> None:
+    budgets = section(scopes={"per_end_user": {"tokens": EST}})
+    gw = BudgetGateway(
+        tmp_path, budgets=budgets, end_user_from="header:x-end-user", tags_from="header:x-tags"
+    )
+    async with gw, gw.client() as c:
+        long_user = await c.post(
+            "/v1/chat/completions", json=chat_body(), headers={"x-end-user": "u" * 300}
+        )
+        many_tags = await c.post(
+            "/v1/chat/completions",
+            json=chat_body(),
+            headers={"x-tags": ",".join(f"t{i}" for i in range(17))},
+        )
+    assert long_user.status_code == many_tags.status_code == 400
+    assert "256 characters" in long_user.json()["error"]["message"]
+    assert gw.postflights == 0 and "insert_records" not in gw.ledger.calls
+
+
+def test_an_admission_entry_keeps_the_end_user_and_tags_through_recovery() -> None:
+    request = InferenceRequest("gpt-4o-mini", False, 40, estimated_input_tokens=12)
+    request.end_user, request.tags = "user 7", ("search", "a,b")
+    alpha = Identity("acme", "alpha")
+    opened = recovered_record("r1", open_entry("gw", alpha, 1, "i1", request, "/v1/x"), 0)
+    assert (opened.end_user, opened.tags) == ("user 7", ("search", "a,b"))
+    record = make_record("r2", opened.t0, 25)
+    record.end_user, record.tags = "user 7", ("search",)
+    closed = recovered_record("r2", closed_entry("gw", record, 1), 0)
+    assert (closed.end_user, closed.tags) == ("user 7", ("search",))
+    # An entry of an earlier release has neither.
+    plain = InferenceRequest("gpt-4o-mini", False, 40, estimated_input_tokens=12)
+    old = recovered_record("r3", open_entry("gw", alpha, 1, "i3", plain, "/v1/x"), 0)
+    assert (old.end_user, old.tags) == (None, ())
