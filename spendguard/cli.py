@@ -210,6 +210,8 @@ async def cmd_top(args: argparse.Namespace, ctx: Ctx) -> int:
             who = f"{row['team']} end user {row['end_user']}"
         elif "tag" in row:
             who = f"tag {row['tag']}"
+        elif "customer" in row:
+            who = f"customer {row['customer']}"
         else:
             who = row.get("model") or row["team"] + (
                 f" key {row['api_key']}" if row["api_key"] else ""

@@ -35,6 +35,8 @@ class InferenceRecord:
     # charges whatever table the settling process has: '' = charged nothing (an unpriced
     # model), None = not known (an admission entry of an earlier release).
     price: str | None
-    # Whom the app billed within its team, and the request's tags (raw, as given).
+    # Whom the app billed within its team, the request's tags, and the customer above its team
+    # (raw, as given).
     end_user: str | None = None
     tags: tuple[str, ...] = ()
+    customer: str | None = None

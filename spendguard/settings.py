@@ -162,6 +162,12 @@ class Settings(BaseSettings):
         "(the app's request.state.spendguard_tags, a list) or header:<name> (comma-separated "
         "values of a header the gateway's own auth sets).",
     )
+    customer_from: Annotated[tuple[str, ...], NoDecode] = Field(
+        ("state",),
+        description="Where a request's customer (the organisation above its team) comes from, "
+        "tried in order (comma-separated): state (the app's request.state.spendguard_customer) "
+        "or header:<name> (a header the gateway's own auth sets).",
+    )
     unlisted_inference: Unlisted = Field(
         Unlisted.REFUSE,
         description="A POST whose JSON body looks like an inference on a route in neither "
@@ -317,14 +323,14 @@ class Settings(BaseSettings):
             raise ValueError("an http:// or https:// URL")
         return value or None
 
-    @field_validator("end_user_from", "tags_from", mode="before")
+    @field_validator("end_user_from", "tags_from", "customer_from", mode="before")
     @classmethod
     def _split_sources(cls, value: object) -> object:
         if isinstance(value, str):
             return tuple(p.strip() for p in value.split(",") if p.strip())
         return value
 
-    @field_validator("end_user_from", "tags_from")
+    @field_validator("end_user_from", "tags_from", "customer_from")
     @classmethod
     def _check_sources(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
         allowed = ("state", "body") if info.field_name == "end_user_from" else ("state",)

@@ -97,7 +97,9 @@ class SpendGuardMiddleware:
         self.resolve_identity = resolve_identity
         self.routes = RouteTable(self.settings.routes)
         # Who a request bills within its team, and its tags: from the sources trusted.
-        self.parties = Parties(self.settings.end_user_from, self.settings.tags_from)
+        self.parties = Parties(
+            self.settings.end_user_from, self.settings.tags_from, self.settings.customer_from
+        )
         # What every answer tells the caller about its own limits (opt-in).
         self.own_headers = own_headers(
             self.settings.remaining_headers, self.settings.ratelimit_headers

@@ -1,5 +1,6 @@
-"""Who a request bills within its team (its end user) and what it is for (its tags), from the
-sources the settings trust (design.md, "End users and tags").
+"""Who a request bills within its team (its end user), what it is for (its tags) and the
+organisation above its team (its customer), from the sources the settings trust (design.md,
+"End users, tags and customers").
 
 The app decides what it trusts: by default only its own request state
 (``request.state.spendguard_end_user``, ``request.state.spendguard_tags``), which its auth
@@ -21,6 +22,7 @@ from .request import BadRequest
 __all__ = [
     "MAX_PARTY_LENGTH",
     "MAX_TAGS",
+    "STATE_CUSTOMER",
     "STATE_END_USER",
     "STATE_TAGS",
     "Parties",
@@ -30,6 +32,7 @@ __all__ = [
 
 STATE_END_USER: Final = "spendguard_end_user"
 STATE_TAGS: Final = "spendguard_tags"
+STATE_CUSTOMER: Final = "spendguard_customer"
 MAX_PARTY_LENGTH: Final = 256  # characters of an end user or a tag
 MAX_TAGS: Final = 16  # tags of one request: each is a bucket checked in the round
 _BODY_FIELDS: Final = ("user", "safety_identifier")
@@ -58,12 +61,16 @@ def end_user_of(
     state: Mapping[str, Any],
     headers: Sequence[tuple[bytes, bytes]],
     body: Mapping[str, Any] | None,
+    *,
+    key: str = STATE_END_USER,
+    what: str = "end user",
 ) -> str | None:
-    """The end user of a request: the first source that names one; None when none does.
-    BadRequest for a value that can't be one (not text, too long)."""
+    """The end user of a request (or, with ``key`` and ``what``, another party given the same
+    way: its customer): the first source that names one; None when none does. BadRequest
+    for a value that can't be one (not text, too long)."""
     for source in sources:
         if source == "state":
-            found = _checked(state.get(STATE_END_USER), "The request's end user")
+            found = _checked(state.get(key), f"The request's {what}")
         elif source == "body":
             found = None
             for field in _BODY_FIELDS:
@@ -107,10 +114,16 @@ def tags_of(
 class Parties:
     """The settings' sources, applied to a parsed request (its ``end_user`` and ``tags``)."""
 
-    __slots__ = ("_body", "_end_user", "_tags")
+    __slots__ = ("_body", "_customer", "_end_user", "_tags")
 
-    def __init__(self, end_user_from: Sequence[str], tags_from: Sequence[str]) -> None:
+    def __init__(
+        self,
+        end_user_from: Sequence[str],
+        tags_from: Sequence[str],
+        customer_from: Sequence[str] = ("state",),
+    ) -> None:
         self._end_user, self._tags = tuple(end_user_from), tuple(tags_from)
+        self._customer = tuple(customer_from)
         self._body = "body" in self._end_user
 
     def apply(
@@ -120,10 +133,14 @@ class Parties:
         headers: Sequence[tuple[bytes, bytes]],
         body: bytes,
     ) -> None:
-        """Set ``request``'s end user and tags; BadRequest for values that can't be them."""
+        """Set ``request``'s end user, tags and customer; BadRequest for values that can't be
+        them."""
         parsed = None
         if self._body:
             loaded = json.loads(body)  # parse_request accepted it: a JSON object
             parsed = loaded if isinstance(loaded, dict) else None
         request.end_user = end_user_of(self._end_user, state, headers, parsed)
         request.tags = tags_of(self._tags, state, headers)
+        request.customer = end_user_of(
+            self._customer, state, headers, None, key=STATE_CUSTOMER, what="customer"
+        )

@@ -108,6 +108,11 @@ class BudgetAdmin:
                 (lim for t, lim in config.per_tag.items() if encode_id(t) == bucket.subject),
                 config.per_tag.get("*"),
             )
+        elif bucket.kind is Scope.PER_CUSTOMER.kind:
+            limit = next(
+                (lim for n, lim in config.per_customer.items() if encode_id(n) == bucket.subject),
+                config.per_customer.get("*"),
+            )
         else:
             limit = config.global_
         if limit is None:

@@ -68,12 +68,13 @@ class Storage(StrEnum):
 
 
 class Scope(StrEnum):
-    """In check order: the key's own bucket, the end user's, each tag's, the model's, then the
-    fleet's (the section's names for the subjects of the limit model)."""
+    """In check order: the key's own bucket, the end user's, each tag's, the customer's, the
+    model's, then the fleet's (the section's names for the subjects of the limit model)."""
 
     PER_API_KEY = "per_api_key"
     PER_END_USER = "per_end_user"
     PER_TAG = "per_tag"
+    PER_CUSTOMER = "per_customer"
     PER_MODEL = "per_model"
     GLOBAL = "global"
 
@@ -86,6 +87,7 @@ _KINDS = {
     Scope.PER_API_KEY: SubjectKind.API_KEY,
     Scope.PER_END_USER: SubjectKind.END_USER,
     Scope.PER_TAG: SubjectKind.TAG,
+    Scope.PER_CUSTOMER: SubjectKind.CUSTOMER,
     Scope.PER_MODEL: SubjectKind.MODEL,
     Scope.GLOBAL: SubjectKind.FLEET,
 }
@@ -122,6 +124,9 @@ class BudgetsConfig:
     per_end_user: BudgetLimit | None = None
     # Per tag (``*``: every tag not named), each tag's bucket shared by the whole fleet.
     per_tag: Mapping[str, BudgetLimit] = field(default_factory=dict)
+    # Per customer, the level above teams (``*``: every customer not named), shared by its
+    # teams.
+    per_customer: Mapping[str, BudgetLimit] = field(default_factory=dict)
     hold_seconds: int = DEFAULT_HOLD_SECONDS
     # The output a request without max_tokens reserves here; None: the gateway's setting
     # (SPENDGUARD_DEFAULT_OUTPUT_TOKENS), the one the spend limits reserve too.
@@ -142,12 +147,18 @@ class BudgetsConfig:
             or self.global_ is not None
             or self.per_end_user is not None
             or bool(self.per_tag)
+            or bool(self.per_customer)
         )
 
     def tag_limit(self, tag: str) -> BudgetLimit | None:
         """The limit of ``tag``: its own, else the ``*`` default, else none."""
         found = self.per_tag.get(tag)
         return found if found is not None else self.per_tag.get("*")
+
+    def customer_limit(self, customer: str) -> BudgetLimit | None:
+        """The limit of ``customer``: its own, else the ``*`` default, else none."""
+        found = self.per_customer.get(customer)
+        return found if found is not None else self.per_customer.get("*")
 
     @property
     def longest_ms(self) -> int:
@@ -176,6 +187,7 @@ class BudgetsConfig:
                     None if self.per_end_user is None else self.per_end_user.as_json()
                 ),
                 "per_tag": {t: lim.as_json() for t, lim in self.per_tag.items()},
+                "per_customer": {c: lim.as_json() for c, lim in self.per_customer.items()},
             },
             "cost_source": "model_metadata",
         }
@@ -325,7 +337,7 @@ def _models(
     value: object, problems: _Problems, alert_at: tuple[int, ...] = (), scope: str = "per_model"
 ) -> dict[str, BudgetLimit]:
     """A scope that maps names (models, tags) to limits."""
-    what = "model" if scope == "per_model" else "tag"
+    what = {"per_model": "model", "per_tag": "tag"}.get(scope, "customer")
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -389,7 +401,7 @@ def parse_budgets(document: object) -> BudgetsConfig:
     windows = _windows(data.get("windows"), problems)
     # The thresholds of every limit without its own (none by default).
     alert_at = _alert_at(data.get("alert_at"), "budgets.alert_at", problems) or ()
-    per_key = model_limits = global_ = per_end_user = tag_limits = None
+    per_key = model_limits = global_ = per_end_user = tag_limits = customer_limits = None
     scopes = data.get("scopes")
     if scopes is not None:
         scope_data = _keys(scopes, "budgets.scopes", {s.value for s in Scope}, problems)
@@ -403,6 +415,9 @@ def parse_budgets(document: object) -> BudgetsConfig:
                 scope_data.get("per_end_user"), "budgets.scopes.per_end_user", problems, alert_at
             )
             tag_limits = _models(scope_data.get("per_tag"), problems, alert_at, "per_tag")
+            customer_limits = _models(
+                scope_data.get("per_customer"), problems, alert_at, "per_customer"
+            )
     config = BudgetsConfig(
         enabled=enabled,
         storage=storage,
@@ -413,6 +428,7 @@ def parse_budgets(document: object) -> BudgetsConfig:
         global_=global_,
         per_end_user=per_end_user,
         per_tag=tag_limits or {},
+        per_customer=customer_limits or {},
         hold_seconds=hold,
         default_output_tokens=output,
         alert_at=alert_at,

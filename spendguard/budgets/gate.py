@@ -60,8 +60,9 @@ _SCOPE_RANK = {
     SubjectKind.API_KEY: 0,
     SubjectKind.END_USER: 1,
     SubjectKind.TAG: 2,
-    SubjectKind.MODEL: 3,
-    SubjectKind.FLEET: 4,
+    SubjectKind.CUSTOMER: 3,
+    SubjectKind.MODEL: 4,
+    SubjectKind.FLEET: 5,
 }
 _SCOPES = {scope.kind: scope for scope in Scope}  # a bucket's subject kind -> the YAML's name
 OUTAGE_RETRY_AFTER = KINDS["budget"].outage_retry_after
@@ -100,6 +101,7 @@ class Denial:
     reserved: int | None = None
     explained: str = ""
     tag: str | None = None  # only for a per-tag denial: the tag, as the request carried it
+    customer: str | None = None  # only for a per-customer denial: the request's customer
 
     def details(self) -> dict[str, object]:
         """What the 429 tells: the configured limit (and this request's own estimate), never
@@ -115,6 +117,8 @@ class Denial:
             out["model"] = self.model
         if self.tag is not None:
             out["tag"] = self.tag
+        if self.customer is not None:
+            out["customer"] = self.customer
         if self.reserved is not None:
             out["reserved" if tokens else "reserved_micro_usd"] = self.reserved
         return out
@@ -125,6 +129,7 @@ class Denial:
             Scope.PER_API_KEY: "API key",
             Scope.PER_END_USER: "End user",
             Scope.PER_TAG: f"Tag {self.tag!r}",
+            Scope.PER_CUSTOMER: f"Customer {self.customer!r}",
             Scope.PER_MODEL: f"Model {self.model!r}",
             Scope.GLOBAL: "Global",
         }[self.scope]
@@ -322,8 +327,10 @@ class BudgetGate:
     ) -> Awaitable[BudgetAdmission | None]:
         model = request.model
         planned = self._planned(config, identity, model, override)
-        if request.end_user is not None or request.tags:
-            planned = self._with_parties(planned, identity, request.end_user, request.tags)
+        if request.end_user is not None or request.tags or request.customer is not None:
+            planned = self._with_parties(
+                planned, identity, request.end_user, request.tags, request.customer
+            )
         calls = planned.calls
         if not calls:
             return _no_budget()
@@ -373,10 +380,16 @@ class BudgetGate:
         return planned
 
     def _with_parties(
-        self, planned: _Plan, identity: Identity, end_user: str | None, tags: tuple[str, ...]
+        self,
+        planned: _Plan,
+        identity: Identity,
+        end_user: str | None,
+        tags: tuple[str, ...],
+        customer: str | None,
     ) -> _Plan:
-        """``planned`` and the buckets of the request's end user (within its team) and tags
-        that have limits: made per request (end users are many), after the key's bucket."""
+        """``planned`` and the buckets of the request's end user (within its team), tags and
+        customer that have limits: made per request (end users are many), after the key's
+        bucket."""
         config = planned.config
         extra: list[BucketCheck] = []
         if end_user is not None and config.per_end_user is not None:
@@ -388,6 +401,11 @@ class BudgetGate:
             if limit is not None:
                 checks = tuple(WindowCheck(w, limit) for w in config.windows)
                 extra.append(BucketCheck(Bucket(SubjectKind.TAG, encode_id(tag)), checks))
+        limit = None if customer is None else config.customer_limit(customer)
+        if customer is not None and limit is not None:
+            checks = tuple(WindowCheck(w, limit) for w in config.windows)
+            bucket = Bucket(SubjectKind.CUSTOMER, encode_id(customer))
+            extra.append(BucketCheck(bucket, checks))
         if not extra:
             return planned
         calls = (*planned.calls, *extra)
@@ -498,6 +516,8 @@ class BudgetGate:
             filters["team"], _, filters["end_user"] = bucket.subject.partition(":")
         elif bucket.kind is SubjectKind.TAG:
             filters["tag"] = bucket.subject
+        elif bucket.kind is SubjectKind.CUSTOMER:
+            filters["customer"] = bucket.subject
         elif bucket.kind is SubjectKind.MODEL:
             filters["model"] = model
         out = []
@@ -550,6 +570,7 @@ class BudgetGate:
                 model=model if scope is Scope.PER_MODEL else None,
                 retry_after=max(1, -(-answer.retry_ms // 1000)),
                 tag=_tag_of(call.bucket, request),
+                customer=request.customer if scope is Scope.PER_CUSTOMER else None,
             )
         metrics.BUDGET_REJECTIONS.labels(scope.value, window).inc()
         admission.verdict = BudgetVerdict.DENY
@@ -610,6 +631,7 @@ class BudgetGate:
             reserved=reserved,
             explained=explained,
             tag=_tag_of(call.bucket, request),
+            customer=request.customer if scope is Scope.PER_CUSTOMER else None,
         )
 
     def _tracker_full(self, calls: tuple[BucketCheck, ...], model: str) -> BudgetAdmission:
@@ -710,8 +732,10 @@ class BudgetGate:
         if identity.api_key is not None and self.overrides is not None:
             override = await self.overrides.get(identity)
         planned = self._planned(config, identity, record.model, override)
-        if record.end_user is not None or record.tags:
-            planned = self._with_parties(planned, identity, record.end_user, record.tags)
+        if record.end_user is not None or record.tags or record.customer is not None:
+            planned = self._with_parties(
+                planned, identity, record.end_user, record.tags, record.customer
+            )
         if not planned.calls:
             return
         usage = record.usage

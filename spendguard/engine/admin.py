@@ -277,7 +277,7 @@ class Admin:
         recent: dict[str, dict[str, tuple[int, int]]] = {}
         out: list[Spender] = []
         for row in rows:
-            if by in ("model", "end_user", "tag"):  # no limit of its own in the period
+            if by in ("model", "end_user", "tag", "customer"):  # no limit of its own here
                 out.append(Spender(row, None, period.end(now), None))
                 continue
             if row.team not in recent:

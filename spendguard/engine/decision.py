@@ -80,9 +80,10 @@ class Decision:
     rates: tuple[RateState, ...] = ()
     rate_denied: RateDenial | None = None
     rate_keys: tuple[str, ...] = ()
-    # The request's end user and tags, which its record carries.
+    # The request's end user, tags and customer, which its record carries.
     end_user: str | None = None
     tags: tuple[str, ...] = ()
+    customer: str | None = None
 
     @property
     def denied(self) -> LimitState | None:
@@ -115,6 +116,7 @@ class InferenceRequest:
         "_estimate",
         "_estimated",
         "choices",
+        "customer",
         "end_user",
         "max_tokens",
         "model",
@@ -150,9 +152,10 @@ class InferenceRequest:
         self._estimate = estimate
         # Who the app bills within its team, and what the request is for (raw values as the
         # app, or the settings' trusted source, gave them): their budgets apply, their records
-        # say so (design.md, "End users and tags").
+        # say so (design.md, "End users, tags and customers").
         self.end_user: str | None = None
         self.tags: tuple[str, ...] = ()
+        self.customer: str | None = None  # the organisation above the team
 
     @property
     def estimated_input_tokens(self) -> int:

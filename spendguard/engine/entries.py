@@ -39,6 +39,7 @@ RECOVERED_OUTPUT_TOKENS: Final = DEFAULT_OUTPUT_TOKENS
 RECOVERED_STATUS: Final = 0
 
 _OPEN, _CLOSED = 1, 2
+_NO_PARTIES: tuple[None, tuple[str, ...], None] = (None, (), None)
 
 
 def admission_tokens(
@@ -93,25 +94,27 @@ def open_entry(
     return (
         f"[{_OPEN},{_quote(owner)},{t0_us},{_quote(identity.team_id)},"
         f"{_text(identity.api_key_id)},{_quote(inference_id)},{_quote(request.model)},"
-        f"{_quote(route)},{tokens_in},{tokens_out}{_parties(request.end_user, request.tags)}]"
+        f"{_quote(route)},{tokens_in},{tokens_out}"
+        f"{_parties(request.end_user, request.tags, request.customer)}]"
     )
 
 
-def _parties(end_user: str | None, tags: tuple[str, ...]) -> str:
-    """The end user and tags at an entry's end (nothing without them: older entries end
-    before them too)."""
-    if end_user is None and not tags:
+def _parties(end_user: str | None, tags: tuple[str, ...], customer: str | None) -> str:
+    """The end user, tags and customer at an entry's end (nothing without them: older
+    entries end before them too)."""
+    if end_user is None and not tags and customer is None:
         return ""
-    return f",{_text(end_user)},[{','.join(_quote(t) for t in tags)}]"
+    return f",{_text(end_user)},[{','.join(_quote(t) for t in tags)}],{_text(customer)}"
 
 
-def _parties_of(fields: list[object]) -> tuple[str | None, tuple[str, ...]]:
-    end_user, tags = fields
-    if end_user is not None and not isinstance(end_user, str):
-        raise TypeError("an entry's end user is text")
+def _parties_of(fields: list[object]) -> tuple[str | None, tuple[str, ...], str | None]:
+    end_user, tags, customer = fields
+    for value in (end_user, customer):
+        if value is not None and not isinstance(value, str):
+            raise TypeError("an entry's end user and customer are text")
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise TypeError("an entry's tags are a list of text")
-    return end_user, tuple(str(t) for t in tags)
+    return end_user, tuple(str(t) for t in tags), customer  # type: ignore[return-value]
 
 
 def closed_entry(owner: str, record: InferenceRecord, t0_us: int) -> str:
@@ -124,7 +127,7 @@ def closed_entry(owner: str, record: InferenceRecord, t0_us: int) -> str:
         f"{_quote(record.route)},{u.input_tokens},{u.output_tokens},{record.status_code},"
         f"{u.cached_input_tokens},{u.cache_write_tokens},{int(u.estimated)},"
         f"{record.estimate_micros},{_quote(record.postflight.value)},{_text(record.price)}"
-        f"{_parties(record.end_user, record.tags)}]"
+        f"{_parties(record.end_user, record.tags, record.customer)}]"
     )
 
 
@@ -149,8 +152,8 @@ def recovered_record(record_id: str, value: str, estimate: int) -> InferenceReco
         kind, _owner, t0_us, team_id, key_id, inference_id, model, route, tin, tout = f[:10]
         identity = Identity(team_id, key_id)
         t0 = from_micros(int(t0_us))
-        if kind == _OPEN and len(f) in (10, 12):
-            end_user, tags = _parties_of(f[10:]) if len(f) == 12 else (None, ())
+        if kind == _OPEN and len(f) in (10, 13):
+            end_user, tags, customer = _parties_of(f[10:]) if len(f) == 13 else _NO_PARTIES
             usage = Usage(input_tokens=int(tin), output_tokens=int(tout), estimated=True)
             return InferenceRecord(
                 id=record_id,
@@ -166,11 +169,12 @@ def recovered_record(record_id: str, value: str, estimate: int) -> InferenceReco
                 price=None,
                 end_user=end_user,
                 tags=tags,
+                customer=customer,
             )
-        if kind == _CLOSED and len(f) in (16, 17, 19):
+        if kind == _CLOSED and len(f) in (16, 17, 20):
             status, cached, cache_write, estimated, amount, postflight = f[10:16]
             charged_at = f[16] if len(f) >= 17 else None
-            end_user, tags = _parties_of(f[17:]) if len(f) == 19 else (None, ())
+            end_user, tags, customer = _parties_of(f[17:]) if len(f) == 20 else _NO_PARTIES
             if charged_at is not None and not isinstance(charged_at, str):
                 raise TypeError("an entry's price is text")
             usage = Usage(
@@ -194,6 +198,7 @@ def recovered_record(record_id: str, value: str, estimate: int) -> InferenceReco
                 price=charged_at,
                 end_user=end_user,
                 tags=tags,
+                customer=customer,
             )
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise ValueError(f"not an admission entry: {value[:200]!r}") from exc

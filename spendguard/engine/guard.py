@@ -539,8 +539,9 @@ class SpendGuard:
             tentative=tentative,
             record_id=record_id,
         )
-        if request.end_user is not None or request.tags:
+        if request.end_user is not None or request.tags or request.customer is not None:
             decision.end_user, decision.tags = request.end_user, request.tags
+            decision.customer = request.customer
         if decision.verdict is not Verdict.DENY:
             return Admission(decision.verdict, route, dialect, request, decision)
         return self._denied(request, decision, route, dialect)
@@ -995,6 +996,7 @@ class SpendGuard:
             _price_text(price),
             decision.end_user,
             decision.tags,
+            decision.customer,
         )
         if entry_key is not None:
             closed = closed_entry(self.owner, record, to_micros(decision.t0))

@@ -191,6 +191,8 @@ def top_json(report: TopReport) -> dict[str, Any]:
             entry = {"model": r.model}
         elif report.by == "tag":
             entry = {"tag": r.name}
+        elif report.by == "customer":
+            entry = {"customer": r.name}
         elif report.by == "end_user":
             entry = {"team": r.team_id, "end_user": r.name}
         else:

@@ -92,6 +92,7 @@ class BudgetQueries(LedgerDatabase):
         model: str | None = None,
         end_user: str | None = None,
         tag: str | None = None,
+        customer: str | None = None,
     ) -> list[UsedSlice]:
         """Usage of charged (2xx) records with ``t0`` from ``since``, summed per slice of
         ``slice_us`` (by start) and model: of one key, one end user (of ``team``), one tag,
@@ -123,6 +124,8 @@ class BudgetQueries(LedgerDatabase):
             query = query.where(records.c.model == model)
         if end_user is not None:
             query = query.where(records.c.end_user == end_user)
+        if customer is not None:
+            query = query.where(records.c.customer == customer)
         if tag is not None:  # found by position, not LIKE: an encoded tag may hold a %
             find = sa.func.strpos if self.is_postgres else sa.func.instr
             query = query.where(find(records.c.tags, f",{tag},") > 0)

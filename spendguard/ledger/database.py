@@ -245,6 +245,8 @@ _ADDED_COLUMNS = (
     ("spendguard_records", "end_user_id", "TEXT"),
     ("spendguard_records", "tags", "TEXT"),
     ("spendguard_records", "tag_ids", "TEXT"),
+    ("spendguard_records", "customer", "VARCHAR(100)"),
+    ("spendguard_records", "customer_id", "TEXT"),
 )
 
 

@@ -192,15 +192,16 @@ def _record_row(r: InferenceRecord, now_us: int) -> tuple[Any, ...]:
     )
 
 
-def _parties(r: InferenceRecord) -> tuple[str | None, str | None, str | None, str | None]:
-    """The end user and tags columns of a record (all None without them)."""
-    end_user = r.end_user
-    tags = r.tags
+def _parties(r: InferenceRecord) -> tuple[str | None, ...]:
+    """The end user, tags and customer columns of a record (all None without them)."""
+    end_user, tags, customer = r.end_user, r.tags, r.customer
     return (
         None if end_user is None else encode_id(end_user),
         _text(end_user),
         tags_column(tags),
         json.dumps([_text(t) for t in tags], ensure_ascii=False) if tags else None,
+        None if customer is None else encode_id(customer),
+        _text(customer),
     )
 
 
@@ -236,5 +237,7 @@ if _COLUMNS != [
     "end_user_id",
     "tags",
     "tag_ids",
+    "customer",
+    "customer_id",
 ]:
     raise RuntimeError(f"spendguard_records columns changed: {_COLUMNS}")

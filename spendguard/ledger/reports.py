@@ -46,7 +46,7 @@ class TopRow:
     name: str = ""  # an end user's or a tag's row: the end user or the tag, as given
 
 
-TOP_BY = ("team", "key", "model", "end_user", "tag")
+TOP_BY = ("team", "key", "model", "end_user", "tag", "customer")
 
 
 class ReportQueries(LedgerDatabase):
@@ -66,12 +66,14 @@ class ReportQueries(LedgerDatabase):
             "key": [r.team, r.api_key],
             "model": [r.model],
             "end_user": [r.team, r.end_user],
+            "customer": [r.customer],
         }[by]
         names: list[Any] = {
             "team": [sa.func.max(r.team_id), sa.func.max(r.api_key_id)],
             "key": [sa.func.max(r.team_id), sa.func.max(r.api_key_id)],
             "model": [],
             "end_user": [sa.func.max(r.team_id), sa.func.max(r.end_user_id)],
+            "customer": [sa.func.max(r.customer_id)],
         }[by]
         query = (
             sa.select(*group, *names, spent, sa.func.count())
@@ -89,6 +91,8 @@ class ReportQueries(LedgerDatabase):
             query = query.where(r.api_key != "")
         if by == "end_user":
             query = query.where(r.end_user.is_not(None))
+        if by == "customer":
+            query = query.where(r.customer.is_not(None))
         async with self._guard("top spenders read"):
             rows = _tuples(await self._db.fetch_all(query))
         out: list[TopRow] = []
@@ -106,6 +110,9 @@ class ReportQueries(LedgerDatabase):
                 out.append(
                     TopRow(str(team), "", str(team_id), None, "", int(total), int(n), end_user_id)
                 )
+            elif by == "customer":
+                _, customer_id, total, n = row
+                out.append(TopRow("", "", "", None, "", int(total), int(n), str(customer_id)))
             else:
                 model, total, n = row
                 out.append(TopRow("", "", "", None, str(model), int(total), int(n)))

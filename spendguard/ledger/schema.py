@@ -99,6 +99,8 @@ records = sa.Table(
     sa.Column("end_user_id", sa.Text, nullable=True),
     sa.Column("tags", sa.Text, nullable=True),
     sa.Column("tag_ids", sa.Text, nullable=True),
+    sa.Column("customer", sa.String(100), nullable=True),  # encoded; raw beside it
+    sa.Column("customer_id", sa.Text, nullable=True),
     # Settlement's queue: the unsettled records, in claim order. Partial, so marking a record
     # settled adds no entry here (a full index on the flag took one per record settled, a
     # fifth of a claim) and the index stays the size of the backlog, not of the history.

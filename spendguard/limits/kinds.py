@@ -93,6 +93,7 @@ KINDS: Final = {
                 SubjectKind.API_KEY,
                 SubjectKind.END_USER,
                 SubjectKind.TAG,
+                SubjectKind.CUSTOMER,
                 SubjectKind.MODEL,
                 SubjectKind.FLEET,
             ),
@@ -101,7 +102,8 @@ KINDS: Final = {
             (Mode.HARD,),
             False,
             Part.BUDGETS,
-            "{bk:<team>:<key>} | {bu:<team>:<end user>} | {bt:<tag>} | {bm:<model>} | {bg}",
+            "{bk:<team>:<key>} | {bu:<team>:<end user>} | {bt:<tag>} | {bc:<customer>} | "
+            "{bm:<model>} | {bg}",
             "budgets.fail_open",
             # As docs/budgets.md states them: a budget outage admits, counted per replica, and its
             # 503 (fail_open: false) asks for 5 s.

@@ -28,6 +28,7 @@ class SubjectKind(StrEnum):
     TEAM = "team"
     API_KEY = "api_key"
     END_USER = "end_user"  # whom the app bills within a team (a request's end user)
+    CUSTOMER = "customer"  # the organisation above teams (a request's customer)
     TAG = "tag"  # what a request is for (a feature, a project, an environment)
     MODEL = "model"
     FLEET = "fleet"

@@ -39,6 +39,7 @@ BUCKET_TAGS: Final = {
     SubjectKind.API_KEY: "bk",
     SubjectKind.END_USER: "bu",
     SubjectKind.TAG: "bt",
+    SubjectKind.CUSTOMER: "bc",
     SubjectKind.MODEL: "bm",
     SubjectKind.FLEET: "bg",
 }

@@ -1,7 +1,8 @@
-"""End users and tags, new subjects of the budgets: an end user's bucket (within its team) gets
-the section's default from its very first request, atomically; a request must pass the budget
-of every tag it carries and is counted in each; records say whom and what they were for, and
-the usage reports by end user and by tag agree with the records."""
+"""End users, tags and customers, new subjects of the budgets: an end user's bucket (within its
+team) gets the section's default from its very first request, atomically; a request must pass
+the budget of every tag it carries and is counted in each; a customer's budget is shared by its
+teams; records say whom and what they were for, and the usage reports by end user, tag and
+customer agree with the records."""
 
 from __future__ import annotations
 
@@ -144,6 +145,47 @@ async def test_a_request_passes_every_tag_it_carries_and_counts_in_each(tmp_path
     assert expected == {"search": [15, 1], "chat": [30, 2]}
 
 
+async def test_a_customers_budget_refuses_across_its_teams_and_names_the_customer(
+    tmp_path: Path,
+) -> None:
+    """Customer > team > key: two teams of one customer share its bucket; the refusal names
+    the customer level, not a team's or a key's."""
+    budgets = section(
+        scopes={
+            "per_api_key": {"tokens": 10_000},
+            "per_customer": {"globex": {"tokens": 110}, "*": {"tokens": 10_000}},
+        }
+    )
+    gw = BudgetGateway(tmp_path, budgets=budgets, customer_from="header:x-customer")
+    async with gw, gw.client() as c:
+
+        async def post(team: str, customer: str) -> tuple[int, dict[str, object]]:
+            r = await c.post(
+                "/v1/chat/completions",
+                json=chat_body(max_tokens=98),
+                headers={"x-test-team": team, "x-test-key": "k1", "x-customer": customer},
+            )
+            return r.status_code, r.json()
+
+        acme, _ = await post("acme", "globex")  # 15 of globex's 110 tokens
+        initech, refused = await post("initech", "globex")  # 100 more would pass 110
+        other, _ = await post("initech", "hooli")  # another customer: its own bucket
+        await gw.guard.recorder.flush()
+        top = await gw.guard.admin.top_spenders("customer", Period.DAY, 10)
+    assert (acme, initech, other) == (200, 429, 200)
+    error = refused["error"]
+    assert isinstance(error, dict)
+    assert error["details"] == {
+        "scope": "per_customer",
+        "window": "hourly",
+        "unit": "tokens",
+        "limit": 110,
+        "customer": "globex",
+    }
+    assert error["message"].startswith("Customer 'globex' token budget exceeded")
+    assert {s.row.name: s.row.requests for s in top.spenders} == {"globex": 1, "hooli": 1}
+
+
 async def test_the_clients_user_field_counts_only_when_the_settings_trust_it(
     tmp_path: Path,
 ) -> None:
@@ -184,15 +226,19 @@ async def test_an_unusable_end_user_or_tag_is_a_400_and_costs_nothing(tmp_path: 
 
 def test_an_admission_entry_keeps_the_end_user_and_tags_through_recovery() -> None:
     request = InferenceRequest("gpt-4o-mini", False, 40, estimated_input_tokens=12)
-    request.end_user, request.tags = "user 7", ("search", "a,b")
+    request.end_user, request.tags, request.customer = "user 7", ("search", "a,b"), "globex"
     alpha = Identity("acme", "alpha")
     opened = recovered_record("r1", open_entry("gw", alpha, 1, "i1", request, "/v1/x"), 0)
-    assert (opened.end_user, opened.tags) == ("user 7", ("search", "a,b"))
+    assert (opened.end_user, opened.tags, opened.customer) == (
+        "user 7",
+        ("search", "a,b"),
+        "globex",
+    )
     record = make_record("r2", opened.t0, 25)
     record.end_user, record.tags = "user 7", ("search",)
     closed = recovered_record("r2", closed_entry("gw", record, 1), 0)
-    assert (closed.end_user, closed.tags) == ("user 7", ("search",))
+    assert (closed.end_user, closed.tags, closed.customer) == ("user 7", ("search",), None)
     # An entry of an earlier release has neither.
     plain = InferenceRequest("gpt-4o-mini", False, 40, estimated_input_tokens=12)
     old = recovered_record("r3", open_entry("gw", alpha, 1, "i3", plain, "/v1/x"), 0)
-    assert (old.end_user, old.tags) == (None, ())
+    assert (old.end_user, old.tags, old.customer) == (None, (), None)

@@ -161,8 +161,8 @@ async def test_a_records_table_from_before_prices_gets_the_column_and_keeps_its_
         await led.init_schema()  # and again at the next start: nothing to do
         assert await _record_columns(database_url) == [c.name for c in records.columns]
         after = await sql_rows(database_url, "SELECT * FROM spendguard_records ORDER BY id")
-        # Kept as they were: no price, no end user, no tags.
-        assert after == [(*row, None, None, None, None, None) for row in before]
+        # Kept as they were: no price, no end user, no tags, no customer.
+        assert after == [(*row, *[None] * 7) for row in before]
         # The old unsettled record settles at the settling table; a new one at its own price.
         await led.insert_records([make_record("new", OCT1, 40)])
         table = PriceTable({"m": Price.of("2", "3")}, as_of="2026-11-01")

@@ -105,6 +105,7 @@ def test_budget_scopes_are_subjects_of_the_limit_model() -> None:
         Scope.PER_API_KEY: SubjectKind.API_KEY,
         Scope.PER_END_USER: SubjectKind.END_USER,
         Scope.PER_TAG: SubjectKind.TAG,
+        Scope.PER_CUSTOMER: SubjectKind.CUSTOMER,
         Scope.PER_MODEL: SubjectKind.MODEL,
         Scope.GLOBAL: SubjectKind.FLEET,
     }

@@ -31,7 +31,12 @@ SCOPES = {
     "per_api_key": {"tokens": 10**9, "cost_usd": 1000},
     "per_model": {"unit-model": {"tokens": 10**9}},
     "global": {"tokens": 10**9, "cost_usd": 1000},
+    # An end user, two tags and a customer above the team: their buckets join the same writes.
+    "per_end_user": {"tokens": 10**9},
+    "per_tag": {"*": {"tokens": 10**9}},
+    "per_customer": {"globex": {"tokens": 10**9, "cost_usd": 1000}},
 }
+PARTIES = {"x-end-user": "user-7", "x-tags": "search,beta", "x-customer": "globex"}
 WARM, MEASURED = 3, 6
 
 
@@ -98,11 +103,16 @@ async def test_two_round_trips_per_warm_inference_with_everything_on(
             # the outbox is a background pass (off the request path: not in this count).
             alert_thresholds="1,50,100",
             alert_interval=3600,
+            end_user_from="header:x-end-user",
+            tags_from="header:x-tags",
+            customer_from="header:x-customer",
         )
         async with gw, gw.client() as c:
             await everything_on(gw)
             for _ in range(WARM):  # policies cached, buckets seeded, scripts loaded
-                r = await c.post("/v1/chat/completions", json=chat_body(max_tokens=10))
+                r = await c.post(
+                    "/v1/chat/completions", json=chat_body(max_tokens=10), headers=PARTIES
+                )
                 assert r.status_code == 200, r.text
             await gw.guard.recorder.flush()
             # Records go to the background writer: its ledger writes (and the admission
@@ -111,7 +121,9 @@ async def test_two_round_trips_per_warm_inference_with_everything_on(
             gw.guard.recorder.submit = held.append  # type: ignore[method-assign]
             before = rounds.count
             for _ in range(MEASURED):
-                r = await c.post("/v1/chat/completions", json=chat_body(max_tokens=10))
+                r = await c.post(
+                    "/v1/chat/completions", json=chat_body(max_tokens=10), headers=PARTIES
+                )
                 assert r.status_code == 200, r.text
                 assert "x-ratelimit-remaining-requests" in r.headers  # the rates were counted
                 assert "x-budget-api-key-remaining" in r.headers  # so was the key's budget
@@ -119,5 +131,7 @@ async def test_two_round_trips_per_warm_inference_with_everything_on(
             assert len(held) == MEASURED
             state = await gw.guard.pool.state("upstream-1")
             assert state is not None and state.requests == WARM + MEASURED  # every one leased
+            counted = {c.scope.value for c in (await gw.budgets.inspect()).counters if c.tokens}
+            assert {"per_end_user", "per_tag", "per_customer"} <= counted
         await spend.aclose()
     assert sent == 2 * MEASURED
