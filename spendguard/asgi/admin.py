@@ -650,7 +650,16 @@ class AdminApp:
 
     async def budgets_reset(self, request: Request, target: _Target) -> Response:
         budgets = self._budget_admin(target)
-        fields = {"scope", "window", "team_id", "api_key_id", "model"}
+        fields = {
+            "scope",
+            "window",
+            "team_id",
+            "api_key_id",
+            "model",
+            "end_user",
+            "tag",
+            "customer",
+        }
         body = await _body(request, fields, {"scope"})
         for name, value in body.items():
             if (value is not None or name == "scope") and not isinstance(value, str):
@@ -667,6 +676,9 @@ class AdminApp:
             team_id=body.get("team_id"),
             api_key_id=body.get("api_key_id"),
             model=body.get("model"),
+            end_user=body.get("end_user"),
+            tag=body.get("tag"),
+            customer=body.get("customer"),
         )
         return JSONResponse(budget_reset_json(n))
 

@@ -163,14 +163,23 @@ class BudgetAdmin:
         team_id: str | None = None,
         api_key_id: str | None = None,
         model: str | None = None,
+        end_user: str | None = None,
+        tag: str | None = None,
+        customer: str | None = None,
     ) -> int:
-        """Clear recorded usage of a scope (one key or model, or all of the scope's buckets),
-        in one window or all. Returns how many buckets were reset."""
+        """Clear recorded usage of a scope (one key, end user of a team, tag, customer or
+        model, or all of the scope's buckets), in one window or all. Returns how many buckets
+        were reset."""
         scope = Scope(scope)
-        if api_key_id is not None and scope is not Scope.PER_API_KEY:
-            raise ValueError("api_key_id is only for scope per_api_key")
-        if model is not None and scope is not Scope.PER_MODEL:
-            raise ValueError("model is only for scope per_model")
+        for name, value, own in (
+            ("api_key_id", api_key_id, Scope.PER_API_KEY),
+            ("model", model, Scope.PER_MODEL),
+            ("end_user", end_user, Scope.PER_END_USER),
+            ("tag", tag, Scope.PER_TAG),
+            ("customer", customer, Scope.PER_CUSTOMER),
+        ):
+            if value is not None and scope is not own:
+                raise ValueError(f"{name} is only for scope {own.value}")
         if window is not None and self.config.window(window) is None:
             # A key's own window is named after its period (24h); anything else is a typo.
             try:
@@ -185,6 +194,14 @@ class BudgetAdmin:
             buckets = [Bucket(scope.kind, f"{ident.team}:{ident.api_key}")]
         elif scope is Scope.PER_MODEL and model is not None:
             buckets = [Bucket(scope.kind, encode_id(model))]
+        elif scope is Scope.PER_END_USER and end_user is not None:
+            if team_id is None:
+                raise ValueError("a per_end_user reset of one end user needs team_id too")
+            buckets = [Bucket(scope.kind, f"{encode_id(team_id)}:{encode_id(end_user)}")]
+        elif scope is Scope.PER_TAG and tag is not None:
+            buckets = [Bucket(scope.kind, encode_id(tag))]
+        elif scope is Scope.PER_CUSTOMER and customer is not None:
+            buckets = [Bucket(scope.kind, encode_id(customer))]
         elif scope is Scope.GLOBAL:
             buckets = [Bucket(scope.kind, "")]
         else:

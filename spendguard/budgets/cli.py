@@ -105,6 +105,9 @@ async def _dispatch(args: argparse.Namespace, admin: BudgetAdmin, store: Store |
             team_id=args.team,
             api_key_id=args.api_key,
             model=args.model,
+            end_user=args.end_user,
+            tag=args.tag,
+            customer=args.customer,
         )
         bucket = "bucket" if n == 1 else "buckets"
         print(json.dumps(budget_reset_json(n), indent=2) if args.json else f"reset {n} {bucket}")
@@ -148,6 +151,9 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     reset.add_argument("--team", default=None, help="with --api-key: one key (per_api_key)")
     reset.add_argument("--api-key", default=None)
     reset.add_argument("--model", default=None, help="one model (per_model)")
+    reset.add_argument("--end-user", default=None, help="with --team: one (per_end_user)")
+    reset.add_argument("--tag", default=None, help="one tag (per_tag)")
+    reset.add_argument("--customer", default=None, help="one customer (per_customer)")
     key_set = bud.add_parser("key-set", parents=[common], help="a key's own token budget")
     key_rm = bud.add_parser("key-rm", parents=[common], help="remove a key's own budget")
     for p in (key_set, key_rm):

@@ -242,3 +242,25 @@ def test_an_admission_entry_keeps_the_end_user_and_tags_through_recovery() -> No
     plain = InferenceRequest("gpt-4o-mini", False, 40, estimated_input_tokens=12)
     old = recovered_record("r3", open_entry("gw", alpha, 1, "i3", plain, "/v1/x"), 0)
     assert (old.end_user, old.tags, old.customer) == (None, (), None)
+
+
+async def test_one_end_users_budget_is_reset_and_no_one_elses(tmp_path: Path) -> None:
+    budgets = section(scopes={"per_end_user": {"tokens": EST}})
+    gw = BudgetGateway(tmp_path, budgets=budgets, end_user_from="header:x-end-user")
+    async with gw, gw.client() as c:
+
+        async def post(user: str) -> int:
+            r = await c.post(
+                "/v1/chat/completions", json=chat_body(max_tokens=98), headers={"x-end-user": user}
+            )
+            return r.status_code
+
+        spent = [await post(u) for u in ("u1", "u1", "u2", "u2")]
+        with pytest.raises(ValueError, match="needs team_id"):
+            await gw.budgets.reset("per_end_user", end_user="u1")
+        with pytest.raises(ValueError, match="only for scope per_tag"):
+            await gw.budgets.reset("per_end_user", tag="search")
+        assert await gw.budgets.reset("per_end_user", team_id="acme", end_user="u1") == 1
+        after = [await post("u1"), await post("u2")]
+    assert spent == [200, 429, 200, 429]
+    assert after == [200, 429]  # u1 has its budget again; u2 still has none
