@@ -58,6 +58,7 @@ def gate_for(guard: SpendGuard) -> BudgetGate | None:
         store=store,
         owned=owned,
         override_timeout=settings.db_timeout,
+        fit_min=settings.fit_min_output_tokens,
     )
 
 

@@ -52,7 +52,7 @@ from .source import BudgetsSource
 
 if TYPE_CHECKING:
     from ..engine.decision import InferenceRequest
-    from ..engine.pricing import PriceTable
+    from ..engine.pricing import Price, PriceTable
 
 log = logging.getLogger("spendguard.budgets")
 
@@ -158,6 +158,9 @@ class BudgetAdmission:
     # The usage counters of every (bucket, window) it commits to: its plan's, bound once.
     counters: tuple[tuple[CounterLike, CounterLike], ...] = ()
     done: bool = False
+    # A denial that a smaller output cap per completion would pass now (fitting on): that
+    # cap; None otherwise.
+    fits: int | None = None
 
     @property
     def allowed(self) -> bool:
@@ -223,6 +226,9 @@ class BudgetGate:
         self.fallback = MemoryStore(max_keys=fallback_max_buckets, clock=clock)
         self.overrides = overrides
         self.clock = clock
+        # Fit instead of refuse: the least output cap a refused request may be fitted to
+        # (None: off; the spend limits' setting, so the two agree).
+        self.fit_min: int | None = None
         self._warned_no_redis = False
         # Told of every bucket whose commit fired a threshold alert (the guard's alerts).
         self.on_alert: Callable[[Store, Bucket], None] | None = None
@@ -576,7 +582,32 @@ class BudgetGate:
         admission.verdict = BudgetVerdict.DENY
         admission.denial = denial
         admission.done = True
+        admission.fits = self._fits([a for _, a in denied], request, estimate)
         return admission
+
+    def _fits(
+        self, denied: list[Reserved], request: InferenceRequest, estimate: Usage
+    ) -> int | None:
+        """The largest output cap per completion that every refusing bucket has room for
+        now, when fitting is on, the request declared a cap, and that cap is at least the
+        minimum and below the declared one (design.md, "Fit instead of refuse")."""
+        least = self.fit_min
+        if least is None or request.max_tokens is None:
+            return None
+        tokens_in, choices = estimate.input_tokens, request.choices
+        cap = estimate.output_tokens // choices
+        price = self.prices.lookup(request.model)
+        for answer in denied:
+            if answer.left_tokens is not None:
+                cap = min(cap, (answer.left_tokens - tokens_in) // choices)
+            if answer.left_cost is not None and price is not None:
+
+                def cost_of(out: int, price: Price = price) -> int:
+                    usage = Usage(input_tokens=tokens_in, output_tokens=out * choices)
+                    return int(price.cost(usage))
+
+                cap = min(cap, largest_fitting(cost_of, answer.left_cost, cap))
+        return cap if least <= cap < estimate.output_tokens // choices else None
 
     def _never_fits(
         self, admission: BudgetAdmission, request: InferenceRequest, estimate: Usage
@@ -854,6 +885,7 @@ def make_gate(
     store: Store | None = None,
     owned: bool = False,
     override_timeout: float = 5.0,
+    fit_min: int | None = None,
 ) -> BudgetGate:
     """A gate on the gateway's store: its Redis (shared by every replica, the calls leaving
     in the same pipeline writes as the spend limits') when it is one, used whenever the
@@ -868,7 +900,7 @@ def make_gate(
         if ledger is not None
         else None
     )
-    return BudgetGate(
+    gate = BudgetGate(
         source,
         prices,
         redis_store=store if store is not None and store.shared else None,
@@ -881,3 +913,5 @@ def make_gate(
         clock=clock,
         output=output,
     )
+    gate.fit_min = fit_min
+    return gate

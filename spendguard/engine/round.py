@@ -140,7 +140,7 @@ class Round:
         outcome = await self._round(identity, request, route, dialect, t0, inference_id)
         if not isinstance(outcome, Refused):
             return outcome
-        fits = outcome.admission.fits
+        fits = _fits(outcome)
         if fits is not None and request is not None and fit is not None and fit(fits):
             await outcome.give_back()
             again = await self._round(
@@ -296,6 +296,22 @@ class Round:
             used = None if usage is None else usage.total_tokens
             parts.append(_quietly(self.providers.finish_soon(lease, used)))
         return _all(parts)
+
+
+def _fits(refused: Refused) -> int | None:
+    """The output cap every part that refused would admit the request at (None: some part
+    refused for another reason than its size)."""
+    admission, budget = refused.admission, refused.budget
+    caps: list[int | None] = []
+    if not (admission.allowed and admission.decision is not None):
+        caps.append(admission.fits)
+    if budget is not None and not budget.allowed:
+        caps.append(budget.fits)
+    if refused.no_capacity is not None or refused.named is Named.POOL_DOWN or not caps:
+        return None
+    if any(cap is None for cap in caps):
+        return None
+    return min(cap for cap in caps if cap is not None)
 
 
 async def _leased(lease_soon: Awaitable[Lease | NoCapacity]) -> Lease | NoCapacity | Exception:

@@ -626,7 +626,7 @@ class MemoryStore:
                 wait = retry_ms(
                     slices.tokens, check.window, hold.now_ms, held, hold.tokens, limit.tokens
                 )
-                return Reserved(False, window=i, unit=Unit.TOKENS, retry_ms=wait)
+                return self._denied(call, state, hold, i, Unit.TOKENS, wait, (held_t, held_c))
             if (
                 hold.count_cost
                 and limit.cost_micros is not None
@@ -636,10 +636,36 @@ class MemoryStore:
                 wait = retry_ms(
                     slices.cost, check.window, hold.now_ms, held, hold.cost, limit.cost_micros
                 )
-                return Reserved(False, window=i, unit=Unit.USD, retry_ms=wait)
+                return self._denied(call, state, hold, i, Unit.USD, wait, (held_t, held_c))
             used.append(tokens + held_t + hold.tokens)
         state.holds[hold.id] = (hold.expires_ms, hold.tokens, hold.cost)
         return Reserved(True, tuple(used))
+
+    @staticmethod
+    def _denied(
+        call: BucketCheck,
+        state: _Bucket,
+        hold: Hold,
+        window: int,
+        unit: Unit,
+        wait: int,
+        held: tuple[int, int],
+    ) -> Reserved:
+        """bucket_reserve.lua's denial: the least left in any window, per unit."""
+        left_t: int | None = None
+        left_c: int | None = None
+        for check in call.checks:
+            tokens, cost = state.slices(check.window).current(check.window, hold.now_ms)
+            limit = check.limit
+            if limit.tokens is not None:
+                left = max(0, limit.tokens - tokens - held[0])
+                left_t = left if left_t is None else min(left_t, left)
+            if hold.count_cost and limit.cost_micros is not None:
+                left = max(0, limit.cost_micros - cost - held[1])
+                left_c = left if left_c is None else min(left_c, left)
+        return Reserved(
+            False, window=window, unit=unit, retry_ms=wait, left_tokens=left_t, left_cost=left_c
+        )
 
     def commit_buckets(
         self,

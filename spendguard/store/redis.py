@@ -533,7 +533,17 @@ class RedisStore:
                 out.append(Reserved(True, tuple(int(x) for x in raw[1:])))
             else:
                 unit = _BUCKET_UNITS[int(raw[2])]
-                out.append(Reserved(False, window=int(raw[1]) - 1, unit=unit, retry_ms=int(raw[3])))
+                left_t, left_c = int(raw[4]), int(raw[5])
+                out.append(
+                    Reserved(
+                        False,
+                        window=int(raw[1]) - 1,
+                        unit=unit,
+                        retry_ms=int(raw[3]),
+                        left_tokens=None if left_t < 0 else left_t,
+                        left_cost=None if left_c < 0 else left_c,
+                    )
+                )
         return out
 
     def commit_buckets(

@@ -86,7 +86,8 @@ class Hold:
 @dataclass(slots=True, unsafe_hash=True)
 class Reserved:
     """A bucket's answer. Admitted: ``used_tokens`` per window, this hold included. Denied: the
-    first window (index) and unit that can't afford it, and when enough will have drained."""
+    first window (index) and unit that can't afford it, when enough will have drained, and
+    the least any window has left now of each unit (None: no limit of that unit)."""
 
     ok: bool
     used_tokens: tuple[int, ...] = ()
@@ -94,6 +95,8 @@ class Reserved:
     unit: Unit = Unit.TOKENS
     retry_ms: int = 0
     unseeded: bool = False  # Redis lost the bucket: rebuild it from the ledger, then retry
+    left_tokens: int | None = None
+    left_cost: int | None = None
 
 
 # Made per request: not frozen (see LimitState, spendguard/store/base.py).

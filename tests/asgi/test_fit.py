@@ -19,6 +19,7 @@ from spendguard.asgi.fit import FIT_HEADER
 from spendguard.limits import Period
 from spendguard.testing import fake_upstream
 from tests.support import Gateway, StateAuth
+from tests.support.budgets import BudgetGateway, section
 from tests.support.gateway import MODEL
 
 pytestmark = pytest.mark.anyio
@@ -155,3 +156,23 @@ async def test_200_at_once_never_spend_past_the_hard_limit(tmp_path: Path) -> No
     assert set(statuses) <= {200, 429} and statuses.count(200) == 4 + len(fitted)
     assert fitted and all(50 <= f < ASKED for f in fitted)
     assert limit - 1_000 < charged <= limit
+
+
+async def test_a_token_budget_fits_the_request_too(tmp_path: Path) -> None:
+    """A rolling budget's refusal is fitted like a hard limit's: the cap what the tightest
+    window has left beside the prompt; the budget then counts what the answer used."""
+    budgets = section(scopes={"per_api_key": {"tokens": 1_000}})
+    gw = BudgetGateway(tmp_path, budgets=budgets, app=fake_upstream(), fit_min_output_tokens=100)
+    async with gw, gw.client() as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": MESSAGES, "max_tokens": ASKED},
+            headers=LONG,
+        )
+        fitted = int(r.headers[FITTED])
+        [sent] = [json.loads(x.body) for x in gw.inner.received]
+        counters = [c.tokens for c in (await gw.budgets.inspect()).counters]
+    assert r.status_code == 200 and 900 < fitted < 1_000
+    assert sent["max_tokens"] == fitted
+    assert r.json()["usage"]["completion_tokens"] == fitted
+    assert counters and all(used <= 1_000 for used in counters)

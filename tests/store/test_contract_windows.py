@@ -332,3 +332,24 @@ async def test_a_commit_held_only_counts_where_the_hold_still_is_and_only_once(
     )
     fleet = await store.inspect_bucket(tokens(1000, HOUR, bucket=FLEET), T0 + MINUTE)
     assert fleet.windows[0].tokens == 0
+
+
+async def test_a_denial_tells_the_least_left_in_any_window_per_unit(store: Store) -> None:
+    # What a smaller request could still take (fit instead of refuse): holds count as used.
+    call = BucketCheck(
+        KEY,
+        (
+            WindowCheck(HOUR, BudgetLimit(tokens=1_000, cost_micros=500)),
+            WindowCheck(DAY, BudgetLimit(tokens=800)),
+        ),
+    )
+    first = hold(T0, 300, cost=100)
+    assert (await store.reserve_buckets([call], first))[0].ok
+    await commit(store, call, first, 250)  # 250 tokens counted, cost as committed: 0
+    assert (await store.reserve_buckets([call], hold(T0, 100, cost=50)))[0].ok  # a live hold
+    [denied] = await store.reserve_buckets([call], hold(T0, 600, cost=10))
+    assert not denied.ok and (denied.window, denied.unit) == (1, Unit.TOKENS)
+    # The day has 800 - 250 - 100 left; the hour's cost 500 - 0 - 50.
+    assert (denied.left_tokens, denied.left_cost) == (450, 450)
+    [tokens_only] = await store.reserve_buckets([tokens(300, HOUR, bucket=MODEL)], hold(T0, 400))
+    assert (tokens_only.left_tokens, tokens_only.left_cost) == (300, None)

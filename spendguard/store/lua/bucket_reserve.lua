@@ -3,9 +3,11 @@
 -- ARGV: now_ms, hold id, expires_ms, tokens, cost, count_cost (1|0), ttl_ms, seeded (1: the
 --       bucket must have been seeded: rebuilt from the ledger, or found empty there),
 --       then per window: slice_ms, token limit or '-', cost limit or '-'.
--- Reply: {1, used tokens per window (this hold included)...} or {0, window, unit, retry_ms}
--- (window 1-based; unit 1 tokens, 2 cost), or {-1} when the bucket is not seeded (Redis lost
--- it: a restart, a flush). Denied or unseeded: nothing is reserved.
+-- Reply: {1, used tokens per window (this hold included)...} or {0, window, unit, retry_ms,
+-- tokens left, cost left} (window 1-based; unit 1 tokens, 2 cost; left: the least any window
+-- has left of that unit now, holds counted, -1 without such a limit: what a smaller request
+-- could still take), or {-1} when the bucket is not seeded (Redis lost it: a restart, a
+-- flush). Denied or unseeded: nothing is reserved.
 local now = arg_int(ARGV[1])
 local id = ARGV[2]
 local expires = arg_int(ARGV[3])
@@ -20,6 +22,26 @@ if ARGV[8] == '1' and redis.call('HEXISTS', KEYS[1], '_seeded') == 0 then
   return {-1}
 end
 local held_t, held_c = prune(KEYS[1], KEYS[2], now)
+
+-- A denial: the least left in any window, per unit (-1: no limit of that unit).
+local function denied(w, unit, wait)
+  local lt, lc = -1, -1
+  for v = 1, #KEYS - 2 do
+    local base = 8 + (v - 1) * 3
+    local t, c = window_totals(KEYS[v + 2], tonumber(ARGV[base + 1]), now)
+    local lim_t, lim_c = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+    if lim_t then
+      local left = math.max(0, lim_t - t - held_t)
+      if lt < 0 or left < lt then lt = left end
+    end
+    if count_cost and lim_c then
+      local left = math.max(0, lim_c - c - held_c)
+      if lc < 0 or left < lc then lc = left end
+    end
+  end
+  return {0, w, unit, wait, int(lt), int(lc)}
+end
+
 local used = {}
 for w = 1, #KEYS - 2 do
   local base = 8 + (w - 1) * 3
@@ -29,11 +51,11 @@ for w = 1, #KEYS - 2 do
   local t, c = window_totals(KEYS[w + 2], slice_ms, now)
   if lim_t and t + held_t + tokens > lim_t then
     local _, _, ts = window_usage(KEYS[w + 2], slice_ms, now)
-    return {0, w, 1, retry(ts, slice_ms, now, t + held_t, tokens, lim_t)}
+    return denied(w, 1, retry(ts, slice_ms, now, t + held_t, tokens, lim_t))
   end
   if count_cost and lim_c and c + held_c + cost > lim_c then
     local _, _, _, cs = window_usage(KEYS[w + 2], slice_ms, now)
-    return {0, w, 2, retry(cs, slice_ms, now, c + held_c, cost, lim_c)}
+    return denied(w, 2, retry(cs, slice_ms, now, c + held_c, cost, lim_c))
   end
   used[#used + 1] = int(t + held_t + tokens)
 end
