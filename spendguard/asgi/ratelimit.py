@@ -15,12 +15,14 @@ a max-parallel cap (OpenAI has no header for one).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Final
 
 from ..clock import to_millis
 from ..engine.decision import Decision
 from ..limits.model import Limit, SubjectKind
 from ..limits.rates import RateKind
+from ..store import LimitState
 
 __all__ = ["rate_limit_headers", "ratelimit_fields", "reset_duration"]
 
@@ -84,6 +86,20 @@ def _seconds(ms: int) -> int:
     return -(-max(0, ms) // 1000)
 
 
+def own_key_limits(decision: Decision) -> Iterator[tuple[LimitState, Limit]]:
+    """The spend limits of ``decision``'s own API key, with their states: what a key's holder
+    is told about (never its team's, a balance or another key's)."""
+    api_key = decision.identity.api_key
+    for state in decision.limits:
+        target = state.check.target
+        if (
+            isinstance(target, Limit)
+            and target.subject.kind is SubjectKind.API_KEY
+            and target.subject.api_key == api_key
+        ):
+            yield state, target
+
+
 def ratelimit_fields(decision: Decision | None) -> list[tuple[bytes, bytes]]:
     """``RateLimit-Policy`` and ``RateLimit`` for the caller's own API key: its spend limits
     (``key-usd-day``, ``key-usd-month``, in micro-USD), its RPM, TPM and parallel cap
@@ -93,16 +109,8 @@ def ratelimit_fields(decision: Decision | None) -> list[tuple[bytes, bytes]]:
         return []
     policies: list[str] = []
     states: list[str] = []
-    api_key = decision.identity.api_key
     now_ms = to_millis(decision.t0)
-    for state in decision.limits:
-        target = state.check.target
-        if (
-            not isinstance(target, Limit)
-            or target.subject.kind is not SubjectKind.API_KEY
-            or target.subject.api_key != api_key
-        ):
-            continue
+    for state, target in own_key_limits(decision):
         name = f'"key-usd-{target.window.value}"'
         start, end = target.window.start(decision.t0), target.window.end(decision.t0)
         length = int((end - start).total_seconds())

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Final
 
 from ..engine.decision import Decision
-from ..limits import Limit, SubjectKind
-from .ratelimit import ratelimit_fields
+from ..limits import Limit
+from .ratelimit import own_key_limits, ratelimit_fields
 
 __all__ = ["OwnHeaders", "own_headers", "remaining_headers"]
 
@@ -48,15 +48,7 @@ _PREFIX: Final = "x-spendguard-"
 def remaining_headers(decision: Decision) -> list[tuple[bytes, bytes]]:
     """The remaining-spend headers of ``decision``'s identity's own key limits."""
     headers: list[tuple[bytes, bytes]] = []
-    api_key = decision.identity.api_key
-    for state in decision.limits:
-        target = state.check.target
-        if (
-            not isinstance(target, Limit)
-            or target.subject.kind is not SubjectKind.API_KEY
-            or target.subject.api_key != api_key
-        ):
-            continue
+    for state, target in own_key_limits(decision):
         names = _NAMES.get(target.window)
         if names is None:
             w = target.window.value

@@ -58,8 +58,8 @@ class Admitted:
     admission: Admission
     budget: BudgetAdmission | None = None
     lease: Lease | None = None
-    # The output cap per completion the request was fitted to (a hard limit refused it as
-    # sent): the body the provider gets must say so. None: admitted as sent.
+    # The output cap per completion the request was fitted to (a hard limit or a budget
+    # refused it as sent): the body the provider gets must say so. None: admitted as sent.
     fitted: int | None = None
 
 
@@ -133,10 +133,11 @@ class Round:
         """One inference's admission round: :class:`Admitted`, :class:`Refused`, or the spend
         limits' :class:`Admission` when nothing was checked (passed through unobserved).
 
-        A hard limit's refusal that a smaller output cap would pass (fitting on) gives back
-        what the round took and is asked again, once, with that cap, if ``fit(cap)`` says the
-        request can still be changed to it (the caller rewrites its body): admitted, the
-        answer says what it was fitted to."""
+        A refusal that a smaller output cap would pass (fitting on: every part that refused,
+        a hard spend limit or a budget, says how small) gives back what the round took and is
+        asked again, once, with that cap, if ``fit(cap)`` says the request can still be
+        changed to it (the caller rewrites its body): admitted, the answer says what it was
+        fitted to."""
         outcome = await self._round(identity, request, route, dialect, t0, inference_id)
         if not isinstance(outcome, Refused):
             return outcome
