@@ -21,7 +21,7 @@ from typing import Final
 from ..clock import to_millis
 from ..engine.decision import Decision
 from ..limits.model import Limit, SubjectKind
-from ..limits.rates import RateKind
+from ..limits.rates import POLICY_FIELD, STATE_FIELD, TOKENS_UNIT, USD_UNIT, RateKind
 from ..store import LimitState
 
 __all__ = ["rate_limit_headers", "ratelimit_fields", "reset_duration"]
@@ -68,13 +68,6 @@ def reset_duration(ms: int) -> str:
 # RateLimit-Policy and RateLimit as draft-ietf-httpapi-ratelimit-headers-11 (May 2026) defines
 # them: Structured Field lists of String items, the policy's name, with parameters (q: quota,
 # qu: quota unit, w: window in seconds; r: what is left, t: seconds in which it is).
-POLICY_FIELD: Final = b"ratelimit-policy"
-STATE_FIELD: Final = b"ratelimit"
-# The draft registers "requests" (the default unit), "content-bytes" and "concurrent-requests".
-# Tokens and money have no registered unit: their names carry spendguard's prefix, as the draft
-# asks of implementation-specific values, so no client mistakes them for requests.
-TOKENS_UNIT: Final = "spendguard-tokens"
-USD_UNIT: Final = "spendguard-usd-micros"
 _SF_INTEGER_MAX: Final = 999_999_999_999_999  # a Structured Field Integer has 15 digits
 
 

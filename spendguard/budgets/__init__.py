@@ -59,6 +59,7 @@ def gate_for(guard: SpendGuard) -> BudgetGate | None:
         owned=owned,
         override_timeout=settings.db_timeout,
         fit_min=settings.fit_min_output_tokens,
+        ratelimit_fields=settings.ratelimit_headers,
     )
 
 

@@ -41,6 +41,7 @@ from ..identity import Identity, encode_id
 from ..ledger import BudgetOverride, Ledger
 from ..limits.kinds import KINDS
 from ..limits.model import BudgetLimit, SubjectKind, Unit
+from ..limits.rates import POLICY_FIELD, STATE_FIELD, TOKENS_UNIT
 from ..limits.windows import SLICES, Rolling
 from ..record import InferenceRecord
 from ..store import MemoryStore, Store
@@ -229,6 +230,8 @@ class BudgetGate:
         # Fit instead of refuse: the least output cap a refused request may be fitted to
         # (None: off; the spend limits' setting, so the two agree).
         self.fit_min: int | None = None
+        # The IETF RateLimit fields for the key's own token budget (the guard's setting).
+        self.ratelimit_fields = False
         self._warned_no_redis = False
         # Told of every bucket whose commit fired a threshold alert (the guard's alerts).
         self.on_alert: Callable[[Store, Bucket], None] | None = None
@@ -466,6 +469,9 @@ class BudgetGate:
             return self._deny(admission, denied, request, estimate)
         if planned.default_key:
             admission.headers = _key_headers(calls[0], answers[0], hold.now_ms)
+        if self.ratelimit_fields and calls[0].bucket.kind is SubjectKind.API_KEY:
+            fields = _key_fields(calls[0], answers[0], hold.now_ms)
+            admission.headers = (*admission.headers, *fields)
         return admission
 
     async def _reserve(
@@ -871,6 +877,28 @@ def _key_headers(
     )
 
 
+def _key_fields(
+    call: BucketCheck, answer: Reserved, now_ms: int
+) -> tuple[tuple[bytes, bytes], ...]:
+    """The IETF ``RateLimit-Policy`` / ``RateLimit`` items of the key's own token budget, one
+    per window with a token limit (``key-tokens-<window>``): sent as fields of their own,
+    beside the spend limits' (a Structured Field list may be split over several lines)."""
+    policies: list[str] = []
+    states: list[str] = []
+    for check, used in zip(call.checks, answer.used_tokens, strict=True):
+        limit = check.limit.tokens
+        if limit is None:
+            continue
+        window = check.window
+        name = f'"key-tokens-{window.id}"'
+        policies.append(f'{name};q={limit};qu="{TOKENS_UNIT}";w={window.seconds}')
+        left = -(-max(0, window.reset_ms(now_ms) - now_ms) // 1000)
+        states.append(f"{name};r={max(0, limit - used)};t={left}")
+    if not policies:
+        return ()
+    return ((POLICY_FIELD, ", ".join(policies).encode()), (STATE_FIELD, ", ".join(states).encode()))
+
+
 def make_gate(
     source: BudgetsSource,
     prices: PriceTable,
@@ -886,6 +914,7 @@ def make_gate(
     owned: bool = False,
     override_timeout: float = 5.0,
     fit_min: int | None = None,
+    ratelimit_fields: bool = False,
 ) -> BudgetGate:
     """A gate on the gateway's store: its Redis (shared by every replica, the calls leaving
     in the same pipeline writes as the spend limits') when it is one, used whenever the
@@ -914,4 +943,5 @@ def make_gate(
         output=output,
     )
     gate.fit_min = fit_min
+    gate.ratelimit_fields = ratelimit_fields
     return gate

@@ -208,3 +208,14 @@ class RateDenial:
             return 1  # a slot frees when a request ends
         wait = self.state.wait_ms(self.kind, self.cost)
         return None if wait is None else max(1, -(-wait // 1000))
+
+
+# The IETF rate-limit fields (draft-ietf-httpapi-ratelimit-headers-11): their names, and the
+# quota units spendguard gives them.
+POLICY_FIELD: Final = b"ratelimit-policy"
+STATE_FIELD: Final = b"ratelimit"
+# The draft registers "requests" (the default unit), "content-bytes" and "concurrent-requests".
+# Tokens and money have no registered unit: their names carry spendguard's prefix, as the draft
+# asks of implementation-specific values, so no client mistakes them for requests.
+TOKENS_UNIT: Final = "spendguard-tokens"
+USD_UNIT: Final = "spendguard-usd-micros"

@@ -20,6 +20,8 @@ from spendguard.limits.model import SubjectKind
 from spendguard.limits.rates import Rates, RateState
 from spendguard.store import LimitState
 from tests.support import Gateway
+from tests.support.budgets import BudgetGateway, section
+from tests.support.gateway import chat_body
 
 pytestmark = pytest.mark.anyio
 
@@ -138,3 +140,24 @@ async def test_the_fields_are_off_by_default(tmp_path: Path) -> None:
     assert ok.status_code == 200 and denied.status_code == 429
     for response in (ok, denied):
         assert "ratelimit" not in response.headers and "ratelimit-policy" not in response.headers
+
+
+async def test_the_keys_own_token_budget_is_told_in_fields_of_its_own(tmp_path: Path) -> None:
+    budgets = section(scopes={"per_api_key": {"tokens": 1_000}, "global": {"tokens": 10**6}})
+    gw = BudgetGateway(tmp_path, budgets=budgets, ratelimit_headers=True)
+    async with gw, gw.client() as c:
+        await gw.policy(Period.DAY, 1_000)
+        r = await c.post("/v1/chat/completions", json=chat_body(max_tokens=98))
+    assert r.status_code == 200
+    policies = r.headers.get_list("ratelimit-policy")
+    states = r.headers.get_list("ratelimit")
+    # The spend limit's field and the budget's, one line each (one list split over two).
+    assert policies == [
+        '"key-usd-day";q=1000;qu="spendguard-usd-micros";w=86400',
+        '"key-tokens-hourly";q=1000;qu="spendguard-tokens";w=3600, '
+        '"key-tokens-daily";q=1000;qu="spendguard-tokens";w=86400',
+    ]
+    # Left after this request's hold of 100 tokens; the windows empty a slice after it.
+    assert states[1].startswith('"key-tokens-hourly";r=900;t=')
+    assert '"key-tokens-daily";r=900;t=' in states[1]
+    assert "global" not in r.headers["ratelimit-policy"]  # shared: never told
