@@ -26,7 +26,7 @@ __all__ = [
     "STATE_END_USER",
     "STATE_TAGS",
     "Parties",
-    "end_user_of",
+    "party_of",
     "tags_of",
 ]
 
@@ -56,7 +56,7 @@ def _checked(value: object, what: str) -> str | None:
     return value
 
 
-def end_user_of(
+def party_of(
     sources: Sequence[str],
     state: Mapping[str, Any],
     headers: Sequence[tuple[bytes, bytes]],
@@ -65,7 +65,7 @@ def end_user_of(
     key: str = STATE_END_USER,
     what: str = "end user",
 ) -> str | None:
-    """The end user of a request (or, with ``key`` and ``what``, another party given the same
+    """A request's end user (or, with ``key`` and ``what``, another party named the same
     way: its customer): the first source that names one; None when none does. BadRequest
     for a value that can't be one (not text, too long)."""
     for source in sources:
@@ -139,8 +139,8 @@ class Parties:
         if self._body:
             loaded = json.loads(body)  # parse_request accepted it: a JSON object
             parsed = loaded if isinstance(loaded, dict) else None
-        request.end_user = end_user_of(self._end_user, state, headers, parsed)
+        request.end_user = party_of(self._end_user, state, headers, parsed)
         request.tags = tags_of(self._tags, state, headers)
-        request.customer = end_user_of(
+        request.customer = party_of(
             self._customer, state, headers, None, key=STATE_CUSTOMER, what="customer"
         )

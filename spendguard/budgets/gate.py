@@ -210,6 +210,8 @@ class BudgetGate:
         ensure_connected: EnsureConnected | None = None,
         clock: Callable[[], datetime] = utcnow,
         output: OutputReservation = DEFAULT_RESERVATION,
+        fit_min: int | None = None,
+        ratelimit_fields: bool = False,
     ) -> None:
         self.source = source
         self.output = output  # the spend limits' own rule (the guard's), so the two agree
@@ -229,9 +231,9 @@ class BudgetGate:
         self.clock = clock
         # Fit instead of refuse: the least output cap a refused request may be fitted to
         # (None: off; the spend limits' setting, so the two agree).
-        self.fit_min: int | None = None
+        self.fit_min = fit_min
         # The IETF RateLimit fields for the key's own token budget (the guard's setting).
-        self.ratelimit_fields = False
+        self.ratelimit_fields = ratelimit_fields
         self._warned_no_redis = False
         # Told of every bucket whose commit fired a threshold alert (the guard's alerts).
         self.on_alert: Callable[[Store, Bucket], None] | None = None
@@ -929,7 +931,7 @@ def make_gate(
         if ledger is not None
         else None
     )
-    gate = BudgetGate(
+    return BudgetGate(
         source,
         prices,
         redis_store=store if store is not None and store.shared else None,
@@ -941,7 +943,6 @@ def make_gate(
         ensure_connected=ensure_connected,
         clock=clock,
         output=output,
+        fit_min=fit_min,
+        ratelimit_fields=ratelimit_fields,
     )
-    gate.fit_min = fit_min
-    gate.ratelimit_fields = ratelimit_fields
-    return gate

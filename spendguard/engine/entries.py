@@ -109,12 +109,15 @@ def _parties(end_user: str | None, tags: tuple[str, ...], customer: str | None) 
 
 def _parties_of(fields: list[object]) -> tuple[str | None, tuple[str, ...], str | None]:
     end_user, tags, customer = fields
-    for value in (end_user, customer):
-        if value is not None and not isinstance(value, str):
-            raise TypeError("an entry's end user and customer are text")
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise TypeError("an entry's tags are a list of text")
-    return end_user, tuple(str(t) for t in tags), customer  # type: ignore[return-value]
+    return _text_or_none(end_user), tuple(str(t) for t in tags), _text_or_none(customer)
+
+
+def _text_or_none(value: object) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError("an entry's end user and customer are text")
+    return value
 
 
 def closed_entry(owner: str, record: InferenceRecord, t0_us: int) -> str:

@@ -4,14 +4,12 @@ inside the app until all 200 have been answered or admitted, so no hold is repla
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import anyio
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from tests.support import RedisCluster
 from tests.support.budgets import BudgetGateway, section
 from tests.support.gateway import chat_body, upstream
 
@@ -20,18 +18,6 @@ pytestmark = pytest.mark.anyio
 K = 7
 EST = 100  # max_tokens=98 + the 2-token prompt
 N = 200
-
-
-@pytest.fixture(params=["memory", "redis", "cluster"])
-def storage(request: pytest.FixtureRequest) -> dict[str, object]:
-    if request.param == "memory":
-        return {}
-    if request.param == "redis":
-        url: str = request.getfixturevalue("redis_url")
-    else:
-        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
-        url = cluster.url
-    return {"redis_url": url, "key_prefix": f"c{uuid.uuid4().hex[:8]}", "redis_timeout": 2.0}
 
 
 async def test_concurrent_requests_never_overrun_a_key_budget(

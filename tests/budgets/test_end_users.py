@@ -22,7 +22,6 @@ from spendguard.engine.entries import closed_entry, open_entry, recovered_record
 from spendguard.identity import Identity
 from spendguard.ledger.schema import records
 from spendguard.limits import Period
-from tests.support import RedisCluster
 from tests.support.budgets import BudgetGateway, section
 from tests.support.gateway import chat_body, upstream
 from tests.support.records import make_record
@@ -32,18 +31,6 @@ pytestmark = pytest.mark.anyio
 
 EST = 100  # max_tokens=98 + the 2-token prompt: one request's admission estimate
 USERS, EACH = 50, 4  # 200 requests at once: four from each of 50 never-seen end users
-
-
-@pytest.fixture(params=["memory", "redis", "cluster"])
-def storage(request: pytest.FixtureRequest) -> dict[str, object]:
-    if request.param == "memory":
-        return {}
-    if request.param == "redis":
-        url: str = request.getfixturevalue("redis_url")
-    else:
-        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
-        url = cluster.url
-    return {"redis_url": url, "key_prefix": f"e{uuid.uuid4().hex[:8]}", "redis_timeout": 2.0}
 
 
 async def test_never_seen_end_users_each_get_the_default_from_their_first_request(

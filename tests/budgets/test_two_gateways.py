@@ -106,8 +106,11 @@ def held(env: dict[str, str]) -> bool:
     return any(c["scope"] == "per_api_key" and c["tokens"] >= 90 for c in counters)
 
 
-@pytest.mark.timeout(120)
-def test_a_hold_left_by_a_killed_gateway_expires(env: dict[str, str], tmp_path: Path) -> None:
+@contextlib.contextmanager
+def killed_with_a_hold(env: dict[str, str], tmp_path: Path) -> Iterator[tuple[str, float]]:
+    """Two gateway processes; a request whose provider never answers reserves through the
+    first, which is then SIGKILLed. Yields the survivor's base URL and when the hold was
+    seen in place."""
     port, log = free_port(), tmp_path / "doomed.log"
     doomed = uvicorn("examples.gateway:app", port, env, log)
     survivor_port, survivor_log = free_port(), tmp_path / "survivor.log"
@@ -130,13 +133,19 @@ def test_a_hold_left_by_a_killed_gateway_expires(env: dict[str, str], tmp_path: 
         held_at = time.monotonic()
         doomed.kill()
         doomed.wait(10)
+        yield other, held_at
+    finally:
+        stop([doomed, survivor], timeout=20)
+
+
+@pytest.mark.timeout(120)
+def test_a_hold_left_by_a_killed_gateway_expires(env: dict[str, str], tmp_path: Path) -> None:
+    with killed_with_a_hold(env, tmp_path) as (other, held_at):
         assert post(other) == 429  # the dead gateway's hold still counts ...
         while post(other) == 429:  # ... until it expires (hold_seconds: 10)
             assert time.monotonic() - held_at < 15, "the hold never expired"
             time.sleep(0.25)
         assert time.monotonic() - held_at >= 5  # expired by its time, not by the kill
-    finally:
-        stop([doomed, survivor], timeout=20)
 
 
 async def _bucket_and_records(env: dict[str, str]) -> tuple[int, int, int]:
@@ -165,27 +174,7 @@ def test_a_killed_gateways_hold_becomes_its_recovered_charge(
     bucket once, and the budget stays spent instead of coming back when the hold would have
     expired (the hold is gone: nothing is left to expire)."""
     env = {**env, "SPENDGUARD_OWNER_TTL": "2", "SPENDGUARD_SETTLE_INTERVAL": "0.5"}
-    port, log = free_port(), tmp_path / "doomed.log"
-    doomed = uvicorn("examples.gateway:app", port, env, log)
-    survivor_port, survivor_log = free_port(), tmp_path / "survivor.log"
-    survivor = uvicorn("examples.gateway:app", survivor_port, env, survivor_log)
-    try:
-        base, other = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{survivor_port}"
-        wait_healthy(base, doomed, log)
-        wait_healthy(other, survivor, survivor_log)
-
-        def stalled() -> None:
-            headers = {**ALPHA, "x-fake-stall-after": "0"}
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.post(f"{base}/v1/chat/completions", json=BODY, headers=headers, timeout=30)
-
-        threading.Thread(target=stalled, daemon=True).start()
-        deadline = time.monotonic() + 20
-        while not held(env):
-            assert time.monotonic() < deadline, "the stalled request never reserved"
-            time.sleep(0.05)
-        doomed.kill()
-        doomed.wait(10)
+    with killed_with_a_hold(env, tmp_path) as (other, _):
         deadline = time.monotonic() + 8  # within the hold's 10 s
         while (state := anyio.run(_bucket_and_records, env))[2] == 0 or state[0] != 0:
             assert time.monotonic() < deadline, f"never recovered: {state}"
@@ -195,5 +184,3 @@ def test_a_killed_gateways_hold_becomes_its_recovered_charge(
         # The hold is gone and its charge counted in the window: nothing is left to expire
         # and give the budget back, and the next request does not fit what is left.
         assert post(other) == 429
-    finally:
-        stop([doomed, survivor], timeout=20)

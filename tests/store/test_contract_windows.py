@@ -304,9 +304,10 @@ async def test_a_commit_held_only_counts_where_the_hold_still_is_and_only_once(
     h = hold(T0, 300, id="0190f0aa00000000000000000000abcd")
     assert all(a.ok for a in await store.reserve_buckets([held, committed], h))
     await commit(store, committed, h, 40)  # the gateway's own commit reached this bucket
-    for _ in range(2):  # the same admission recovered twice
+
+    async def recover(calls: list[BucketCheck]) -> None:
         await store.commit_buckets(
-            [held, committed],
+            calls,
             h.id,
             now_ms=T0 + MINUTE,
             at_ms=T0,
@@ -315,21 +316,15 @@ async def test_a_commit_held_only_counts_where_the_hold_still_is_and_only_once(
             ttl_ms=h.ttl_ms,
             held_only=True,
         )
+
+    for _ in range(2):  # the same admission recovered twice
+        await recover([held, committed])
     key_usage = await store.inspect_bucket(held, T0 + MINUTE)
     model_usage = await store.inspect_bucket(committed, T0 + MINUTE)
     assert (key_usage.held_tokens, key_usage.windows[0].tokens) == (0, 25)
     assert (model_usage.held_tokens, model_usage.windows[0].tokens) == (0, 40)
     # A bucket that never held it counts nothing either.
-    await store.commit_buckets(
-        [tokens(1000, HOUR, bucket=FLEET)],
-        h.id,
-        now_ms=T0 + MINUTE,
-        at_ms=T0,
-        tokens=25,
-        cost=0,
-        ttl_ms=h.ttl_ms,
-        held_only=True,
-    )
+    await recover([tokens(1000, HOUR, bucket=FLEET)])
     fleet = await store.inspect_bucket(tokens(1000, HOUR, bucket=FLEET), T0 + MINUTE)
     assert fleet.windows[0].tokens == 0
 
