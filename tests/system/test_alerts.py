@@ -128,7 +128,7 @@ def _alert_lines(tmp_path: Path) -> str:
         f"{log.name}: {line}"
         for log in sorted(tmp_path.glob("gw*.log"))
         for line in log.read_text(errors="replace").splitlines()
-        if "alert" in line or "Redis" in line or "timed out" in line.lower()
+        if any(w in line for w in ("alert", "used", "Redis", "spendguard")) or "timed out" in line
     )
 
 
