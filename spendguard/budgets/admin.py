@@ -34,7 +34,8 @@ class Counter:
     window: str
     tokens: int  # committed in the window, plus live holds
     cost_micros: int
-    limit: BudgetLimit
+    limit: BudgetLimit  # the amounts of this window
+    requests: int = 0  # admitted in the window, plus live holds
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -43,6 +44,7 @@ class Counter:
             "window": self.window,
             "tokens": self.tokens,
             "cost_micro_usd": self.cost_micros,
+            "requests": self.requests,
             "limit": self.limit.as_json(),
         }
 
@@ -117,7 +119,11 @@ class BudgetAdmin:
             limit = config.global_
         if limit is None:
             return ()
-        return tuple(WindowCheck(w, limit) for w in config.windows)
+        return tuple(
+            WindowCheck(w, own)
+            for w in config.windows
+            if (own := limit.in_window(w.id)) is not None
+        )
 
     async def _override_of(self, bucket: Bucket) -> BudgetOverride | None:
         if self.ledger is None:
@@ -149,6 +155,7 @@ class BudgetAdmin:
                         row.tokens + usage.held_tokens,
                         row.cost + usage.held_cost,
                         check.limit,
+                        row.requests + usage.held_requests,
                     )
                 )
         storage = "redis" if self.store.shared else "memory"

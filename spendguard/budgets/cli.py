@@ -93,7 +93,7 @@ async def _dispatch(args: argparse.Namespace, admin: BudgetAdmin, store: Store |
         lines = [f"budgets: {'enabled' if report.config.enabled else 'disabled'}"]
         lines += [
             f"  {c.scope.value:<12} {c.subject or '-':<30} {c.window:<10} "
-            f"tokens {c.tokens} cost_micro_usd {c.cost_micros}"
+            f"tokens {c.tokens} cost_micro_usd {c.cost_micros} requests {c.requests}"
             for c in report.counters
         ]
         print(json.dumps(data, indent=2) if args.json else "\n".join(lines))

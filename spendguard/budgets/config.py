@@ -240,34 +240,63 @@ def _alert_at(value: object, where: str, problems: _Problems) -> tuple[int, ...]
 
 
 def _limit(
-    value: object, where: str, problems: _Problems, alert_at: tuple[int, ...] = ()
+    value: object,
+    where: str,
+    problems: _Problems,
+    alert_at: tuple[int, ...] = (),
+    window_ids: frozenset[str] | None = None,
 ) -> BudgetLimit | None:
-    """A scope's limit; ``alert_at``: the section's thresholds, for a limit without its own."""
+    """A scope's limit; ``alert_at``: the section's thresholds, for a limit without its own.
+    ``window_ids``: the section's windows, which ``windows:`` may give amounts of their own
+    (None: a window's own amounts, which can't nest)."""
     if value is None:
         return None
-    data = _keys(value, where, {"tokens", "cost_usd", "alert_at"}, problems)
+    known = {"tokens", "cost_usd", "requests", "alert_at"}
+    data = _keys(value, where, known if window_ids is None else known | {"windows"}, problems)
     if data is None:
         return None
     own = _alert_at(data.get("alert_at"), f"{where}.alert_at", problems)
-    tokens = cost = None
-    raw_tokens = data.get("tokens")
-    if raw_tokens is not None:
-        if type(raw_tokens) is not int:
-            problems.add(f"{where}.tokens", f"must be a whole number, got {raw_tokens!r}")
-        elif raw_tokens <= 0:
-            problems.add(f"{where}.tokens", f"must be greater than 0, got {raw_tokens}")
-        elif raw_tokens > MAX_TOKENS:
-            problems.add(f"{where}.tokens", f"must be at most {MAX_TOKENS}")
-        else:
-            tokens = raw_tokens
+    alerts = alert_at if own is None else own
+    tokens = _count(data.get("tokens"), f"{where}.tokens", problems)
+    requests = _count(data.get("requests"), f"{where}.requests", problems)
     raw_cost = data.get("cost_usd")
-    if raw_cost is not None:
-        cost = _cost(raw_cost, f"{where}.cost_usd", problems)
-    if tokens is None and cost is None:
-        if "tokens" not in data and "cost_usd" not in data:
-            problems.add(where, "set tokens, cost_usd or both")
+    cost = None if raw_cost is None else _cost(raw_cost, f"{where}.cost_usd", problems)
+    by_window: list[tuple[str, BudgetLimit]] = []
+    raw_windows = data.get("windows")
+    if raw_windows is not None and window_ids is not None:
+        if not isinstance(raw_windows, Mapping) or not raw_windows:
+            problems.add(f"{where}.windows", "must map window ids to their own amounts")
+        else:
+            for wid, raw in raw_windows.items():
+                inner = f"{where}.windows.{wid}"
+                if wid not in window_ids:
+                    problems.add(inner, f"no such window (known: {', '.join(sorted(window_ids))})")
+                    continue
+                limit = _limit(raw, inner, problems, alerts)
+                if limit is None and raw is None:
+                    problems.add(inner, "set tokens, cost_usd, requests or any of them")
+                if limit is not None:
+                    by_window.append((str(wid), limit))
+    if tokens is None and cost is None and requests is None and not by_window:
+        if not ({"tokens", "cost_usd", "requests", "windows"} & set(data)):
+            problems.add(where, "set tokens, cost_usd, requests or any of them")
         return None
-    return BudgetLimit(tokens, cost, alert_at if own is None else own)
+    return BudgetLimit(tokens, cost, alerts, requests, tuple(by_window))
+
+
+def _count(value: object, where: str, problems: _Problems) -> int | None:
+    """A whole number of tokens or requests (None: not given)."""
+    if value is None:
+        return None
+    if type(value) is not int:
+        problems.add(where, f"must be a whole number, got {value!r}")
+    elif value <= 0:
+        problems.add(where, f"must be greater than 0, got {value}")
+    elif value > MAX_TOKENS:
+        problems.add(where, f"must be at most {MAX_TOKENS}")
+    else:
+        return value
+    return None
 
 
 def _cost(value: object, where: str, problems: _Problems) -> int | None:
@@ -334,7 +363,11 @@ def _windows(value: object, problems: _Problems) -> tuple[Rolling, ...]:
 
 
 def _models(
-    value: object, problems: _Problems, alert_at: tuple[int, ...] = (), scope: str = "per_model"
+    value: object,
+    problems: _Problems,
+    alert_at: tuple[int, ...] = (),
+    scope: str = "per_model",
+    window_ids: frozenset[str] = frozenset(),
 ) -> dict[str, BudgetLimit]:
     """A scope that maps names (models, tags) to limits."""
     what = {"per_model": "model", "per_tag": "tag"}.get(scope, "customer")
@@ -353,9 +386,9 @@ def _models(
             continue
         where = f"budgets.scopes.{scope}.{name}"
         if raw is None:
-            problems.add(where, "set tokens, cost_usd or both")
+            problems.add(where, "set tokens, cost_usd, requests or any of them")
             continue
-        limit = _limit(raw, where, problems, alert_at)
+        limit = _limit(raw, where, problems, alert_at, window_ids)
         if limit is not None:
             out[name] = limit
     return out
@@ -406,18 +439,22 @@ def parse_budgets(document: object) -> BudgetsConfig:
     if scopes is not None:
         scope_data = _keys(scopes, "budgets.scopes", {s.value for s in Scope}, problems)
         if scope_data is not None:
-            per_key = _limit(
-                scope_data.get("per_api_key"), "budgets.scopes.per_api_key", problems, alert_at
+            ids = frozenset(w.id for w in windows)
+
+            def scope_limit(name: str) -> BudgetLimit | None:
+                where = f"budgets.scopes.{name}"
+                return _limit(scope_data.get(name), where, problems, alert_at, ids)
+
+            def named(name: str) -> dict[str, BudgetLimit]:
+                return _models(scope_data.get(name), problems, alert_at, name, ids)
+
+            per_key, global_, per_end_user = (
+                scope_limit("per_api_key"),
+                scope_limit("global"),
+                scope_limit("per_end_user"),
             )
-            model_limits = _models(scope_data.get("per_model"), problems, alert_at)
-            global_ = _limit(scope_data.get("global"), "budgets.scopes.global", problems, alert_at)
-            per_end_user = _limit(
-                scope_data.get("per_end_user"), "budgets.scopes.per_end_user", problems, alert_at
-            )
-            tag_limits = _models(scope_data.get("per_tag"), problems, alert_at, "per_tag")
-            customer_limits = _models(
-                scope_data.get("per_customer"), problems, alert_at, "per_customer"
-            )
+            model_limits, tag_limits = named("per_model"), named("per_tag")
+            customer_limits = named("per_customer")
     config = BudgetsConfig(
         enabled=enabled,
         storage=storage,

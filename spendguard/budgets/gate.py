@@ -45,7 +45,15 @@ from ..limits.rates import POLICY_FIELD, STATE_FIELD, TOKENS_UNIT
 from ..limits.windows import SLICES, Rolling
 from ..record import InferenceRecord
 from ..store import MemoryStore, Store
-from ..store.rolling import Bucket, BucketCheck, Hold, Reserved, WindowCheck, bucket_marks
+from ..store.rolling import (
+    Bucket,
+    BucketCheck,
+    Hold,
+    Reserved,
+    SeedSlice,
+    WindowCheck,
+    bucket_marks,
+)
 from ..usage import Usage
 from .config import BudgetsConfig, Scope, Storage, parse_period
 from .overrides import OverrideCache
@@ -68,7 +76,7 @@ _SCOPE_RANK = {
 _SCOPES = {scope.kind: scope for scope in Scope}  # a bucket's subject kind -> the YAML's name
 OUTAGE_RETRY_AFTER = KINDS["budget"].outage_retry_after
 # The budgets' names of the units, in 429 details and metric labels (as docs/budgets.md states).
-UNIT_NAMES: Final = {Unit.TOKENS: "tokens", Unit.USD: "cost_micro_usd"}
+UNIT_NAMES: Final = {Unit.TOKENS: "tokens", Unit.USD: "cost_micro_usd", Unit.REQUESTS: "requests"}
 _MAX_PLANS = 10_000  # budget plans kept per gate; beyond, start over
 
 EnsureConnected = Callable[[], Awaitable[None]]
@@ -112,7 +120,7 @@ class Denial:
             "window": self.window,
             "unit": UNIT_NAMES[self.unit],
         }
-        tokens = self.unit is Unit.TOKENS
+        tokens = self.unit is not Unit.USD  # a count of tokens or requests
         out["limit" if tokens else "limit_micro_usd"] = self.limit
         if self.model is not None:
             out["model"] = self.model
@@ -134,7 +142,7 @@ class Denial:
             Scope.PER_MODEL: f"Model {self.model!r}",
             Scope.GLOBAL: "Global",
         }[self.scope]
-        unit = "token" if self.unit is Unit.TOKENS else "cost"
+        unit = {Unit.TOKENS: "token", Unit.REQUESTS: "request"}.get(self.unit, "cost")
         if self.reserved is not None:
             limit = f"{self.limit:,} tokens" if self.unit is Unit.TOKENS else usd(self.limit)
             return (
@@ -277,16 +285,14 @@ class BudgetGate:
                 limit = BudgetLimit(tokens=override.max_tokens, alert_at=config.alert_at)
                 calls.append(BucketCheck(subject, (WindowCheck(window, limit),)))
             elif config.per_api_key is not None:
-                checks = tuple(WindowCheck(w, config.per_api_key) for w in config.windows)
-                calls.append(BucketCheck(subject, checks))
-                default_key = True
+                calls += _checked(subject, config.per_api_key, config.windows)
+                default_key = bool(calls)
         model_limit = config.per_model.get(model)
         if model_limit is not None:
-            checks = tuple(WindowCheck(w, model_limit) for w in config.windows)
-            calls.append(BucketCheck(Bucket(SubjectKind.MODEL, encode_id(model)), checks))
+            model_bucket = Bucket(SubjectKind.MODEL, encode_id(model))
+            calls += _checked(model_bucket, model_limit, config.windows)
         if config.global_ is not None:
-            checks = tuple(WindowCheck(w, config.global_) for w in config.windows)
-            calls.append(BucketCheck(Bucket(SubjectKind.FLEET, ""), checks))
+            calls += _checked(Bucket(SubjectKind.FLEET, ""), config.global_, config.windows)
         return tuple(calls), default_key
 
     # -- admission --------------------------------------------------------------------------
@@ -403,20 +409,17 @@ class BudgetGate:
         bucket."""
         config = planned.config
         extra: list[BucketCheck] = []
+        windows = config.windows
         if end_user is not None and config.per_end_user is not None:
             subject = f"{identity.team}:{encode_id(end_user)}"
-            checks = tuple(WindowCheck(w, config.per_end_user) for w in config.windows)
-            extra.append(BucketCheck(Bucket(SubjectKind.END_USER, subject), checks))
+            extra += _checked(Bucket(SubjectKind.END_USER, subject), config.per_end_user, windows)
         for tag in tags:
             limit = config.tag_limit(tag)
             if limit is not None:
-                checks = tuple(WindowCheck(w, limit) for w in config.windows)
-                extra.append(BucketCheck(Bucket(SubjectKind.TAG, encode_id(tag)), checks))
+                extra += _checked(Bucket(SubjectKind.TAG, encode_id(tag)), limit, windows)
         limit = None if customer is None else config.customer_limit(customer)
         if customer is not None and limit is not None:
-            checks = tuple(WindowCheck(w, limit) for w in config.windows)
-            bucket = Bucket(SubjectKind.CUSTOMER, encode_id(customer))
-            extra.append(BucketCheck(bucket, checks))
+            extra += _checked(Bucket(SubjectKind.CUSTOMER, encode_id(customer)), limit, windows)
         if not extra:
             return planned
         calls = (*planned.calls, *extra)
@@ -516,8 +519,9 @@ class BudgetGate:
 
     async def _used_slices(
         self, call: BucketCheck, model: str, now_ms: int
-    ) -> list[list[tuple[int, int, int]]]:
-        """Per window, the (slice, tokens, cost) its bucket counted, from the records."""
+    ) -> list[list[SeedSlice]]:
+        """Per window, the (slice, tokens, cost, requests) its bucket counted, from the
+        records."""
         if self.ledger is None:
             return [[] for _ in call.windows]
         if self._ensure_connected is not None:
@@ -547,10 +551,11 @@ class BudgetGate:
                 tokens = u.total_tokens
                 price = self.prices.lookup(row.model)
                 cost = 0 if price is None else int(price.cost(u))
-                entry = merged.setdefault(row.start_us // 1000 // slice_ms, [0, 0])
+                entry = merged.setdefault(row.start_us // 1000 // slice_ms, [0, 0, 0])
                 entry[0] += tokens
                 entry[1] += cost
-            out.append([(idx, t, c) for idx, (t, c) in sorted(merged.items())])
+                entry[2] += row.requests
+            out.append([(idx, t, c, r) for idx, (t, c, r) in sorted(merged.items())])
         return out
 
     def _deny(
@@ -573,7 +578,7 @@ class BudgetGate:
             )
             call = admission.calls[i]
             check = call.checks[answer.window]
-            limit = check.limit.tokens if answer.unit is Unit.TOKENS else check.limit.cost_micros
+            limit = amount_of(check.limit, answer.unit)
             assert limit is not None  # a unit is only denied where it has a limit
             scope, window = scope_of(call.bucket), check.window.id
             denial = Denial(
@@ -602,6 +607,8 @@ class BudgetGate:
         least = self.fit_min
         if least is None or request.max_tokens is None:
             return None
+        if any(a.unit is Unit.REQUESTS for a in denied):
+            return None  # a smaller answer is still one more request
         tokens_in, choices = estimate.input_tokens, request.choices
         cap = estimate.output_tokens // choices
         price = self.prices.lookup(request.model)
@@ -678,8 +685,8 @@ class BudgetGate:
         never an admission nobody counts."""
         call = calls[0]
         check = call.checks[0]
-        unit = Unit.TOKENS if check.limit.tokens is not None else Unit.USD
-        limit = check.limit.tokens if unit is Unit.TOKENS else check.limit.cost_micros
+        unit = next(u for u in Unit if amount_of(check.limit, u) is not None)
+        limit = amount_of(check.limit, unit)
         scope = scope_of(call.bucket)
         log.error("budget tracker full: refusing a request it can't count")
         metrics.BUDGET_REJECTIONS.labels(scope.value, check.window.id).inc()
@@ -843,6 +850,25 @@ def _tag_of(bucket: Bucket, request: InferenceRequest) -> str | None:
     if bucket.kind is not SubjectKind.TAG:
         return None
     return next((t for t in request.tags if encode_id(t) == bucket.subject), bucket.subject)
+
+
+def _checked(bucket: Bucket, limit: BudgetLimit, windows: tuple[Rolling, ...]) -> list[BucketCheck]:
+    """``bucket`` checked in every window where ``limit`` has amounts (none: not at all)."""
+    checks = []
+    for window in windows:
+        amounts = limit.in_window(window.id)
+        if amounts is not None:
+            checks.append(WindowCheck(window, amounts))
+    return [BucketCheck(bucket, tuple(checks))] if checks else []
+
+
+def amount_of(limit: BudgetLimit, unit: Unit) -> int | None:
+    """``limit``'s amount in ``unit`` (None: it has none)."""
+    if unit is Unit.TOKENS:
+        return limit.tokens
+    if unit is Unit.USD:
+        return limit.cost_micros
+    return limit.requests if unit is Unit.REQUESTS else None
 
 
 def scope_of(bucket: Bucket) -> Scope:

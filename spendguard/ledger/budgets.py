@@ -33,6 +33,7 @@ class UsedSlice:
     start_us: int
     model: str
     usage: Usage
+    requests: int = 0  # how many records
 
 
 class BudgetQueries(LedgerDatabase):
@@ -108,6 +109,7 @@ class BudgetQueries(LedgerDatabase):
                 sa.func.sum(records.c.output_tokens),
                 sa.func.sum(records.c.cached_input_tokens),
                 sa.func.sum(records.c.cache_write_tokens),
+                sa.func.count(),
             )
             .where(
                 records.c.t0_us >= to_micros(since),
@@ -132,7 +134,9 @@ class BudgetQueries(LedgerDatabase):
         async with self._guard("budget usage read"):
             rows = await self._db.fetch_all(query)
         return [
-            UsedSlice(int(r[0]), str(r[1]), Usage(int(r[2]), int(r[3]), int(r[4]), int(r[5])))
+            UsedSlice(
+                int(r[0]), str(r[1]), Usage(int(r[2]), int(r[3]), int(r[4]), int(r[5])), int(r[6])
+            )
             for r in rows
         ]
 

@@ -80,13 +80,28 @@ class Limit:
 
 @dataclass(frozen=True, slots=True)
 class BudgetLimit:
-    """A budget's amounts over one rolling window: ``tokens``, ``cost_micros`` or both (each
-    > 0); the request must fit under each (a hard limit: its estimate is held)."""
+    """A budget's amounts over each rolling window: ``tokens``, ``cost_micros`` and
+    ``requests``, any of them (each > 0); the request must fit under each (a hard limit: its
+    estimate, and one request, are held). ``by_window`` gives some windows amounts of their
+    own, replacing these there (a requests-per-minute rate beside a daily token quota)."""
 
     tokens: int | None = None
     cost_micros: int | None = None
     # Percentages of each amount that alert, at most once per window length (``()``: none).
     alert_at: tuple[int, ...] = ()
+    requests: int | None = None  # requests admitted (a rolling RPM over a 1m window)
+    by_window: tuple[tuple[str, BudgetLimit], ...] = ()  # (window id, its own amounts)
+
+    @property
+    def has_amount(self) -> bool:
+        return self.tokens is not None or self.cost_micros is not None or self.requests is not None
+
+    def in_window(self, window_id: str) -> BudgetLimit | None:
+        """The amounts that apply in ``window_id``: its own, else these (None: none there)."""
+        for wid, own in self.by_window:
+            if wid == window_id:
+                return own
+        return self if self.has_amount else None
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -94,8 +109,12 @@ class BudgetLimit:
             out["tokens"] = self.tokens
         if self.cost_micros is not None:
             out["cost_usd"] = str(Decimal(self.cost_micros) / 1_000_000)
+        if self.requests is not None:
+            out["requests"] = self.requests
         if self.alert_at:
             out["alert_at"] = list(self.alert_at)
+        if self.by_window:
+            out["windows"] = {wid: own.as_json() for wid, own in self.by_window}
         return out
 
 

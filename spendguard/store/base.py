@@ -38,7 +38,7 @@ from ..limits.capacity import Acquired, ProviderKey, StoredKey
 from ..limits.model import SubjectKind
 from ..limits.rates import RATE_SUBJECTS, RateDenial, RateKind, RateState, parse_state
 from ..limits.windows import Rolling
-from .rolling import Bucket, BucketCheck, BucketUsage, Hold, Reserved
+from .rolling import Bucket, BucketCheck, BucketUsage, Hold, Reserved, SeedSlice
 
 
 class Outcome(StrEnum):
@@ -356,10 +356,10 @@ class Store(Protocol):
         ...
 
     async def seed_bucket(
-        self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
+        self, call: BucketCheck, slices: Sequence[Sequence[SeedSlice]], ttl_ms: int
     ) -> bool:
         """Fill a bucket the store lost with rebuilt usage: per window, (slice index, tokens,
-        cost) triples. False when another process seeded it first (nothing written)."""
+        cost, requests). False when another process seeded it first (nothing written)."""
         ...
 
     async def buckets(self) -> list[Bucket]:

@@ -47,6 +47,7 @@ from .rolling import (
     BucketUsage,
     Hold,
     Reserved,
+    SeedSlice,
     WindowUsage,
     limit_marks,
     retry_ms,
@@ -119,16 +120,17 @@ def _window_key(window: Rolling) -> tuple[str, int]:
 class _Slices:
     tokens: dict[int, int] = field(default_factory=dict)
     cost: dict[int, int] = field(default_factory=dict)
+    requests: dict[int, int] = field(default_factory=dict)
     alerted: dict[str, str] = field(default_factory=dict)  # threshold -> epoch it last fired in
 
     def drop_before(self, lo: int) -> None:
-        for series in (self.tokens, self.cost):
+        for series in (self.tokens, self.cost, self.requests):
             for idx in [i for i in series if i < lo]:
                 del series[idx]
 
-    def current(self, window: Rolling, now_ms: int) -> tuple[int, int]:
+    def current(self, window: Rolling, now_ms: int) -> tuple[int, int, int]:
         self.drop_before(now_ms // window.slice_ms - SLICES + 1)
-        return sum(self.tokens.values()), sum(self.cost.values())
+        return sum(self.tokens.values()), sum(self.cost.values()), sum(self.requests.values())
 
 
 @dataclass(slots=True)
@@ -156,7 +158,9 @@ class _Bucket:
 
     @property
     def empty(self) -> bool:
-        return not self.holds and not any(s.tokens or s.cost for s in self.windows.values())
+        return not self.holds and not any(
+            s.tokens or s.cost or s.requests for s in self.windows.values()
+        )
 
 
 @dataclass(slots=True)
@@ -616,10 +620,11 @@ class MemoryStore:
     def _reserve(self, call: BucketCheck, hold: Hold) -> Reserved:
         state = self._bucket(call.bucket, hold.now_ms)
         held_t, held_c = state.prune(hold.now_ms)
+        held_r = len(state.holds)  # every hold is one request
         used: list[int] = []
         for i, check in enumerate(call.checks):
             slices = state.slices(check.window)
-            tokens, cost = slices.current(check.window, hold.now_ms)
+            tokens, cost, requests = slices.current(check.window, hold.now_ms)
             limit = check.limit
             if limit.tokens is not None and tokens + held_t + hold.tokens > limit.tokens:
                 held = tokens + held_t
@@ -637,6 +642,10 @@ class MemoryStore:
                     slices.cost, check.window, hold.now_ms, held, hold.cost, limit.cost_micros
                 )
                 return self._denied(call, state, hold, i, Unit.USD, wait, (held_t, held_c))
+            if limit.requests is not None and requests + held_r + 1 > limit.requests:
+                held = requests + held_r
+                wait = retry_ms(slices.requests, check.window, hold.now_ms, held, 1, limit.requests)
+                return self._denied(call, state, hold, i, Unit.REQUESTS, wait, (held_t, held_c))
             used.append(tokens + held_t + hold.tokens)
         state.holds[hold.id] = (hold.expires_ms, hold.tokens, hold.cost)
         return Reserved(True, tuple(used))
@@ -655,7 +664,7 @@ class MemoryStore:
         left_t: int | None = None
         left_c: int | None = None
         for check in call.checks:
-            tokens, cost = state.slices(check.window).current(check.window, hold.now_ms)
+            tokens, cost, _ = state.slices(check.window).current(check.window, hold.now_ms)
             limit = check.limit
             if limit.tokens is not None:
                 left = max(0, limit.tokens - tokens - held[0])
@@ -693,6 +702,7 @@ class MemoryStore:
                     slices = state.slices(window)
                     slices.tokens[idx] = slices.tokens.get(idx, 0) + tokens
                     slices.cost[idx] = slices.cost.get(idx, 0) + cost
+                    slices.requests[idx] = slices.requests.get(idx, 0) + 1
                 fired.append(self._bucket_alert(call, state, now_ms))
         except StoreFull as exc:
             return _failed(exc)
@@ -711,9 +721,9 @@ class MemoryStore:
             window = check.window
             epoch = str(now_ms // window.period_ms)
             slices = state.slices(window)
-            tokens, cost = slices.current(window, now_ms)
+            tokens, cost, requests = slices.current(window, now_ms)
             for unit, pct, amount, at in marks:
-                used = tokens if unit == "t" else cost
+                used = tokens if unit == "t" else cost if unit == "c" else requests
                 mark = f"{unit}{pct}:{amount}"
                 if used >= at and slices.alerted.get(mark) != epoch:
                     slices.alerted[mark] = epoch
@@ -731,7 +741,7 @@ class MemoryStore:
         return _ready(None)
 
     async def seed_bucket(
-        self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
+        self, call: BucketCheck, slices: Sequence[Sequence[SeedSlice]], ttl_ms: int
     ) -> bool:
         return False  # never unseeded (see reserve_buckets)
 
@@ -741,9 +751,8 @@ class MemoryStore:
         rows = []
         for window in call.windows:
             slices = state.windows.get(_window_key(window)) or _Slices()
-            tokens, cost = slices.current(window, now_ms)
-            rows.append(WindowUsage(window, tokens, cost))
-        return BucketUsage(call.bucket, held_t, held_c, tuple(rows))
+            rows.append(WindowUsage(window, *slices.current(window, now_ms)))
+        return BucketUsage(call.bucket, held_t, held_c, tuple(rows), len(state.holds))
 
     async def buckets(self) -> list[Bucket]:
         return list(self._buckets)

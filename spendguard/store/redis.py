@@ -56,6 +56,7 @@ from .rolling import (
     BucketUsage,
     Hold,
     Reserved,
+    SeedSlice,
     WindowUsage,
     bucket_marks,
 )
@@ -78,7 +79,8 @@ _SCRIPTS = (
     "bucket_inspect",
     "bucket_seed",
 )
-_BUCKET_UNITS = {1: Unit.TOKENS, 2: Unit.USD}  # bucket_reserve.lua's unit codes
+# bucket_reserve.lua's unit codes
+_BUCKET_UNITS = {1: Unit.TOKENS, 2: Unit.USD, 3: Unit.REQUESTS}
 _BUCKET_KINDS = {tag: kind for kind, tag in BUCKET_TAGS.items()}
 _MAX_BUCKET_WIRES = 10_000
 # pool_acquire.lua's answer codes.
@@ -479,6 +481,7 @@ class RedisStore:
                 str(check.window.slice_ms),
                 _opt(lim.tokens),
                 _opt(lim.cost_micros),
+                _opt(lim.requests),
             ]
         keys = self.bucket_keys(call.bucket, call.windows)
         slices = [str(w.slice_ms) for w in call.windows]
@@ -580,13 +583,13 @@ class RedisStore:
         )
 
     async def seed_bucket(
-        self, call: BucketCheck, slices: Sequence[Sequence[tuple[int, int, int]]], ttl_ms: int
+        self, call: BucketCheck, slices: Sequence[Sequence[SeedSlice]], ttl_ms: int
     ) -> bool:
         args = [str(ttl_ms)]
         for rows in slices:
             args.append(str(len(rows)))
-            for idx, tokens, cost in rows:
-                args += [str(idx), str(tokens), str(cost)]
+            for idx, tokens, cost, requests in rows:
+                args += [str(idx), str(tokens), str(cost), str(requests)]
         # Pipelined like the hot calls: after a restart every request finds its buckets lost at
         # once, and one connection per seed would exhaust the pool.
         keys = self.bucket_keys(call.bucket, call.windows)
@@ -597,9 +600,9 @@ class RedisStore:
         args = [str(now_ms), *(str(w.slice_ms) for w in call.windows)]
         values = [int(x) for x in await self._script("bucket_inspect", keys, args)]
         rows = tuple(
-            WindowUsage(w, values[2 + 2 * i], values[3 + 2 * i]) for i, w in enumerate(call.windows)
+            WindowUsage(w, *values[3 + 3 * i : 6 + 3 * i]) for i, w in enumerate(call.windows)
         )
-        return BucketUsage(call.bucket, values[0], values[1], rows)
+        return BucketUsage(call.bucket, values[0], values[1], rows, values[2])
 
     async def reset_bucket(self, bucket: Bucket, windows: Sequence[Rolling]) -> None:
         keys = self.bucket_keys(bucket, windows)[2:]

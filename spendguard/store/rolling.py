@@ -105,6 +105,7 @@ class WindowUsage:
     window: Rolling
     tokens: int  # committed in the window
     cost: int
+    requests: int = 0
 
 
 # Made per request: not frozen (see LimitState, spendguard/store/base.py).
@@ -114,11 +115,15 @@ class BucketUsage:
     held_tokens: int  # live holds (in every window)
     held_cost: int
     windows: tuple[WindowUsage, ...]
+    held_requests: int = 0  # one per live hold
 
 
-# A threshold of one amount of a budget limit: unit ("t" tokens, "c" micro-USD), percent, the
-# amount, and the usage at which it fires (rounded up).
+# A threshold of one amount of a budget limit: unit ("t" tokens, "c" micro-USD, "r" requests),
+# percent, the amount, and the usage at which it fires (rounded up).
 Mark = tuple[str, int, int, int]
+
+# What the ledger says a window's slice counted: slice index, tokens, cost, requests.
+SeedSlice = tuple[int, int, int, int]
 
 
 @lru_cache(maxsize=1024)
@@ -126,7 +131,7 @@ def limit_marks(limit: BudgetLimit) -> tuple[Mark, ...]:
     """What ``limit``'s alert thresholds fire at, per amount it has (made once per limit)."""
     out: list[Mark] = []
     for pct in limit.alert_at:
-        for unit, amount in (("t", limit.tokens), ("c", limit.cost_micros)):
+        for unit, amount in (("t", limit.tokens), ("c", limit.cost_micros), ("r", limit.requests)):
             if amount:
                 out.append((unit, pct, amount, -(-amount * pct // 100)))
     return tuple(out)

@@ -103,7 +103,10 @@ def test_absent_or_disabled_is_off() -> None:
         ({"scopes": {"global": {"cost_usd": float("inf")}}}, "must be finite"),
         ({"scopes": {"global": {"cost_usd": "nan"}}}, "must be finite"),
         ({"scopes": {"per_model": {" ": {"tokens": 1}}}}, "budgets.scopes.per_model: empty model"),
-        ({"scopes": {"global": {}}}, "budgets.scopes.global: set tokens, cost_usd or both"),
+        (
+            {"scopes": {"global": {}}},
+            "budgets.scopes.global: set tokens, cost_usd, requests or any of them",
+        ),
         ({"storage": "disk"}, "budgets.storage: must be memory or redis"),
         ({"windows": [{"id": "d", "period": "1h", "x": 1}]}, "budgets.windows[0].x: unknown"),
         ({"alert_at": [0]}, "budgets.alert_at: alert threshold 0 is not a whole percentage"),
@@ -190,3 +193,50 @@ def test_alert_thresholds_of_the_section_and_of_a_limit() -> None:
     assert parse_budgets({"windows": [], "scopes": {"global": {"tokens": 1}}}).global_ == (
         BudgetLimit(tokens=1)
     )  # none unless asked for
+
+
+def test_a_window_may_have_amounts_of_its_own() -> None:
+    # A request rate beside a daily quota: the minute counts requests only, the day tokens.
+    config = parse_budgets(
+        {
+            "enabled": True,
+            "windows": [{"id": "minute", "period": "1m"}, {"id": "daily", "period": "24h"}],
+            "scopes": {
+                "per_end_user": {"tokens": 50_000, "windows": {"minute": {"requests": 20}}},
+                "per_tag": {"batch": {"windows": {"minute": {"requests": 5, "tokens": 9}}}},
+            },
+        }
+    )
+    user = config.per_end_user
+    assert user is not None
+    assert user.in_window("minute") == BudgetLimit(requests=20)
+    assert user.in_window("daily") == BudgetLimit(tokens=50_000, by_window=user.by_window)
+    batch = config.per_tag["batch"]
+    assert batch.in_window("daily") is None  # no amounts of its own there: not checked
+    assert batch.in_window("minute") == BudgetLimit(tokens=9, requests=5)
+    assert config.as_json()["scopes"]["per_end_user"] == {
+        "tokens": 50_000,
+        "windows": {"minute": {"requests": 20}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("scope", "problem"),
+    [
+        ({"windows": {"weekly": {"requests": 1}}}, "per_end_user.windows.weekly: no such window"),
+        ({"windows": {"hourly": {"requests": 0}}}, "windows.hourly.requests: must be greater"),
+        ({"requests": 1.5}, "per_end_user.requests: must be a whole number"),
+        ({"windows": {"hourly": {"windows": {}}}}, "windows.hourly.windows: unknown field"),
+        ({"windows": []}, "per_end_user.windows: must map window ids"),
+    ],
+)
+def test_a_windows_own_amounts_are_validated(scope: dict[str, object], problem: str) -> None:
+    with pytest.raises(BudgetConfigError) as caught:
+        parse_budgets(
+            {
+                "enabled": True,
+                "windows": [{"id": "hourly", "period": "1h"}],
+                "scopes": {"per_end_user": scope},
+            }
+        )
+    assert any(problem in p for p in caught.value.problems), caught.value

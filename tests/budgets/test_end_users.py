@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import anyio
+import httpx
 import pytest
 import sqlalchemy as sa
 from starlette.types import Receive, Scope, Send
@@ -251,3 +252,82 @@ async def test_one_end_users_budget_is_reset_and_no_one_elses(tmp_path: Path) ->
         after = [await post("u1"), await post("u2")]
     assert spent == [200, 429, 200, 429]
     assert after == [200, 429]  # u1 has its budget again; u2 still has none
+
+
+RATE_WINDOWS = [{"id": "minute", "period": "1m"}, {"id": "daily", "period": "24h"}]
+
+
+async def test_an_end_users_request_rate_holds_under_concurrency(
+    tmp_path: Path, storage: dict[str, object]
+) -> None:
+    """A rate per end user (two requests a rolling minute, beside a daily token quota): 100
+    concurrent requests of 20 never-seen end users admit exactly two of each."""
+    inner = upstream()
+    release = anyio.Event()
+    entered = 0
+
+    async def gated(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal entered
+        if scope["type"] == "http":
+            entered += 1
+            await release.wait()
+        await inner(scope, receive, send)
+
+    budgets = section(
+        storage="redis" if storage else "memory",
+        windows=RATE_WINDOWS,
+        scopes={"per_end_user": {"tokens": 1_000_000, "windows": {"minute": {"requests": 2}}}},
+    )
+    outcome: list[tuple[str, int]] = []
+    gw = BudgetGateway(
+        tmp_path, budgets=budgets, app=gated, end_user_from="header:x-end-user", **storage
+    )
+    users = [f"rate-{uuid.uuid4().hex[:6]}-{i}" for i in range(20)]
+    async with gw, gw.client() as c:
+
+        async def one(user: str) -> None:
+            r = await c.post("/v1/chat/completions", json=chat_body(), headers={"x-end-user": user})
+            outcome.append((user, r.status_code))
+            if r.status_code == 429:
+                details = r.json()["error"]["details"]
+                assert details == {
+                    "scope": "per_end_user",
+                    "window": "minute",
+                    "unit": "requests",
+                    "limit": 2,
+                }
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                for user in users:
+                    tg.start_soon(one, user)
+            with anyio.fail_after(30):
+                while entered + len(outcome) < 100:
+                    await anyio.sleep(0.01)
+            release.set()
+        report = await gw.budgets.inspect()
+    admitted = Counter(user for user, status in outcome if status == 200)
+    assert admitted == dict.fromkeys(users, 2)
+    assert sorted(s for _, s in outcome) == [200] * 40 + [429] * 60
+    counted = {c.subject: c.requests for c in report.counters if c.window == "minute"}
+    assert counted == {f"acme:{user}": 2 for user in users}
+
+
+async def test_a_tags_request_rate_refuses_with_a_retry_and_leaves_other_tags(
+    tmp_path: Path,
+) -> None:
+    budgets = section(
+        windows=RATE_WINDOWS,
+        scopes={"per_tag": {"batch": {"windows": {"minute": {"requests": 1}}}}},
+    )
+    gw = BudgetGateway(tmp_path, budgets=budgets, tags_from="header:x-tags")
+    async with gw, gw.client() as c:
+
+        async def post(tags: str) -> httpx.Response:
+            return await c.post("/v1/chat/completions", json=chat_body(), headers={"x-tags": tags})
+
+        first, refused, other = await post("batch"), await post("chat, batch"), await post("chat")
+    assert (first.status_code, refused.status_code, other.status_code) == (200, 429, 200)
+    error = refused.json()["error"]
+    assert error["message"] == "Tag 'batch' request budget exceeded for window 'minute'."
+    assert 1 <= int(refused.headers["retry-after"]) <= 60  # when the first leaves the minute

@@ -348,3 +348,49 @@ async def test_a_denial_tells_the_least_left_in_any_window_per_unit(store: Store
     assert (denied.left_tokens, denied.left_cost) == (450, 450)
     [tokens_only] = await store.reserve_buckets([tokens(300, HOUR, bucket=MODEL)], hold(T0, 400))
     assert (tokens_only.left_tokens, tokens_only.left_cost) == (300, None)
+
+
+async def test_a_requests_limit_counts_holds_and_commits_one_each(store: Store) -> None:
+    # Requests per window: a rolling RPM in a one-minute window; every hold is one request
+    # until its commit counts it in its start slice (a release gives it back).
+    minute = Rolling("minute", "1m", 60)  # slices of a second
+    call = BucketCheck(
+        KEY,
+        (
+            WindowCheck(minute, BudgetLimit(requests=3)),
+            WindowCheck(HOUR, BudgetLimit(tokens=1_000_000)),
+        ),
+    )
+    holds = [hold(T0, 10) for _ in range(3)]
+    for h in holds:
+        assert (await store.reserve_buckets([call], h))[0].ok
+    [denied] = await store.reserve_buckets([call], hold(T0, 10))
+    assert not denied.ok and (denied.window, denied.unit) == (0, Unit.REQUESTS)
+    assert denied.retry_ms == 1000  # only holds in the way: a second
+    await store.release_buckets([KEY], holds[0].id)
+    assert (await store.reserve_buckets([call], hold(T0, 10)))[0].ok  # its request given back
+    await commit(store, call, holds[1], 7)
+    await commit(store, call, holds[2], 7)
+    usage = await store.inspect_bucket(call, T0 + 500)
+    assert [w.requests for w in usage.windows] == [2, 2]
+    assert (usage.held_requests, usage.windows[1].tokens) == (1, 14)
+    # Two committed in slice T0 and one held: the window is full until that slice leaves it.
+    [later] = await store.reserve_buckets([call], hold(T0 + 30_000, 10))
+    assert not later.ok and later.retry_ms == 30_000
+    [after] = await store.reserve_buckets([call], hold(T0 + 60_000, 10))
+    assert after.ok  # the committed two left the minute; the live hold still counts
+
+
+async def test_a_seeded_bucket_counts_the_ledgers_requests(harness: Harness) -> None:
+    store = harness.store
+    if not store.shared:
+        pytest.skip("an in-process bucket is never lost, so never seeded")
+    minute = Rolling("minute", "1m", 60)
+    call = BucketCheck(KEY, (WindowCheck(minute, BudgetLimit(requests=5)),))
+    idx = T0 // minute.slice_ms
+    assert await store.seed_bucket(call, [[(idx - 1, 30, 0, 3), (idx, 10, 0, 1)]], 120_000)
+    usage = await store.inspect_bucket(call, T0)
+    assert (usage.windows[0].tokens, usage.windows[0].requests) == (40, 4)
+    assert (await store.reserve_buckets([call], hold(T0, 1), require_seed=True))[0].ok
+    [full] = await store.reserve_buckets([call], hold(T0, 1), require_seed=True)
+    assert not full.ok and full.unit is Unit.REQUESTS

@@ -1,9 +1,11 @@
--- Replace a hold by the actual usage, counted in the slice of the request's start.
+-- Replace a hold by the actual usage (and one request), counted in the slice of the request's
+-- start.
 -- KEYS: holds, expiry, then one slices hash per window; then (alerting) the bucket's pending
 --       alerts hash.
 -- ARGV: now_ms, hold id, at_ms, tokens, cost, ttl_ms, then per window: slice_ms; then
 --       (alerting) "alerts", then per window its thresholds: "" or
---       "<window id> <epoch> <u><percent>:<limit>:<amount> ..." (u: t tokens, c micro-USD;
+--       "<window id> <epoch> <u><percent>:<limit>:<amount> ..." (u: t tokens, c micro-USD, r
+--       requests;
 --       epoch: now // the window's length).
 -- A hold id written "!<id>" counts the usage only if that hold is still there: recovery of a
 -- dead gateway's admission (design.md, "The hold model"), so that the same admission
@@ -43,7 +45,7 @@ for w = 1, nw do
   local idx = math.floor(at / slice_ms)
   if idx >= math.floor(now / slice_ms) - SLICES + 1 then
     local key = KEYS[w + 2]
-    add_usage(key, idx, tokens, cost)
+    add_usage(key, idx, tokens, cost, 1)
     redis.call('PEXPIRE', key, ttl)
   end
 end
@@ -54,9 +56,9 @@ for w = 1, nw do
   local wid, epoch, marks = string.match(ARGV[7 + nw + w], '^(%S+) (%d+) (.*)$')
   if wid then
     local key = KEYS[w + 2]
-    local t, c = window_totals(key, tonumber(ARGV[6 + w]), now)
-    for u, pct, limit, amount in string.gmatch(marks, '([tc])(%d+):(%d+):(%d+)') do
-      local used = u == 't' and t or c
+    local t, c, r = window_totals(key, tonumber(ARGV[6 + w]), now)
+    for u, pct, limit, amount in string.gmatch(marks, '([tcr])(%d+):(%d+):(%d+)') do
+      local used = (u == 't' and t) or (u == 'c' and c) or r
       local mark = '_a' .. u .. pct .. ':' .. limit
       if used >= tonumber(amount) and redis.call('HGET', key, mark) ~= epoch then
         redis.call('HSET', key, mark, epoch)

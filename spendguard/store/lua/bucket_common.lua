@@ -1,10 +1,12 @@
 -- Shared by every budget script (prepended when loaded). One bucket's keys only, one slot.
---   holds:   hash  hold id -> "expires_ms tokens cost"; _t and _c: totals of the live holds
+--   holds:   hash  hold id -> "expires_ms tokens cost"; _t and _c: totals of the live holds,
+--                  _r: how many there are (each hold is one request)
 --   expiry:  zset  hold id scored by expires_ms
---   window:  hash  t<slice index> -> tokens, c<slice index> -> micro-USD (committed usage);
---                  _T and _C: the totals of the slices present, _F: the lowest slice index
---                  present (absent: none). While _F is still in the window the totals are
---                  the window's usage, read without walking its slices.
+--   window:  hash  t<slice index> -> tokens, c<slice index> -> micro-USD, r<slice index> ->
+--                  requests (committed usage); _T, _C and _R: the totals of the slices
+--                  present (_R absent: 0), _F: the lowest slice index present (absent: none).
+--                  While _F is still in the window the totals are the window's usage, read
+--                  without walking its slices.
 
 local SLICES = 60
 
@@ -21,10 +23,11 @@ local function arg_int(s)
   return n
 end
 
--- Drops the holds that expired by now; returns the totals of the live ones.
+-- Drops the holds that expired by now; returns the totals of the live ones (tokens, cost,
+-- requests).
 local function prune(holds, expiry, now)
-  local t = tonumber(redis.call('HGET', holds, '_t') or '0')
-  local c = tonumber(redis.call('HGET', holds, '_c') or '0')
+  local h = redis.call('HMGET', holds, '_t', '_c', '_r')
+  local t, c, r = tonumber(h[1] or '0'), tonumber(h[2] or '0'), tonumber(h[3] or '0')
   local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', now)
   if #gone > 0 then
     for _, id in ipairs(gone) do
@@ -33,15 +36,17 @@ local function prune(holds, expiry, now)
         local _, ht, hc = string.match(v, '(%d+) (%d+) (%d+)')
         t = t - tonumber(ht)
         c = c - tonumber(hc)
+        r = r - 1
         redis.call('HDEL', holds, id)
       end
     end
     redis.call('ZREMRANGEBYSCORE', expiry, '-inf', now)
     if t < 0 then t = 0 end
     if c < 0 then c = 0 end
-    redis.call('HSET', holds, '_t', int(t), '_c', int(c))
+    if r < 0 then r = 0 end
+    redis.call('HSET', holds, '_t', int(t), '_c', int(c), '_r', int(r))
   end
-  return t, c
+  return t, c, r
 end
 
 -- Returns a hold's amounts to the totals; true if the hold was still there.
@@ -51,11 +56,14 @@ local function drop_hold(holds, expiry, id)
   local _, ht, hc = string.match(v, '(%d+) (%d+) (%d+)')
   redis.call('HDEL', holds, id)
   redis.call('ZREM', expiry, id)
-  local t = tonumber(redis.call('HGET', holds, '_t') or '0') - tonumber(ht)
-  local c = tonumber(redis.call('HGET', holds, '_c') or '0') - tonumber(hc)
+  local h = redis.call('HMGET', holds, '_t', '_c', '_r')
+  local t = tonumber(h[1] or '0') - tonumber(ht)
+  local c = tonumber(h[2] or '0') - tonumber(hc)
+  local r = tonumber(h[3] or '0') - 1
   if t < 0 then t = 0 end
   if c < 0 then c = 0 end
-  redis.call('HSET', holds, '_t', int(t), '_c', int(c))
+  if r < 0 then r = 0 end
+  redis.call('HSET', holds, '_t', int(t), '_c', int(c), '_r', int(r))
   return true
 end
 
@@ -66,21 +74,25 @@ local function window_usage(key, slice_ms, now)
   local cur = math.floor(now / slice_ms)
   local lo = cur - SLICES + 1
   local flat = redis.call('HGETALL', key)
-  local t, c, first = 0, 0, nil
-  local ts, cs = {}, {}
+  local t, c, r, first = 0, 0, 0, nil
+  local ts, cs, rs = {}, {}, {}
   local stale = {}
   for i = 1, #flat, 2 do
     local f = flat[i]
-    if string.sub(f, 1, 1) ~= '_' then
+    local u = string.sub(f, 1, 1)
+    if u ~= '_' then
       local idx = tonumber(string.sub(f, 2))
       local v = tonumber(flat[i + 1])
       if idx == nil or idx < lo then
         stale[#stale + 1] = f
       else
         if first == nil or idx < first then first = idx end
-        if string.sub(f, 1, 1) == 't' then
+        if u == 't' then
           t = t + v
           ts[idx] = v
+        elseif u == 'r' then
+          r = r + v
+          rs[idx] = v
         else
           c = c + v
           cs[idx] = v
@@ -90,31 +102,32 @@ local function window_usage(key, slice_ms, now)
   end
   if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
   if #flat > 0 then
-    redis.call('HSET', key, '_T', int(t), '_C', int(c))
+    redis.call('HSET', key, '_T', int(t), '_C', int(c), '_R', int(r))
     if first then redis.call('HSET', key, '_F', int(first)) else redis.call('HDEL', key, '_F') end
   end
-  return t, c, ts, cs
+  return t, c, r, ts, cs, rs
 end
 
--- The window's committed usage now (tokens, cost): its running totals while its oldest slice
--- is still in it, else one pass (window_usage).
+-- The window's committed usage now (tokens, cost, requests): its running totals while its
+-- oldest slice is still in it, else one pass (window_usage).
 local function window_totals(key, slice_ms, now)
-  local h = redis.call('HMGET', key, '_T', '_C', '_F')
+  local h = redis.call('HMGET', key, '_T', '_C', '_F', '_R')
   if h[1] and h[2] then
     local lo = math.floor(now / slice_ms) - SLICES + 1
     if not h[3] or tonumber(h[3]) >= lo then
-      return tonumber(h[1]), tonumber(h[2])
+      -- _R is written with the first request counted after _T: absent, none since.
+      return tonumber(h[1]), tonumber(h[2]), tonumber(h[4] or '0')
     end
   elseif redis.call('EXISTS', key) == 0 then
-    return 0, 0
+    return 0, 0, 0
   end
-  local t, c = window_usage(key, slice_ms, now)
-  return t, c
+  local t, c, r = window_usage(key, slice_ms, now)
+  return t, c, r
 end
 
 -- Adds committed usage to slice idx of a window, keeping its totals (a window written before
 -- it had totals gets them from its next full pass instead).
-local function add_usage(key, idx, tokens, cost)
+local function add_usage(key, idx, tokens, cost, requests)
   local h = redis.call('HMGET', key, '_T', '_F')
   local kept = h[1] ~= false or redis.call('EXISTS', key) == 0
   if tokens > 0 then
@@ -125,7 +138,11 @@ local function add_usage(key, idx, tokens, cost)
     redis.call('HINCRBY', key, 'c' .. int(idx), int(cost))
     if kept then redis.call('HINCRBY', key, '_C', int(cost)) end
   end
-  if kept and (tokens > 0 or cost > 0) then
+  if requests > 0 then
+    redis.call('HINCRBY', key, 'r' .. int(idx), int(requests))
+    if kept then redis.call('HINCRBY', key, '_R', int(requests)) end
+  end
+  if kept and (tokens > 0 or cost > 0 or requests > 0) then
     if not h[1] then redis.call('HSETNX', key, '_T', '0') redis.call('HSETNX', key, '_C', '0') end
     if not h[2] or idx < tonumber(h[2]) then redis.call('HSET', key, '_F', int(idx)) end
   end

@@ -2,12 +2,12 @@
 -- KEYS: holds, expiry, then one slices hash per window.
 -- ARGV: now_ms, hold id, expires_ms, tokens, cost, count_cost (1|0), ttl_ms, seeded (1: the
 --       bucket must have been seeded: rebuilt from the ledger, or found empty there),
---       then per window: slice_ms, token limit or '-', cost limit or '-'.
+--       then per window: slice_ms, token limit or '-', cost limit or '-', request limit or '-'.
 -- Reply: {1, used tokens per window (this hold included)...} or {0, window, unit, retry_ms,
--- tokens left, cost left} (window 1-based; unit 1 tokens, 2 cost; left: the least any window
--- has left of that unit now, holds counted, -1 without such a limit: what a smaller request
--- could still take), or {-1} when the bucket is not seeded (Redis lost it: a restart, a
--- flush). Denied or unseeded: nothing is reserved.
+-- tokens left, cost left} (window 1-based; unit 1 tokens, 2 cost, 3 requests; left: the least
+-- any window has left of that unit now, holds counted, -1 without such a limit: what a
+-- smaller request could still take), or {-1} when the bucket is not seeded (Redis lost it: a
+-- restart, a flush). Denied or unseeded: nothing is reserved. Every hold is one request.
 local now = arg_int(ARGV[1])
 local id = ARGV[2]
 local expires = arg_int(ARGV[3])
@@ -21,13 +21,13 @@ end
 if ARGV[8] == '1' and redis.call('HEXISTS', KEYS[1], '_seeded') == 0 then
   return {-1}
 end
-local held_t, held_c = prune(KEYS[1], KEYS[2], now)
+local held_t, held_c, held_r = prune(KEYS[1], KEYS[2], now)
 
 -- A denial: the least left in any window, per unit (-1: no limit of that unit).
 local function denied(w, unit, wait)
   local lt, lc = -1, -1
   for v = 1, #KEYS - 2 do
-    local base = 8 + (v - 1) * 3
+    local base = 8 + (v - 1) * 4
     local t, c = window_totals(KEYS[v + 2], tonumber(ARGV[base + 1]), now)
     local lim_t, lim_c = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
     if lim_t then
@@ -44,23 +44,28 @@ end
 
 local used = {}
 for w = 1, #KEYS - 2 do
-  local base = 8 + (w - 1) * 3
+  local base = 8 + (w - 1) * 4
   local slice_ms = tonumber(ARGV[base + 1])
   local lim_t = tonumber(ARGV[base + 2])
   local lim_c = tonumber(ARGV[base + 3])
-  local t, c = window_totals(KEYS[w + 2], slice_ms, now)
+  local lim_r = tonumber(ARGV[base + 4])
+  local t, c, r = window_totals(KEYS[w + 2], slice_ms, now)
   if lim_t and t + held_t + tokens > lim_t then
-    local _, _, ts = window_usage(KEYS[w + 2], slice_ms, now)
+    local _, _, _, ts = window_usage(KEYS[w + 2], slice_ms, now)
     return denied(w, 1, retry(ts, slice_ms, now, t + held_t, tokens, lim_t))
   end
   if count_cost and lim_c and c + held_c + cost > lim_c then
-    local _, _, _, cs = window_usage(KEYS[w + 2], slice_ms, now)
+    local _, _, _, _, cs = window_usage(KEYS[w + 2], slice_ms, now)
     return denied(w, 2, retry(cs, slice_ms, now, c + held_c, cost, lim_c))
+  end
+  if lim_r and r + held_r + 1 > lim_r then
+    local _, _, _, _, _, rs = window_usage(KEYS[w + 2], slice_ms, now)
+    return denied(w, 3, retry(rs, slice_ms, now, r + held_r, 1, lim_r))
   end
   used[#used + 1] = int(t + held_t + tokens)
 end
 redis.call('HSET', KEYS[1], id, int(expires) .. ' ' .. int(tokens) .. ' ' .. int(cost),
-  '_t', int(held_t + tokens), '_c', int(held_c + cost))
+  '_t', int(held_t + tokens), '_c', int(held_c + cost), '_r', int(held_r + 1))
 redis.call('ZADD', KEYS[2], expires, id)
 for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ttl) end
 local reply = {1}
