@@ -11,6 +11,7 @@ A budgets file is JSON or YAML, either the section itself or a document with a t
       - {id: monthly, period: calendar:month}   # an alias of 30d, not a calendar reset
     scopes:
       per_api_key: {tokens: 2000000, cost_usd: 50}
+      per_end_user: {cost_usd: 5, windows: {daily: {requests: 1000}}}  # its own amounts there
       per_model: {gpt-4o: {tokens: 500000}}
       global: {tokens: 20000000, cost_usd: 500}
 

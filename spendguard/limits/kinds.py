@@ -98,7 +98,7 @@ KINDS: Final = {
                 SubjectKind.FLEET,
             ),
             WindowKind.ROLLING,
-            (Unit.TOKENS, Unit.USD),
+            (Unit.TOKENS, Unit.USD, Unit.REQUESTS),
             (Mode.HARD,),
             False,
             Part.BUDGETS,
