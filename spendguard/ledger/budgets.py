@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -98,39 +99,17 @@ class BudgetQueries(LedgerDatabase):
         """Usage of charged (2xx) records with ``t0`` from ``since``, summed per slice of
         ``slice_us`` (by start) and model: of one key, one end user (of ``team``), one tag,
         one model or everyone (ids encoded)."""
-        # Integer division on both backends (SQLAlchemy renders // as / for integers there);
-        # t0 is positive, so it truncates to the slice's start.
-        start = (records.c.t0_us // slice_us) * slice_us
-        query = (
-            sa.select(
-                start.label("start"),
-                records.c.model,
-                sa.func.sum(records.c.input_tokens),
-                sa.func.sum(records.c.output_tokens),
-                sa.func.sum(records.c.cached_input_tokens),
-                sa.func.sum(records.c.cache_write_tokens),
-                sa.func.count(),
-            )
-            .where(
-                records.c.t0_us >= to_micros(since),
-                records.c.status_code >= 200,
-                records.c.status_code < 300,
-            )
-            .group_by(start, records.c.model)
+        query = used_slices_query(
+            since=since,
+            slice_us=slice_us,
+            postgres=self.is_postgres,
+            team=team,
+            api_key=api_key,
+            model=model,
+            end_user=end_user,
+            tag=tag,
+            customer=customer,
         )
-        if team is not None:
-            query = query.where(records.c.team == team)
-        if api_key is not None:
-            query = query.where(records.c.api_key == api_key)
-        if model is not None:
-            query = query.where(records.c.model == model)
-        if end_user is not None:
-            query = query.where(records.c.end_user == end_user)
-        if customer is not None:
-            query = query.where(records.c.customer == customer)
-        if tag is not None:  # found by position, not LIKE: an encoded tag may hold a %
-            find = sa.func.strpos if self.is_postgres else sa.func.instr
-            query = query.where(find(records.c.tags, f",{tag},") > 0)
         async with self._guard("budget usage read"):
             rows = await self._db.fetch_all(query)
         return [
@@ -139,6 +118,56 @@ class BudgetQueries(LedgerDatabase):
             )
             for r in rows
         ]
+
+
+def used_slices_query(
+    *,
+    since: datetime,
+    slice_us: int,
+    postgres: bool,
+    team: str | None = None,
+    api_key: str | None = None,
+    model: str | None = None,
+    end_user: str | None = None,
+    tag: str | None = None,
+    customer: str | None = None,
+) -> sa.Select[Any]:
+    """:meth:`BudgetQueries.used_slices`'s query: one indexed range of the records (schema:
+    the ``spendguard_records_*_t0`` indexes)."""
+    # Integer division on both backends (SQLAlchemy renders // as / for integers there);
+    # t0 is positive, so it truncates to the slice's start.
+    start = (records.c.t0_us // slice_us) * slice_us
+    query = (
+        sa.select(
+            start.label("start"),
+            records.c.model,
+            sa.func.sum(records.c.input_tokens),
+            sa.func.sum(records.c.output_tokens),
+            sa.func.sum(records.c.cached_input_tokens),
+            sa.func.sum(records.c.cache_write_tokens),
+            sa.func.count(),
+        )
+        .where(
+            records.c.t0_us >= to_micros(since),
+            records.c.status_code >= 200,
+            records.c.status_code < 300,
+        )
+        .group_by(start, records.c.model)
+    )
+    if team is not None:
+        query = query.where(records.c.team == team)
+    if api_key is not None:
+        query = query.where(records.c.api_key == api_key)
+    if model is not None:
+        query = query.where(records.c.model == model)
+    if end_user is not None:
+        query = query.where(records.c.end_user == end_user)
+    if customer is not None:
+        query = query.where(records.c.customer == customer)
+    if tag is not None:  # found by position, not LIKE: an encoded tag may hold a %
+        find = sa.func.strpos if postgres else sa.func.instr
+        query = query.where(find(records.c.tags, f",{tag},") > 0)
+    return query
 
 
 def _override_of(m: object) -> BudgetOverride:

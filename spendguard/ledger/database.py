@@ -161,11 +161,13 @@ class LedgerDatabase:
             await self._db.execute(
                 str(CreateTable(table, if_not_exists=True).compile(dialect=dialect))
             )
+        # Indexes after the columns an older database lacks: some index them.
+        await self._add_missing_columns()
+        for table in metadata.sorted_tables:
             for index in table.indexes:
                 await self._db.execute(
                     str(CreateIndex(index, if_not_exists=True).compile(dialect=dialect))
                 )
-        await self._add_missing_columns()
         for name in RETIRED_INDEXES:
             await self._db.execute(f"DROP INDEX IF EXISTS {name}")
 

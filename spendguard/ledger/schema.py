@@ -111,6 +111,27 @@ records = sa.Table(
         postgresql_where=sa.text("NOT settled"),
         sqlite_where=sa.text("settled = 0"),
     ),
+    # A budget bucket Redis never had (a never-seen end user's, tag's or customer's first
+    # request) or lost is rebuilt from the records of its subject within its longest window
+    # (BudgetQueries.used_slices): one indexed range each, never a walk of the whole history.
+    # The reports' time ranges use the last one too. Partial where most records have none.
+    sa.Index("spendguard_records_key_t0", "team", "api_key", "t0_us"),
+    sa.Index(
+        "spendguard_records_end_user_t0",
+        "team",
+        "end_user",
+        "t0_us",
+        postgresql_where=sa.text("end_user IS NOT NULL"),
+        sqlite_where=sa.text("end_user IS NOT NULL"),
+    ),
+    sa.Index(
+        "spendguard_records_customer_t0",
+        "customer",
+        "t0_us",
+        postgresql_where=sa.text("customer IS NOT NULL"),
+        sqlite_where=sa.text("customer IS NOT NULL"),
+    ),
+    sa.Index("spendguard_records_t0", "t0_us"),  # a model's, a tag's, the fleet's
 )
 
 charges = sa.Table(

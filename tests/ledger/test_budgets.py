@@ -7,9 +7,12 @@ import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from databases import Database
+from sqlalchemy.dialects import postgresql, sqlite
 
 from spendguard.identity import encode_id
 from spendguard.ledger import BudgetOverride, Ledger
+from spendguard.ledger.budgets import used_slices_query
 from spendguard.record import InferenceRecord
 from tests.support import make_record
 
@@ -74,3 +77,47 @@ async def test_used_slices_of_one_end_user_and_of_one_tag(ledger: Ledger) -> Non
     assert await used(tag=encode_id("search")) == 50
     assert await used(tag=encode_id("50%")) == 20
     assert await used(tag=encode_id("50%,off")) == 10
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        {"team": "acme", "api_key": "alpha"},
+        {"team": "acme", "end_user": "u1"},
+        {"customer": "globex"},
+        {"model": "gpt-4o"},
+        {"tag": "search"},
+        {},
+    ],
+    ids=["key", "end_user", "customer", "model", "tag", "fleet"],
+)
+async def test_a_buckets_rebuild_reads_one_indexed_range_of_the_records(
+    database_url: str, subject: dict[str, str]
+) -> None:
+    """A never-seen end user's first request rebuilds its bucket from the records: on a
+    ledger with years of history that must be an index range over the subject's window, not a
+    walk of every record (the plan, as each database's planner states it)."""
+    ledger = Ledger(database_url)
+    await ledger.connect()
+    try:
+        await ledger.init_schema()
+        postgres = ledger.is_postgres
+    finally:
+        await ledger.disconnect()
+    query = used_slices_query(since=T, slice_us=60_000_000, postgres=postgres, **subject)
+    dialect = postgresql.dialect() if postgres else sqlite.dialect()
+    sql = str(query.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
+    db = Database(database_url)
+    await db.connect()
+    try:
+        async with db.connection() as conn:
+            if postgres:  # an empty table: let the plan show what a large one would use
+                await conn.execute("SET enable_seqscan = off")
+                plan = [str(r[0]) for r in await conn.fetch_all(f"EXPLAIN {sql}")]
+            else:
+                plan = [str(r[3]) for r in await conn.fetch_all(f"EXPLAIN QUERY PLAN {sql}")]
+    finally:
+        await db.disconnect()
+    text = "\n".join(plan)
+    assert "spendguard_records_" in text and "_t0" in text, text
+    assert "Seq Scan" not in text and "SCAN spendguard_records\n" not in text + "\n", text
