@@ -126,10 +126,11 @@ async def cmd_policy_set(args: argparse.Namespace, ctx: Ctx) -> int:
         limit_usd=amount,
         hard=args.mode == "hard",
         alert_at="" if alert_at == "none" else alert_at,
+        fit=args.fit,
     )
     who = _who(policy.team_id, policy.api_key_id)
     window = policy.limit.window.value
-    mode = "hard" if policy.hard else "soft"
+    mode = ("hard, fits" if policy.fit else "hard") if policy.hard else "soft"
     text = f"policy set: {who} {window} limit ${usd_text(policy.amount)} ({mode}"
     text += f", alerts at {_alerts_text(policy)})"
     _emit(args, policy_json(policy), text)
@@ -549,6 +550,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="soft",
         help="soft (default): admitted while usage is below the limit; hard: admitted only "
         "if the request's worst-case cost fits, held until it ends",
+    )
+    p_set.add_argument(
+        "--fit",
+        action="store_true",
+        help="with --mode hard: a request whose max_tokens doesn't fit is fitted to what is "
+        "left instead of refused (needs SPENDGUARD_FIT_MIN_OUTPUT_TOKENS on the gateway)",
     )
     p_set.add_argument(
         "--alert-at",

@@ -220,6 +220,11 @@ class Settings(BaseSettings):
         "with its max_tokens lowered to what fits, if that is at least this many tokens "
         "(unset: refuse as sent).",
     )
+    fit_by_default: bool = Field(
+        True,
+        description="With SPENDGUARD_FIT_MIN_OUTPUT_TOKENS: every hard limit and budget fits "
+        "(true), or only those that opt in (false: `policy set --fit`, a budget's `fit: true`).",
+    )
     ratelimit_headers: bool = Field(
         False,
         description="Tell callers their API key's spend limits, RPM, TPM and parallel cap in "

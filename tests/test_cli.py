@@ -22,6 +22,9 @@ def db(monkeypatch: pytest.MonkeyPatch, database_url: str) -> str:
     return database_url
 
 
+ALPHA_MONTH = ("--team", "acme", "--api-key", "alpha", "--period", "month")
+
+
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     code = main(list(args))
     return code, capsys.readouterr().out
@@ -38,6 +41,12 @@ def test_policy_lifecycle(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run(capsys, "policy", "set", *ALPHA_DAY, "--limit-usd", "5.00")
     assert code == 0 and "limit $5.000000" in out
     run_json(capsys, "policy", "set", "--team", "acme", "--period", "month", "--limit-usd", "200")
+    fits = run_json(
+        capsys, "policy", "set", *ALPHA_MONTH, "--limit-usd", "9", "--mode", "hard", "--fit"
+    )
+    assert (fits["mode"], fits["fit"]) == ("hard", True)
+    assert run(capsys, "policy", "set", *ALPHA_MONTH, "--limit-usd", "9", "--fit")[0] == 2
+    assert run_json(capsys, "policy", "rm", *ALPHA_MONTH) == {"removed": True}
     listed = run_json(capsys, "policy", "ls", "--team", "acme")
     assert listed["team"] == "acme"
     assert {(p["api_key"], p["period"], p["limit_micros"]) for p in listed["policies"]} == {

@@ -504,9 +504,12 @@ class AdminApp:
             if not removed:
                 raise AdminError(404, "not_found", "no such active policy")
             return JSONResponse(removed_json(True))
-        body = await _body(request, {"limit_usd", "mode", "alert_at"}, {"limit_usd"})
+        body = await _body(request, {"limit_usd", "mode", "alert_at", "fit"}, {"limit_usd"})
         micros = _amount(body, "limit_usd", "a limit", allow_zero=True)
         hard = _mode(body, "soft")
+        fit = body.get("fit", False)
+        if not isinstance(fit, bool) or (fit and not hard):
+            raise AdminError(400, "invalid_request", 'fit: true or false, true only with "hard"')
         admin = await self._admin(target)
         saved = await admin.set_policy(
             identity.team_id,
@@ -515,6 +518,7 @@ class AdminApp:
             limit_usd=micros_to_usd(micros),
             hard=hard,
             alert_at=_alert_at(body),
+            fit=fit,
         )
         return JSONResponse(policy_json(saved))
 

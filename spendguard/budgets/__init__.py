@@ -60,6 +60,7 @@ def gate_for(guard: SpendGuard) -> BudgetGate | None:
         override_timeout=settings.db_timeout,
         fit_min=settings.fit_min_output_tokens,
         ratelimit_fields=settings.ratelimit_headers,
+        fit_by_default=settings.fit_by_default,
     )
 
 

@@ -246,18 +246,24 @@ def _limit(
     problems: _Problems,
     alert_at: tuple[int, ...] = (),
     window_ids: frozenset[str] | None = None,
+    *,
+    inherited_fit: bool | None = None,
 ) -> BudgetLimit | None:
     """A scope's limit; ``alert_at``: the section's thresholds, for a limit without its own.
     ``window_ids``: the section's windows, which ``windows:`` may give amounts of their own
     (None: a window's own amounts, which can't nest)."""
     if value is None:
         return None
-    known = {"tokens", "cost_usd", "requests", "alert_at"}
+    known = {"tokens", "cost_usd", "requests", "alert_at", "fit"}
     data = _keys(value, where, known if window_ids is None else known | {"windows"}, problems)
     if data is None:
         return None
     own = _alert_at(data.get("alert_at"), f"{where}.alert_at", problems)
     alerts = alert_at if own is None else own
+    fit = data.get("fit", inherited_fit)
+    if fit is not None and not isinstance(fit, bool):
+        problems.add(f"{where}.fit", f"must be true or false, got {fit!r}")
+        fit = None
     tokens = _count(data.get("tokens"), f"{where}.tokens", problems)
     requests = _count(data.get("requests"), f"{where}.requests", problems)
     raw_cost = data.get("cost_usd")
@@ -273,7 +279,7 @@ def _limit(
                 if wid not in window_ids:
                     problems.add(inner, f"no such window (known: {', '.join(sorted(window_ids))})")
                     continue
-                limit = _limit(raw, inner, problems, alerts)
+                limit = _limit(raw, inner, problems, alerts, inherited_fit=fit)
                 if limit is None and raw is None:
                     problems.add(inner, "set tokens, cost_usd, requests or any of them")
                 if limit is not None:
@@ -282,7 +288,7 @@ def _limit(
         if not ({"tokens", "cost_usd", "requests", "windows"} & set(data)):
             problems.add(where, "set tokens, cost_usd, requests or any of them")
         return None
-    return BudgetLimit(tokens, cost, alerts, requests, tuple(by_window))
+    return BudgetLimit(tokens, cost, alerts, requests, tuple(by_window), fit)
 
 
 def _count(value: object, where: str, problems: _Problems) -> int | None:

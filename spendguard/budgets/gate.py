@@ -220,6 +220,7 @@ class BudgetGate:
         output: OutputReservation = DEFAULT_RESERVATION,
         fit_min: int | None = None,
         ratelimit_fields: bool = False,
+        fit_by_default: bool = True,
     ) -> None:
         self.source = source
         self.output = output  # the spend limits' own rule (the guard's), so the two agree
@@ -240,6 +241,7 @@ class BudgetGate:
         # Fit instead of refuse: the least output cap a refused request may be fitted to
         # (None: off; the spend limits' setting, so the two agree).
         self.fit_min = fit_min
+        self.fit_by_default = fit_by_default  # a limit without its own ``fit`` fits
         # The IETF RateLimit fields for the key's own token budget (the guard's setting).
         self.ratelimit_fields = ratelimit_fields
         self._warned_no_redis = False
@@ -595,11 +597,14 @@ class BudgetGate:
         admission.verdict = BudgetVerdict.DENY
         admission.denial = denial
         admission.done = True
-        admission.fits = self._fits([a for _, a in denied], request, estimate)
+        admission.fits = self._fits([(admission.calls[i], a) for i, a in denied], request, estimate)
         return admission
 
     def _fits(
-        self, denied: list[Reserved], request: InferenceRequest, estimate: Usage
+        self,
+        denied: list[tuple[BucketCheck, Reserved]],
+        request: InferenceRequest,
+        estimate: Usage,
     ) -> int | None:
         """The largest output cap per completion that every refusing bucket has room for
         now, when fitting is on, the request declared a cap, and that cap is at least the
@@ -607,12 +612,17 @@ class BudgetGate:
         least = self.fit_min
         if least is None or request.max_tokens is None:
             return None
-        if any(a.unit is Unit.REQUESTS for a in denied):
+        if any(a.unit is Unit.REQUESTS for _, a in denied):
             return None  # a smaller answer is still one more request
+        for call, _ in denied:
+            for check in call.checks:
+                fit = check.limit.fit
+                if not (self.fit_by_default if fit is None else fit):
+                    return None  # a budget that has not opted in refuses as sent
         tokens_in, choices = estimate.input_tokens, request.choices
         cap = estimate.output_tokens // choices
         price = self.prices.lookup(request.model)
-        for answer in denied:
+        for _, answer in denied:
             if answer.left_tokens is not None:
                 cap = min(cap, (answer.left_tokens - tokens_in) // choices)
             if answer.left_cost is not None and price is not None:
@@ -943,6 +953,7 @@ def make_gate(
     override_timeout: float = 5.0,
     fit_min: int | None = None,
     ratelimit_fields: bool = False,
+    fit_by_default: bool = True,
 ) -> BudgetGate:
     """A gate on the gateway's store: its Redis (shared by every replica, the calls leaving
     in the same pipeline writes as the spend limits') when it is one, used whenever the
@@ -971,4 +982,5 @@ def make_gate(
         output=output,
         fit_min=fit_min,
         ratelimit_fields=ratelimit_fields,
+        fit_by_default=fit_by_default,
     )

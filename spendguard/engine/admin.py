@@ -150,23 +150,36 @@ class Admin:
         limit_usd: Decimal | str | int,
         hard: bool = False,
         alert_at: Iterable[int] | str | None = None,
+        fit: bool = False,
     ) -> Policy:
         """Create or change a limit (0 blocks everything); ValueError on a bad argument.
 
         ``hard``: a request is admitted only if its worst-case cost fits under the limit (held
-        until it ends); soft (the default): admitted while usage is below it.
+        until it ends); soft (the default): admitted while usage is below it. ``fit`` (hard
+        only): a request whose output cap doesn't fit is fitted to what is left instead of
+        refused, when the gateway fits at all (``SPENDGUARD_FIT_MIN_OUTPUT_TOKENS``).
 
         ``alert_at``: the limit's own alert thresholds, percentages (``[50, 80, 100]`` or
         ``"50,80,100"``) that alert once per window; ``[]`` or ``""``: this limit never
         alerts; ``"default"``: back to the gateway's ``SPENDGUARD_ALERT_THRESHOLDS``; None
         (the default): a limit keeps what it has (a new one: the gateway's)."""
+        if fit and not hard:
+            raise ValueError("fit applies to a hard limit only")
         identity = Identity(team_id, api_key_id)
         limit = Limit(Subject(identity.team, identity.api_key), _window(window))
         amount = checked_amount(usd_to_micros(limit_usd), "a limit", allow_zero=True)
         own = None if alert_at is None or alert_at == "default" else parse_thresholds(alert_at)
         now = self.clock()
         policy = await self.ledger.set_policy(
-            Policy(limit, amount, identity.team_id, identity.api_key_id, hard=hard, alert_at=own),
+            Policy(
+                limit,
+                amount,
+                identity.team_id,
+                identity.api_key_id,
+                hard=hard,
+                alert_at=own,
+                fit=fit,
+            ),
             now=now,
             keep_alerts=alert_at is None,
         )

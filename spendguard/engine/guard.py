@@ -604,6 +604,9 @@ class SpendGuard:
         price = self.coster.table.lookup(request.model)
         if least is None or request.max_tokens is None or price is None:
             return None
+        denied = decision.denied
+        if not self.settings.fit_by_default and (denied is None or not denied.fit):
+            return None  # a hard limit that has not opted in refuses as sent
         left = min(s.limit - s.used for s in decision.limits if s.hard)
         choices = request.choices
 

@@ -40,6 +40,7 @@ def policy_json(policy: Policy) -> dict[str, Any]:
         "limit_micros": policy.amount,
         "limit_usd": usd_text(policy.amount),
         "mode": "hard" if policy.hard else "soft",
+        "fit": policy.fit,  # hard: fitted to what is left instead of refused
         # Percentages that alert once per window; null: the gateway's default thresholds.
         "alert_at": None if policy.alert_at is None else list(policy.alert_at),
     }

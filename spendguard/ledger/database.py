@@ -249,6 +249,7 @@ _ADDED_COLUMNS = (
     ("spendguard_records", "tag_ids", "TEXT"),
     ("spendguard_records", "customer", "VARCHAR(100)"),
     ("spendguard_records", "customer_id", "TEXT"),
+    ("spendguard_policies", "fit", "BOOLEAN NOT NULL DEFAULT FALSE"),
 )
 
 

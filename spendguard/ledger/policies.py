@@ -56,6 +56,7 @@ def _policy_of(m: Any) -> Policy:
         api_key_id=m["api_key_id"],
         hard=bool(m["hard"]),
         alert_at=_alert_at(m["alert_at"]),
+        fit=bool(m["fit"]),
     )
 
 
@@ -107,6 +108,7 @@ class PolicyQueries(BalanceQueries):
                 limit_micros=policy.amount,
                 active=True,
                 hard=policy.hard,
+                fit=policy.hard and policy.fit,
                 alert_at=_alert_text(policy.alert_at),
                 created_us=now_us,
                 updated_us=now_us,
@@ -117,6 +119,7 @@ class PolicyQueries(BalanceQueries):
                     "limit_micros": stmt.excluded.limit_micros,
                     "active": True,
                     "hard": stmt.excluded.hard,
+                    "fit": stmt.excluded.fit,
                     "alert_at": stmt.excluded.alert_at,
                     "updated_us": stmt.excluded.updated_us,
                 },

@@ -32,6 +32,8 @@ policies = sa.Table(
     sa.Column("alert_at", sa.Text, nullable=True),
     sa.Column("created_us", sa.BigInteger, nullable=False),
     sa.Column("updated_us", sa.BigInteger, nullable=False),
+    # A hard limit that fits a refused request's output cap instead (added like ``hard``).
+    sa.Column("fit", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.CheckConstraint("limit_micros >= 0", name="spendguard_policy_limit_nonneg"),
 )
 

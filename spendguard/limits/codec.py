@@ -42,6 +42,9 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 LOADED_FIELD = "_loaded"
 # A hard limit's field in the policy hash: this prefix and its soft field (``h:team:month``).
 HARD_PREFIX = "h:"
+# A hard limit that fits a refused request's output cap instead (its opt-in): this prefix
+# instead of HARD_PREFIX (``f:team:month``).
+FIT_PREFIX = "f:"
 # A limit's own alert thresholds: this prefix and its soft field (``a:team:month`` ->
 # ``"50,80"``; ``""``: none). Absent: the gateway's default thresholds apply.
 ALERT_PREFIX = "a:"
@@ -295,7 +298,8 @@ class KeyCodec:
         fields: dict[str, int | str] = {}
         for p in policies:
             name = field_of(p.limit)
-            fields[(HARD_PREFIX if p.hard else "") + name] = min(p.amount, MAX_AMOUNT_MICROS)
+            prefix = (FIT_PREFIX if p.fit else HARD_PREFIX) if p.hard else ""
+            fields[prefix + name] = min(p.amount, MAX_AMOUNT_MICROS)
             if p.alert_at is not None:
                 fields[ALERT_PREFIX + name] = ",".join(map(str, p.alert_at))
         if balance:

@@ -91,6 +91,9 @@ class BudgetLimit:
     alert_at: tuple[int, ...] = ()
     requests: int | None = None  # requests admitted (a rolling RPM over a 1m window)
     by_window: tuple[tuple[str, BudgetLimit], ...] = ()  # (window id, its own amounts)
+    # A request whose output cap doesn't fit is fitted to what is left (True) or refused
+    # (False) instead; None: as the gateway's SPENDGUARD_FIT_BY_DEFAULT says.
+    fit: bool | None = None
 
     @property
     def has_amount(self) -> bool:
@@ -113,6 +116,8 @@ class BudgetLimit:
             out["requests"] = self.requests
         if self.alert_at:
             out["alert_at"] = list(self.alert_at)
+        if self.fit is not None:
+            out["fit"] = self.fit
         if self.by_window:
             out["windows"] = {wid: own.as_json() for wid, own in self.by_window}
         return out
@@ -142,6 +147,10 @@ class Policy:
     # Percentages of the limit that alert once per window (``()``: none); None: the
     # gateway's default thresholds.
     alert_at: tuple[int, ...] | None = None
+    # Hard only: a request whose output cap doesn't fit is fitted to what is left instead
+    # of refused (with SPENDGUARD_FIT_MIN_OUTPUT_TOKENS; every hard limit fits then unless
+    # SPENDGUARD_FIT_BY_DEFAULT is false, and then only those that say so).
+    fit: bool = False
 
     @property
     def mode(self) -> Mode:

@@ -60,6 +60,7 @@ class LimitState:
     hard: bool = False  # a hard limit: a request must fit its hold under it
     # The limit's own alert thresholds as stored ("50,80"; "" none), None: the gateway's.
     alert_at: str | None = None
+    fit: bool = False  # a hard limit that fits a refused request's output cap (its opt-in)
 
     @property
     def is_balance(self) -> bool:
@@ -159,9 +160,13 @@ class EntryWrite:
     value: str
 
 
-def decide(
-    checks: Sequence[tuple[Check, int | None, int | None, bool, str | None]], hold: int = 0
-) -> Preflight:
+# A check as a store read it: (check, limit or None, usage or None, mode, own alert
+# thresholds or None); mode: 0 soft, 1 hard, 2 hard and fitting (HARD, FITS).
+Found = tuple[Check, int | None, int | None, int, str | None]
+HARD, FITS = 1, 2
+
+
+def decide(checks: Sequence[Found], hold: int = 0) -> Preflight:
     """The preflight rule shared by every store, on exact integers.
 
     ``checks`` holds, in check order, (check, limit or None for no policy, usage or None
@@ -174,13 +179,14 @@ def decide(
     """
     checked: list[LimitState] = []
     missing: list[Check] = []
-    for check, limit, used, hard, alert_at in checks:
+    for check, limit, used, mode, alert_at in checks:
         if limit is None:
             continue
         if used is None:
             missing.append(check)
             continue
-        state = LimitState(check, limit, used, hard, alert_at)
+        hard = mode != 0
+        state = LimitState(check, limit, used, hard, alert_at, mode == FITS)
         checked.append(state)
         if used + hold > limit if hard else used >= limit:
             return Preflight(Outcome.DENY, tuple(checked))

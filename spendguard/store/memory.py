@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 from ..clock import to_millis, utcnow
 from ..errors import StoreFull
-from ..limits import Balance, Check, KeyPlan
+from ..limits import Balance, KeyPlan
 from ..limits.capacity import Acquired, Attempt, ProviderKey, Refusal, StoredKey
-from ..limits.codec import ALERT_PREFIX, HARD_PREFIX, LOADED_FIELD
+from ..limits.codec import ALERT_PREFIX, FIT_PREFIX, HARD_PREFIX, LOADED_FIELD
 from ..limits.model import SubjectKind, Unit
 from ..limits.models import ALLOW_PREFIX, allows
 from ..limits.rates import (
@@ -31,9 +31,12 @@ from ..limits.rates import (
 )
 from ..limits.windows import SLICES, Rolling
 from .base import (
+    FITS,
+    HARD,
     AlertMarks,
     CachedParts,
     EntryWrite,
+    Found,
     Outcome,
     Preflight,
     RefreshEntry,
@@ -73,18 +76,21 @@ class _Policy:
     models: dict[str, str] = field(default_factory=dict)  # allow field -> encoded list
     rates: dict[str, Rates] = field(default_factory=dict)  # rate field -> the subject's rates
     alerts: dict[str, str] = field(default_factory=dict)  # check field -> its own thresholds
-    # A check's field -> (its limit, hard): the hard limit where the policy has one (read once
-    # here, not per request and check).
-    held_to: dict[str, tuple[int, bool]] = field(init=False, repr=False, compare=False)
+    # A check's field -> (its limit, mode as in base.Found): the hard limit where the policy
+    # has one, fitting or not (read once here, not per request and check).
+    held_to: dict[str, tuple[int, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         limits = self.limits
-        held: dict[str, tuple[int, bool]] = {}
+        held: dict[str, tuple[int, int]] = {}
         for name, amount in limits.items():
-            if name.startswith(HARD_PREFIX):
-                held[name[len(HARD_PREFIX) :]] = (amount, True)
-            elif HARD_PREFIX + name not in limits:
-                held[name] = (amount, False)
+            if name.startswith(FIT_PREFIX):
+                held[name[len(FIT_PREFIX) :]] = (amount, FITS)
+            elif name.startswith(HARD_PREFIX):
+                if FIT_PREFIX + name[len(HARD_PREFIX) :] not in limits:
+                    held[name[len(HARD_PREFIX) :]] = (amount, HARD)
+            elif HARD_PREFIX + name not in limits and FIT_PREFIX + name not in limits:
+                held[name] = (amount, 0)
         self.held_to = held
 
 
@@ -362,7 +368,7 @@ class MemoryStore:
         )
 
     def _preflight(self, plan: KeyPlan, policy: _Policy, hold: int, now: datetime) -> Preflight:
-        checks: list[tuple[Check, int | None, int | None, bool, str | None]] = []
+        checks: list[Found] = []
         held_to = policy.held_to
         for check in plan.checks:
             found = held_to.get(check.field)

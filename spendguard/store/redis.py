@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 from ..clock import to_millis, utcnow
 from ..errors import ConfigurationError, StoreUnavailable
 from ..identity import encode_id
-from ..limits import Check, KeyPlan
+from ..limits import KeyPlan
 from ..limits.capacity import Acquired, Attempt, ProviderKey, Refusal, StoredKey
 from ..limits.model import Unit
 from ..limits.rates import WINDOW_MS as RATE_WINDOW_MS
@@ -41,6 +41,7 @@ from .base import (
     AlertMarks,
     CachedParts,
     EntryWrite,
+    Found,
     Outcome,
     Preflight,
     RefreshEntry,
@@ -211,13 +212,12 @@ class RedisStore:
             return Preflight(Outcome.MISS, missing_policy=True)
         if raw == "model":
             return Preflight(Outcome.MODEL)
-        found: list[tuple[Check, int | None, int | None, bool, str | None]] = []
+        found: list[Found] = []
         for i, check in enumerate(checks):
             limit, settled, pending, hard, alert_at = raw[5 * i : 5 * i + 5]
             used = None if settled is None else int(settled) + int(pending or 0)
-            found.append(
-                (check, None if limit is None else int(limit), used, hard is not None, alert_at)
-            )
+            mode = 0 if hard is None else int(hard)  # preflight.lua: "1" hard, "2" it fits
+            found.append((check, None if limit is None else int(limit), used, mode, alert_at))
         pf = decide(found, hold)
         n = 5 * len(checks)
         if len(raw) == n:

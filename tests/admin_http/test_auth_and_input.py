@@ -28,7 +28,11 @@ ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
     ("GET", "/teams/acme/policies", None),
     ("PUT", "/teams/acme/policies/day", {"limit_usd": "1"}),
     ("DELETE", "/teams/acme/policies/day", None),
-    ("PUT", "/teams/acme/keys/alpha/policies/month", {"limit_usd": "1", "mode": "hard"}),
+    (
+        "PUT",
+        "/teams/acme/keys/alpha/policies/month",
+        {"limit_usd": "1", "mode": "hard", "fit": True},
+    ),
     ("DELETE", "/teams/acme/keys/alpha/policies/month", None),
     ("GET", "/teams/acme/usage", None),
     ("GET", "/teams/acme/keys/alpha/usage", None),
@@ -276,6 +280,8 @@ BAD_LIMITS: list[tuple[bytes, int, str]] = [
     (b'{"limit_usd": "1e999999999"}', 400, "invalid_amount"),
     (b'{"limit_usd": 10000000000000000000000}', 400, "invalid_amount"),
     (b'{"limit_usd": "1", "mode": "medium"}', 400, "invalid_request"),
+    (b'{"limit_usd": "1", "fit": true}', 400, "invalid_request"),  # fit: a hard limit's
+    (b'{"limit_usd": "1", "mode": "hard", "fit": "yes"}', 400, "invalid_request"),
     (b'{"limit_usd": "1", "api_key": "alpha"}', 400, "invalid_request"),
     (b'{"limit_usd": "' + b"1" * 70_000 + b'"}', 413, "request_too_large"),
 ]

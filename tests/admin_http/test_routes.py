@@ -67,6 +67,7 @@ async def test_policies_set_list_and_remove_apply_to_the_next_request(gw: AdminG
         "limit_micros": 0,
         "limit_usd": "0.000000",
         "mode": "soft",
+        "fit": False,
         "alert_at": None,
     }
     refused = await gw.chat()

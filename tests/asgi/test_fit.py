@@ -176,3 +176,62 @@ async def test_a_token_budget_fits_the_request_too(tmp_path: Path) -> None:
     assert sent["max_tokens"] == fitted
     assert r.json()["usage"]["completion_tokens"] == fitted
     assert counters and all(used <= 1_000 for used in counters)
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_with_fitting_opt_in_only_the_hard_limits_that_say_fit_are_fitted(
+    tmp_path: Path, store: str, request: pytest.FixtureRequest
+) -> None:
+    """SPENDGUARD_FIT_BY_DEFAULT=false: the key whose hard limit says fit gets a fitted
+    answer, the key whose hard limit doesn't is refused as sent (the flag travels through
+    the ledger and the store's policy cache, on the embedded store and on Redis)."""
+    settings: dict[str, Any] = {"fit_min_output_tokens": 100, "fit_by_default": False}
+    if store == "redis":
+        settings |= {"redis_url": request.getfixturevalue("redis_url")}
+    async with Gateway(tmp_path, **settings) as gw:
+        gw.inner = fake_upstream()
+        gw.app = StateAuth(SpendGuardMiddleware(gw.inner, guard=gw.guard))
+        for key, fit in (("alpha", True), ("beta", False)):
+            saved = await gw.guard.admin.set_policy(
+                "acme", key, window=Period.DAY, limit_usd=Decimal(LIMIT) / 10**6, hard=True, fit=fit
+            )
+            assert saved.fit is fit
+        with pytest.raises(ValueError, match="hard limit only"):
+            await gw.guard.admin.set_policy("acme", "x", window=Period.DAY, limit_usd=1, fit=True)
+        async with gw.client() as http:
+            answers = {
+                key: await http.post(
+                    "/v1/chat/completions",
+                    json={"model": MODEL, "messages": MESSAGES, "max_tokens": ASKED},
+                    headers={**LONG, "x-test-key": key},
+                )
+                for key in ("alpha", "beta")
+            }
+        listed = {p.api_key_id: p.fit for p in await gw.guard.admin.list_policies("acme")}
+    assert answers["alpha"].status_code == 200 and 900 < int(answers["alpha"].headers[FITTED])
+    assert answers["beta"].status_code == 429 and FITTED not in answers["beta"].headers
+    assert listed == {"alpha": True, "beta": False}
+
+
+@pytest.mark.parametrize(
+    ("by_default", "fit", "fitted"), [(True, False, False), (False, True, True)]
+)
+async def test_a_budget_opts_out_of_fitting_or_in(
+    tmp_path: Path, by_default: bool, fit: bool, fitted: bool
+) -> None:
+    budgets = section(scopes={"per_api_key": {"tokens": 1_000, "fit": fit}})
+    gw = BudgetGateway(
+        tmp_path,
+        budgets=budgets,
+        app=fake_upstream(),
+        fit_min_output_tokens=100,
+        fit_by_default=by_default,
+    )
+    async with gw, gw.client() as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": MESSAGES, "max_tokens": ASKED},
+            headers=LONG,
+        )
+    assert r.status_code == (200 if fitted else 429)
+    assert (FITTED in r.headers) is fitted

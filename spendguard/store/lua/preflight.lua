@@ -21,9 +21,10 @@
 -- request whose model matches no glob of a list that exists gets "model" back, and nothing is
 -- read or written further.
 --
--- A limit is soft under its field, hard under "h:" .. field. Returns 0 when the policy hash is
--- absent (a miss: the caller loads it from the ledger). Otherwise a flat list, 5 entries per
--- candidate: limit, settled, pending, hard ("1" or nil), and the limit's own alert thresholds
+-- A limit is soft under its field, hard under "h:" .. field, hard and fitting a refused
+-- request's output cap under "f:" .. field. Returns 0 when the policy hash is absent (a miss:
+-- the caller loads it from the ledger). Otherwise a flat list, 5 entries per candidate: limit,
+-- settled, pending, hard ("1", "2" when it fits, or nil), and the limit's own alert thresholds
 -- (its "a:" field: "50,80", "" for none; nil: the gateway's default). A nil limit means "no policy" and then
 -- its usage key is not even read; nil settled means the usage key is absent (a miss for that
 -- key). The "balance" field marks that the team has a prepaid account; its limit is the balance
@@ -46,12 +47,13 @@ if n == nil or #KEYS < n + 3 or #ARGV < n + 11 then
 end
 local rid, hold, model, entry = ARGV[n + 2], ARGV[n + 3], ARGV[n + 4], ARGV[n + 12]
 -- One read of the policy hash: its marker (absent: a miss), the model lists and rates, then
--- each candidate's soft and hard limit fields.
+-- each candidate's soft, hard, hard-and-fitting and alert fields.
 local fields = {'_loaded', ARGV[n + 5], ARGV[n + 6], ARGV[n + 7], ARGV[n + 8]}
 for i = 1, n do
-  fields[3 + 3 * i] = ARGV[i + 1]
-  fields[4 + 3 * i] = 'h:' .. ARGV[i + 1]
-  fields[5 + 3 * i] = 'a:' .. ARGV[i + 1]
+  fields[2 + 4 * i] = ARGV[i + 1]
+  fields[3 + 4 * i] = 'h:' .. ARGV[i + 1]
+  fields[4 + 4 * i] = 'f:' .. ARGV[i + 1]
+  fields[5 + 4 * i] = 'a:' .. ARGV[i + 1]
 end
 local policy = redis.call('HMGET', KEYS[1], unpack(fields))
 if not policy[1] and redis.call('EXISTS', KEYS[1]) == 0 then
@@ -111,14 +113,17 @@ if not uint(hold) then
 end
 
 local limits = {}
-for j = 1, 3 * n do
+for j = 1, 4 * n do
   limits[j] = policy[5 + j]
 end
 local out = {}
 local allow = true
 local holds = {}
 for i = 1, n do
-  local limit, hard = limits[3 * i - 2], limits[3 * i - 1]
+  local limit, hard, fits = limits[4 * i - 3], limits[4 * i - 2], limits[4 * i - 1]
+  if fits then
+    hard = fits
+  end
   if hard then
     limit = hard
   end
@@ -130,8 +135,8 @@ for i = 1, n do
     out[5 * i - 4] = limit
     out[5 * i - 3] = usage[1]
     out[5 * i - 2] = usage[2]
-    out[5 * i - 1] = hard and '1' or false
-    out[5 * i] = limits[3 * i] or false
+    out[5 * i - 1] = (fits and '2') or (hard and '1') or false
+    out[5 * i] = limits[4 * i] or false
     if allow then
       local settled, pending = usage[1], usage[2] or '0'
       if not settled then
