@@ -208,7 +208,7 @@ async def test_with_fitting_opt_in_only_the_hard_limits_that_say_fit_are_fitted(
                 for key in ("alpha", "beta")
             }
         listed = {p.api_key_id: p.fit for p in await gw.guard.admin.list_policies("acme")}
-    assert answers["alpha"].status_code == 200 and 900 < int(answers["alpha"].headers[FITTED])
+    assert answers["alpha"].status_code == 200 and int(answers["alpha"].headers[FITTED]) > 900
     assert answers["beta"].status_code == 429 and FITTED not in answers["beta"].headers
     assert listed == {"alpha": True, "beta": False}
 
