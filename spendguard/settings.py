@@ -154,19 +154,22 @@ class Settings(BaseSettings):
         ("state",),
         description="Where a request's end user comes from, tried in order (comma-separated): "
         "state (the app's request.state.spendguard_end_user), header:<name> (a header the "
-        "gateway's own auth sets), body (the client's user or safety_identifier: untrusted).",
+        "gateway's own auth sets), body (the client's user or safety_identifier: untrusted) or "
+        "body:<field> (one body field, dotted: metadata.end_user).",
     )
     tags_from: Annotated[tuple[str, ...], NoDecode] = Field(
         ("state",),
         description="Where a request's tags come from, tried in order (comma-separated): state "
-        "(the app's request.state.spendguard_tags, a list) or header:<name> (comma-separated "
-        "values of a header the gateway's own auth sets).",
+        "(the app's request.state.spendguard_tags, a list), header:<name> (comma-separated "
+        "values of a header the gateway's own auth sets) or body:<field> (a list in one body "
+        "field, dotted: metadata.tags).",
     )
     customer_from: Annotated[tuple[str, ...], NoDecode] = Field(
         ("state",),
         description="Where a request's customer (the organisation above its team) comes from, "
-        "tried in order (comma-separated): state (the app's request.state.spendguard_customer) "
-        "or header:<name> (a header the gateway's own auth sets).",
+        "tried in order (comma-separated): state (the app's request.state.spendguard_customer), "
+        "header:<name> (a header the gateway's own auth sets) or body:<field> (one body "
+        "field, dotted).",
     )
     unlisted_inference: Unlisted = Field(
         Unlisted.REFUSE,
@@ -341,9 +344,12 @@ class Settings(BaseSettings):
         allowed = ("state", "body") if info.field_name == "end_user_from" else ("state",)
         for source in value:
             kind, _, name = source.partition(":")
-            if source in allowed or (kind == "header" and name.strip()):
+            field = kind == "body" and name != "" and all(p.strip() for p in name.split("."))
+            if source in allowed or (kind == "header" and name.strip()) or field:
                 continue
-            raise ValueError(f"{source!r}: one of {', '.join(allowed)} or header:<name>")
+            raise ValueError(
+                f"{source!r}: one of {', '.join(allowed)}, header:<name> or body:<field>"
+            )
         return tuple(s.lower() if s.startswith("header:") else s for s in value)
 
     @field_validator("routes", "pass_routes", mode="before")

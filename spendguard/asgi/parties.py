@@ -7,7 +7,9 @@ The app decides what it trusts: by default only its own request state
 sets. A header its own auth or proxy sets can be named instead (``header:<name>``). The
 client's own ``user`` / ``safety_identifier`` body fields are a source only when listed
 (``body``): any client can send any value there, so a limit per end user taken from them
-limits nothing a client cannot dodge by changing the value.
+limits nothing a client cannot dodge by changing the value. ``body:<path>`` names one body
+field (dotted: ``metadata.tags``), for a gateway whose own auth writes it or whose clients
+it trusts.
 """
 
 from __future__ import annotations
@@ -56,6 +58,16 @@ def _checked(value: object, what: str) -> str | None:
     return value
 
 
+def _at(body: Mapping[str, Any] | None, path: str) -> object:
+    """The value at a dotted ``path`` of the body (None where it has none)."""
+    found: object = body
+    for part in path.split("."):
+        if not isinstance(found, Mapping):
+            return None
+        found = found.get(part)
+    return found
+
+
 def party_of(
     sources: Sequence[str],
     state: Mapping[str, Any],
@@ -77,6 +89,9 @@ def party_of(
                 found = _checked(None if body is None else body.get(field), f"'{field}'")
                 if found is not None:
                     break
+        elif source.startswith("body:"):
+            path = source[5:]
+            found = _checked(_at(body, path), f"'{path}'")
         else:
             name = source.partition(":")[2]
             found = _checked(_header(headers, name), f"The {name} header")
@@ -86,7 +101,10 @@ def party_of(
 
 
 def tags_of(
-    sources: Sequence[str], state: Mapping[str, Any], headers: Sequence[tuple[bytes, bytes]]
+    sources: Sequence[str],
+    state: Mapping[str, Any],
+    headers: Sequence[tuple[bytes, bytes]],
+    body: Mapping[str, Any] | None = None,
 ) -> tuple[str, ...]:
     """The tags of a request, from the first source that gives any (in order, each once)."""
     for source in sources:
@@ -94,6 +112,9 @@ def tags_of(
         if source == "state":
             raw = state.get(STATE_TAGS)
             what = "request.state.spendguard_tags"
+        elif source.startswith("body:"):
+            raw = _at(body, source[5:])
+            what = f"'{source[5:]}'"
         else:
             name = source.partition(":")[2]
             header = _header(headers, name)
@@ -124,7 +145,9 @@ class Parties:
     ) -> None:
         self._end_user, self._tags = tuple(end_user_from), tuple(tags_from)
         self._customer = tuple(customer_from)
-        self._body = "body" in self._end_user
+        self._body = any(
+            s.startswith("body") for s in (*self._end_user, *self._tags, *self._customer)
+        )
 
     def apply(
         self,
@@ -140,7 +163,7 @@ class Parties:
             loaded = json.loads(body)  # parse_request accepted it: a JSON object
             parsed = loaded if isinstance(loaded, dict) else None
         request.end_user = party_of(self._end_user, state, headers, parsed)
-        request.tags = tags_of(self._tags, state, headers)
+        request.tags = tags_of(self._tags, state, headers, parsed)
         request.customer = party_of(
-            self._customer, state, headers, None, key=STATE_CUSTOMER, what="customer"
+            self._customer, state, headers, parsed, key=STATE_CUSTOMER, what="customer"
         )

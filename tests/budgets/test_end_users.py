@@ -23,6 +23,7 @@ from spendguard.engine.entries import closed_entry, open_entry, recovered_record
 from spendguard.identity import Identity
 from spendguard.ledger.schema import records
 from spendguard.limits import Period
+from spendguard.settings import Settings
 from tests.support.budgets import BudgetGateway, section
 from tests.support.gateway import chat_body, upstream
 from tests.support.records import make_record
@@ -331,3 +332,42 @@ async def test_a_tags_request_rate_refuses_with_a_retry_and_leaves_other_tags(
     error = refused.json()["error"]
     assert error["message"] == "Tag 'batch' request budget exceeded for window 'minute'."
     assert 1 <= int(refused.headers["retry-after"]) <= 60  # when the first leaves the minute
+
+
+async def test_tags_and_the_customer_from_allow_listed_body_fields(tmp_path: Path) -> None:
+    """A gateway whose clients send their tags as LiteLLM's do (``metadata.tags``) lists that
+    field; the customer from another one. Fields not listed count for nothing."""
+    budgets = section(
+        scopes={
+            "per_tag": {"search": {"tokens": 150}},
+            "per_customer": {"globex": {"tokens": 10_000}},
+        }
+    )
+    gw = BudgetGateway(
+        tmp_path,
+        budgets=budgets,
+        tags_from="body:metadata.tags",
+        customer_from="body:metadata.org",
+    )
+    async with gw, gw.client() as c:
+
+        async def post(max_tokens: int = 98, **extra: object) -> int:
+            body = chat_body(max_tokens=max_tokens, **extra)
+            return (await c.post("/v1/chat/completions", json=body)).status_code
+
+        meta = {"tags": ["search"], "org": "globex"}
+        first = await post(metadata=meta)  # 15 of search's 150
+        refused = await post(metadata=meta, max_tokens=140)  # 142 more would pass 150
+        unlisted = await post(tags=["search"], max_tokens=140)  # a field not listed
+        bad = await post(metadata={"tags": "search"})  # not a list
+        counters = {(c.scope, c.subject): c.tokens for c in (await gw.budgets.inspect()).counters}
+    assert (first, refused, unlisted, bad) == (200, 429, 200, 400)
+    assert counters[(BudgetScope.PER_TAG, "search")] == 15
+    assert counters[(BudgetScope.PER_CUSTOMER, "globex")] == 15
+
+
+def test_a_body_source_names_a_field() -> None:
+    assert Settings(tags_from="body:metadata.tags").tags_from == ("body:metadata.tags",)
+    for bad in ("body:", "body:a..b", "body"):
+        with pytest.raises(ValueError, match="body:<field>"):
+            Settings(tags_from=bad)
