@@ -36,7 +36,7 @@ import yaml
 from ..errors import ConfigurationError
 from ..limits.model import BudgetLimit, SubjectKind
 from ..limits.percentages import parse_thresholds
-from ..limits.windows import Rolling
+from ..limits.windows import Period, Rolling
 from ..money import MAX_AMOUNT_MICROS, usd_to_micros
 
 # Every window is cut into this many equal slices; usage leaves a window one slice at a time.
@@ -48,8 +48,11 @@ DEFAULT_HOLD_SECONDS = 900
 
 _UNITS = {"m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
 _PERIOD = re.compile(r"([1-9][0-9]{0,5})([mhdw])")
-# Calendar names are aliases of fixed lengths here, never midnight or 1st-of-month resets.
+# Calendar names are aliases of fixed lengths here, never midnight or 1st-of-month resets
+# (as the design document budgets follow says); the utc: ones are the UTC calendar's own.
 _ALIASES = {"calendar:day": 86_400, "calendar:month": 30 * 86_400}
+_CALENDAR = {"utc:day": Period.DAY, "utc:month": Period.MONTH}
+_CALENDAR_SECONDS = {Period.DAY: 86_400, Period.MONTH: 31 * 86_400}  # the longest
 # Window ids reach Redis key names and metric labels.
 _WINDOW_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _MAX_MODEL_NAME = 256
@@ -96,20 +99,30 @@ _KINDS = {
 
 def parse_period(text: str) -> int:
     """Seconds of a period: ``<n>m``, ``<n>h``, ``<n>d``, ``<n>w``, ``calendar:day`` (24h) or
-    ``calendar:month`` (30d). ValueError when it is none of them."""
+    ``calendar:month`` (30d); ``utc:day`` and ``utc:month`` (the UTC calendar's: a day, the
+    longest month). ValueError when it is none of them."""
     if not isinstance(text, str):
         raise ValueError(f"not a period: {text!r}")
     if text in _ALIASES:
         return _ALIASES[text]
+    if text in _CALENDAR:
+        return _CALENDAR_SECONDS[_CALENDAR[text]]
     match = _PERIOD.fullmatch(text)
     if match is None:
         raise ValueError(
-            f"{text!r} is not a period (use <n>m, <n>h, <n>d, <n>w, calendar:day or calendar:month)"
+            f"{text!r} is not a period (use <n>m, <n>h, <n>d, <n>w, calendar:day, "
+            "calendar:month, utc:day or utc:month)"
         )
     seconds = int(match.group(1)) * _UNITS[match.group(2)]
     if seconds > MAX_PERIOD_SECONDS:
         raise ValueError(f"{text!r} is longer than {MAX_PERIOD_SECONDS // 86_400} days")
     return seconds
+
+
+def make_window(window_id: str, period: str) -> Rolling:
+    """The window ``period`` names (ValueError when it names none): rolling, or the UTC
+    calendar's day or month (``utc:day``, ``utc:month``)."""
+    return Rolling(window_id, period, parse_period(period), _CALENDAR.get(period))
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,12 +373,12 @@ def _windows(value: object, problems: _Problems) -> tuple[Rolling, ...]:
         else:
             seen.add(window_id)
         try:
-            seconds = parse_period(period)  # type: ignore[arg-type]
+            parse_period(period)  # type: ignore[arg-type]
         except ValueError as exc:
             problems.add(f"{where}.period", str(exc))
             ok = False
         if ok:
-            out.append(Rolling(str(window_id), str(period), seconds))
+            out.append(make_window(str(window_id), str(period)))
     return tuple(out)
 
 

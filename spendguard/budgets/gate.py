@@ -42,7 +42,7 @@ from ..ledger import BudgetOverride, Ledger
 from ..limits.kinds import KINDS
 from ..limits.model import BudgetLimit, SubjectKind, Unit
 from ..limits.rates import POLICY_FIELD, STATE_FIELD, TOKENS_UNIT
-from ..limits.windows import SLICES, Rolling
+from ..limits.windows import Rolling
 from ..record import InferenceRecord
 from ..store import MemoryStore, Store
 from ..store.rolling import (
@@ -55,7 +55,7 @@ from ..store.rolling import (
     bucket_marks,
 )
 from ..usage import Usage
-from .config import BudgetsConfig, Scope, Storage, parse_period
+from .config import BudgetsConfig, Scope, Storage, make_window
 from .overrides import OverrideCache
 from .source import BudgetsSource
 
@@ -543,7 +543,7 @@ class BudgetGate:
         out = []
         for window in call.windows:
             slice_ms = window.slice_ms
-            first = (now_ms // slice_ms - SLICES + 1) * slice_ms
+            first = window.first_slice(now_ms) * slice_ms
             rows = await self.ledger.used_slices(
                 since=from_micros(first * 1000), slice_us=slice_ms * 1000, **filters
             )
@@ -888,9 +888,7 @@ def scope_of(bucket: Bucket) -> Scope:
 
 def override_window(override: BudgetOverride) -> Rolling:
     """A key's own window: named after its period (``24h``), separate from the fleet's."""
-    return Rolling(
-        override.budget_window, override.budget_window, parse_period(override.budget_window)
-    )
+    return make_window(override.budget_window, override.budget_window)
 
 
 def _key_headers(

@@ -6,15 +6,17 @@ started at 23:59:59 counts for that day however late it ends. Spend limits count
 
 A :class:`Rolling` window is the last ``seconds``, counted in :data:`SLICES` slices: a slice
 leaves the window as a whole once the window has moved past it, so usage drains slice by
-slice and a 24h window always holds (about) the last 24 hours. Budgets count in them.
+slice and a 24h window always holds (about) the last 24 hours. Budgets count in them, and in
+their calendar form too (``utc:day``, ``utc:month``: the period of ``t0``, as spend limits).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
+from functools import lru_cache
 from typing import Final
 
 from ..clock import as_utc
@@ -55,13 +57,29 @@ SLICES: Final = 60
 """Slices of a rolling window: its usage drains by 1/60 of its length at a time."""
 
 
+DAY_MS: Final = 86_400_000
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@lru_cache(maxsize=64)
+def _month_days(day: int) -> tuple[int, int]:
+    """The day indexes (days since the epoch) of the 1st of the month holding ``day`` and of
+    the 1st of the next one."""
+    t = _EPOCH + timedelta(days=day)
+    first = (Period.MONTH.start(t) - _EPOCH).days
+    return first, (Period.MONTH.end(t) - _EPOCH).days
+
+
 @dataclass(frozen=True, slots=True)
 class Rolling:
-    """The last ``seconds`` (a whole number of minutes), cut into :data:`SLICES` slices."""
+    """The last ``seconds`` (a whole number of minutes), cut into :data:`SLICES` slices; or,
+    with ``calendar``, the current UTC day or month (``utc:day``, ``utc:month``), counted in
+    slices of a day, all of which leave it at once when the period resets."""
 
     id: str  # the operator's name for it (``daily``), unique in its section
     period: str  # as configured (``24h``), for display
-    seconds: int
+    seconds: int  # a calendar month: its longest (31 days), for how long keys live
+    calendar: Period | None = None
 
     @property
     def period_ms(self) -> int:
@@ -69,17 +87,42 @@ class Rolling:
 
     @property
     def slice_ms(self) -> int:
+        if self.calendar is not None:
+            return DAY_MS
         # Every period is a whole number of minutes, so a slice is a whole number of ms.
         return self.period_ms // SLICES
+
+    @property
+    def label(self) -> str:
+        """What tells this window's series apart from another of the same id (a reload that
+        changes the period starts afresh): its seconds, or its calendar period."""
+        return str(self.seconds) if self.calendar is None else f"utc-{self.calendar.value}"
 
     def slice_of(self, now_ms: int) -> int:
         """The index of the slice ``now_ms`` falls in (usage lands in its request's)."""
         return now_ms // self.slice_ms
 
+    def first_slice(self, now_ms: int) -> int:
+        """The oldest slice still in the window at ``now_ms``."""
+        if self.calendar is None:
+            return now_ms // self.slice_ms - SLICES + 1
+        day = now_ms // DAY_MS
+        return day if self.calendar is Period.DAY else _month_days(day)[0]
+
     def reset_ms(self, now_ms: int) -> int:
         """When the window will have emptied if nothing more is counted: when the current
-        slice (the newest) leaves it."""
-        return (self.slice_of(now_ms) + SLICES) * self.slice_ms
+        slice (the newest) leaves it; a calendar window's at its reset."""
+        if self.calendar is None:
+            return (self.slice_of(now_ms) + SLICES) * self.slice_ms
+        day = now_ms // DAY_MS
+        return (day + 1 if self.calendar is Period.DAY else _month_days(day)[1]) * DAY_MS
+
+    def epoch(self, now_ms: int) -> int:
+        """Which length of the window ``now_ms`` is in (a threshold alerts once per epoch): a
+        calendar window's period itself."""
+        if self.calendar is None:
+            return now_ms // self.period_ms
+        return self.first_slice(now_ms)
 
 
 # The windows a spend limit can have. Rolling windows join this union once the planner plans

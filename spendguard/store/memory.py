@@ -29,7 +29,7 @@ from ..limits.rates import (
     exceeds,
     minute_of,
 )
-from ..limits.windows import SLICES, Rolling
+from ..limits.windows import DAY_MS, SLICES, Rolling
 from .base import (
     FITS,
     HARD,
@@ -117,9 +117,9 @@ class _Rate:
         self.minute = max(self.minute, minute)
 
 
-def _window_key(window: Rolling) -> tuple[str, int]:
+def _window_key(window: Rolling) -> tuple[str, str]:
     # A window whose period changes (a reload) starts a new series: old slices meant other times.
-    return (window.id, window.seconds)
+    return (window.id, window.label)
 
 
 @dataclass(slots=True)
@@ -135,7 +135,7 @@ class _Slices:
                 del series[idx]
 
     def current(self, window: Rolling, now_ms: int) -> tuple[int, int, int]:
-        self.drop_before(now_ms // window.slice_ms - SLICES + 1)
+        self.drop_before(window.first_slice(now_ms))
         return sum(self.tokens.values()), sum(self.cost.values()), sum(self.requests.values())
 
 
@@ -144,7 +144,7 @@ class _Bucket:
     """A rolling-window bucket: its live holds and each window's slices."""
 
     holds: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # id: exp, tok, cost
-    windows: dict[tuple[str, int], _Slices] = field(default_factory=dict)
+    windows: dict[tuple[str, str], _Slices] = field(default_factory=dict)
 
     def prune(self, now_ms: int) -> tuple[int, int]:
         expired = [h for h, (exp, _, _) in self.holds.items() if exp <= now_ms]
@@ -608,8 +608,13 @@ class MemoryStore:
         for bucket, state in list(self._buckets.items()):
             state.prune(now_ms)
             for window_key, slices in state.windows.items():
-                seconds = window_key[1]
-                slices.drop_before(now_ms // (seconds * 1000 // SLICES) - SLICES + 1)
+                # A calendar window's slice is a day, and a day is its least; a rolling one's
+                # is 1/60 of its seconds. What still counts in either is kept.
+                label = window_key[1]
+                if label.isdigit():
+                    slices.drop_before(now_ms // (int(label) * 1000 // SLICES) - SLICES + 1)
+                else:
+                    slices.drop_before(now_ms // DAY_MS - 31)
             if state.empty:
                 del self._buckets[bucket]
 
@@ -703,7 +708,7 @@ class MemoryStore:
                     continue
                 for window in call.windows:
                     idx = at_ms // window.slice_ms
-                    if idx < now_ms // window.slice_ms - SLICES + 1:
+                    if idx < window.first_slice(now_ms):
                         continue  # the request's slice already left this window
                     slices = state.slices(window)
                     slices.tokens[idx] = slices.tokens.get(idx, 0) + tokens
@@ -725,7 +730,7 @@ class MemoryStore:
             if not marks:
                 continue
             window = check.window
-            epoch = str(now_ms // window.period_ms)
+            epoch = str(window.epoch(now_ms))
             slices = state.slices(window)
             tokens, cost, requests = slices.current(window, now_ms)
             for unit, pct, amount, at in marks:

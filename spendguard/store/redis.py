@@ -461,7 +461,7 @@ class RedisStore:
         return [
             f"{base}:holds",
             f"{base}:expiry",
-            *(f"{base}:w:{w.id}:{w.seconds}" for w in windows),
+            *(f"{base}:w:{w.id}:{w.label}" for w in windows),
         ]
 
     def bucket_alerts_key(self, bucket: Bucket) -> str:
@@ -479,12 +479,14 @@ class RedisStore:
             lim = check.limit
             limits += [
                 str(check.window.slice_ms),
+                "",  # a calendar window's oldest slice and reset: per call (_bounded)
+                "",
                 _opt(lim.tokens),
                 _opt(lim.cost_micros),
                 _opt(lim.requests),
             ]
         keys = self.bucket_keys(call.bucket, call.windows)
-        slices = [str(w.slice_ms) for w in call.windows]
+        slices = [x for w in call.windows for x in (str(w.slice_ms), "")]
         marks = bucket_marks(call)
         if len(self._bucket_wires) >= _MAX_BUCKET_WIRES:
             self._bucket_wires.clear()
@@ -507,6 +509,8 @@ class RedisStore:
         pending = []
         for call in calls:
             keys, limits, _, _ = self._bucket_wire(call)
+            if call.calendar:
+                limits = _bounded(call.windows, limits, hold.now_ms, 6, True)
             pending.append(self._batched("bucket_reserve", keys, head + limits))
         return self._reserved(calls, hold, pending)
 
@@ -566,11 +570,13 @@ class RedisStore:
         pending = []
         for call in calls:
             keys, _, slices, marks = self._bucket_wire(call)
+            if call.calendar:
+                slices = _bounded(call.windows, slices, now_ms, 2, False)
             if marks is None:
                 pending.append(self._batched("bucket_commit", keys, head + slices))
                 continue
             specs = [
-                "" if m is None else f"{w.id} {now_ms // w.period_ms} {m}"
+                "" if m is None else f"{w.id} {w.epoch(now_ms)} {m}"
                 for w, m in zip(call.windows, marks, strict=True)
             ]
             keys = [*keys, self.bucket_alerts_key(call.bucket)]
@@ -597,7 +603,9 @@ class RedisStore:
 
     async def inspect_bucket(self, call: BucketCheck, now_ms: int) -> BucketUsage:
         keys = self.bucket_keys(call.bucket, call.windows)
-        args = [str(now_ms), *(str(w.slice_ms) for w in call.windows)]
+        args = [str(now_ms)]
+        for w in call.windows:
+            args += [str(w.slice_ms), "" if w.calendar is None else str(w.first_slice(now_ms))]
         values = [int(x) for x in await self._script("bucket_inspect", keys, args)]
         rows = tuple(
             WindowUsage(w, *values[3 + 3 * i : 6 + 3 * i]) for i, w in enumerate(call.windows)
@@ -771,6 +779,21 @@ async def _acquired(reply: Awaitable[Any]) -> Acquired:
         frees = refusal in (Refusal.COOLING, Refusal.FULL)
         refused.append(Attempt(refusal, free_at_ms=n if frees else None))
     return Acquired(None, refused=tuple(refused))
+
+
+def _bounded(
+    windows: Sequence[Rolling], wire: list[str], now_ms: int, step: int, reset: bool
+) -> list[str]:
+    """A bucket's window arguments with each calendar window's oldest slice (and, with
+    ``reset``, its reset) as of ``now_ms``: they move with the calendar, so they are made per
+    call (after the slice length, ``step`` arguments a window)."""
+    out = list(wire)
+    for i, w in enumerate(windows):
+        if w.calendar is not None:
+            out[i * step + 1] = str(w.first_slice(now_ms))
+            if reset:
+                out[i * step + 2] = str(w.reset_ms(now_ms))
+    return out
 
 
 def _opt(value: int | None) -> str:

@@ -62,9 +62,11 @@ class BucketCheck:
     checks: tuple[WindowCheck, ...]
     # The checks' windows, in order; made once (a gate reuses a plan's checks per request).
     windows: tuple[Rolling, ...] = field(init=False, compare=False)
+    calendar: bool = field(init=False, compare=False)  # any window a calendar one
 
     def __post_init__(self) -> None:
         self.windows = tuple(c.window for c in self.checks)
+        self.calendar = any(w.calendar is not None for w in self.windows)
 
 
 # Made per request: not frozen (see LimitState, spendguard/store/base.py).
@@ -161,8 +163,11 @@ def retry_ms(
     A request larger than the limit itself never fits: the whole period is answered. When the
     committed slices are not enough (live holds of requests in flight fill the rest) it is the
     time until all of them have left, or a second when there are none: holds end with their
-    requests, typically within seconds, and nothing says when.
+    requests, typically within seconds, and nothing says when. A calendar window's usage all
+    leaves at its reset: until then.
     """
+    if window.calendar is not None:
+        return max(1, window.reset_ms(now_ms) - now_ms)
     slice_ms = window.slice_ms
     if wanted > limit:
         return window.period_ms

@@ -13,6 +13,7 @@ from spendguard.budgets.config import DISABLED, Storage
 from spendguard.cli import main
 from spendguard.errors import ConfigurationError
 from spendguard.limits.model import BudgetLimit
+from spendguard.limits.windows import Period
 from spendguard.settings import load_settings
 
 SEED_EXAMPLE = """
@@ -240,3 +241,20 @@ def test_a_windows_own_amounts_are_validated(scope: dict[str, object], problem: 
             }
         )
     assert any(problem in p for p in caught.value.problems), caught.value
+
+
+def test_utc_calendar_windows_reset_with_the_calendar() -> None:
+    config = parse_budgets(
+        {
+            "enabled": True,
+            "windows": [
+                {"id": "today", "period": "utc:day"},
+                {"id": "month", "period": "utc:month"},
+                {"id": "rolling", "period": "calendar:month"},  # still an alias of 30d
+            ],
+            "scopes": {"global": {"tokens": 1}},
+        }
+    )
+    today, month, rolling = config.windows
+    assert (today.calendar, month.calendar, rolling.calendar) == (Period.DAY, Period.MONTH, None)
+    assert rolling.seconds == 30 * 86_400 and month.seconds == 31 * 86_400

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import anyio
@@ -25,6 +26,7 @@ from spendguard.ledger.schema import records
 from spendguard.limits import Period
 from spendguard.settings import Settings
 from tests.support.budgets import BudgetGateway, section
+from tests.support.clock import Clock
 from tests.support.gateway import chat_body, upstream
 from tests.support.records import make_record
 from tests.support.sql import sql_rows
@@ -371,3 +373,32 @@ def test_a_body_source_names_a_field() -> None:
     for bad in ("body:", "body:a..b", "body"):
         with pytest.raises(ValueError, match="body:<field>"):
             Settings(tags_from=bad)
+
+
+async def test_an_end_users_spend_limit_on_the_utc_calendar_month(tmp_path: Path) -> None:
+    """Apps bill their end users by the calendar month: a utc:month window resets on the 1st
+    at 00:00 UTC, and a refusal's Retry-After says when."""
+    clock = Clock(datetime(2026, 9, 30, 23, 59, 0, tzinfo=UTC))  # a minute before October
+    budgets = section(
+        windows=[{"id": "month", "period": "utc:month"}],
+        # One request's worth of dollars (the test's prices: a micro-dollar a token).
+        scopes={"per_end_user": {"cost_usd": "0.0001"}},
+    )
+    gw = BudgetGateway(tmp_path, clock=clock, budgets=budgets, end_user_from="header:x-end-user")
+    async with gw, gw.client() as c:
+
+        async def post() -> httpx.Response:
+            body = chat_body(max_tokens=98)
+            return await c.post("/v1/chat/completions", json=body, headers={"x-end-user": "u1"})
+
+        first, refused = await post(), await post()
+        clock.now += timedelta(seconds=61)  # 1 October
+        october = await post()
+    assert (first.status_code, refused.status_code, october.status_code) == (200, 429, 200)
+    assert refused.json()["error"]["details"] == {
+        "scope": "per_end_user",
+        "window": "month",
+        "unit": "cost_micro_usd",
+        "limit_micro_usd": EST,
+    }
+    assert refused.headers["retry-after"] == "60"

@@ -7,13 +7,14 @@ an injected clock everywhere, Redis included.
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
 from spendguard.errors import StoreFull, StoreUnavailable
 from spendguard.limits.model import BudgetLimit, SubjectKind, Unit
-from spendguard.limits.windows import SLICES, Rolling
+from spendguard.limits.windows import SLICES, Period, Rolling
 from spendguard.store import MemoryStore, RedisStore, Store
 from spendguard.store.rolling import Bucket, BucketCheck, Hold, WindowCheck
 from tests.store.conftest import Harness
@@ -394,3 +395,37 @@ async def test_a_seeded_bucket_counts_the_ledgers_requests(harness: Harness) -> 
     assert (await store.reserve_buckets([call], hold(T0, 1), require_seed=True))[0].ok
     [full] = await store.reserve_buckets([call], hold(T0, 1), require_seed=True)
     assert not full.ok and full.unit is Unit.REQUESTS
+
+
+async def test_a_calendar_window_empties_at_utc_midnight_and_on_the_first(store: Store) -> None:
+    # utc:day / utc:month: the period of the request's start, as spend limits count, not the
+    # last 24 hours: everything in it leaves at once when the period resets.
+    day = Rolling("today", "utc:day", 86_400, Period.DAY)
+    month = Rolling("this-month", "utc:month", 31 * 86_400, Period.MONTH)
+    call = BucketCheck(
+        KEY,
+        (WindowCheck(day, BudgetLimit(tokens=100)), WindowCheck(month, BudgetLimit(tokens=250))),
+    )
+    late = int(datetime(2026, 1, 31, 23, 30, tzinfo=UTC).timestamp() * 1000)
+    first = hold(late, 80)
+    assert (await store.reserve_buckets([call], first))[0].ok
+    await commit(store, call, first, 80)
+    [denied] = await store.reserve_buckets([call], hold(late + 60_000, 30))
+    assert not denied.ok and (denied.window, denied.unit) == (0, Unit.TOKENS)
+    assert denied.retry_ms == 29 * 60_000  # at midnight, not a slice at a time
+    feb = late + 30 * 60_000 + 1  # 00:00:00.001 on 1 Feb: a new day and a new month
+    usage = await store.inspect_bucket(call, feb)
+    assert [w.tokens for w in usage.windows] == [0, 0]
+    # A request that started in January and ends in February counts for January only.
+    january = hold(late + 120_000, 40)
+    assert (await store.reserve_buckets([call], january))[0].ok
+    await commit(store, call, january, 40, now_ms=feb)
+    assert [w.tokens for w in (await store.inspect_bucket(call, feb)).windows] == [0, 0]
+    for days in (1, 26):  # 2 Feb, then 27 Feb: the day resets, the month does not
+        at = feb + days * 86_400_000
+        h = hold(at, 100)
+        assert (await store.reserve_buckets([call], h))[0].ok
+        await commit(store, call, h, 100)
+    [full] = await store.reserve_buckets([call], hold(feb + 27 * 86_400_000 + 1000, 60))  # 28 Feb
+    assert not full.ok and full.window == 1  # the month: 200 + 60 > 250
+    assert full.retry_ms == 86_400_000 - 1001  # until 1 March

@@ -2,7 +2,8 @@
 -- start.
 -- KEYS: holds, expiry, then one slices hash per window; then (alerting) the bucket's pending
 --       alerts hash.
--- ARGV: now_ms, hold id, at_ms, tokens, cost, ttl_ms, then per window: slice_ms; then
+-- ARGV: now_ms, hold id, at_ms, tokens, cost, ttl_ms, then per window: slice_ms and its oldest
+--       slice ('' for a rolling window: see bounds); then
 --       (alerting) "alerts", then per window its thresholds: "" or
 --       "<window id> <epoch> <u><percent>:<limit>:<amount> ..." (u: t tokens, c micro-USD, r
 --       requests;
@@ -18,12 +19,15 @@
 -- window's hash holds the epoch it last fired in (a field starting with _ is not a slice),
 -- and the alert waits in the pending hash, in this bucket's slot, until a gateway moves it.
 local nw = #KEYS - 2
-local alerting = #ARGV > 6 + nw
+-- Alerting, the last key is the pending hash and "alerts" follows the windows' arguments.
+local alerting = ARGV[7 + 2 * (nw - 1)] == 'alerts'
 if alerting then
   nw = nw - 1
-  if ARGV[7 + nw] ~= 'alerts' or #ARGV ~= 7 + 2 * nw then
+  if #ARGV ~= 7 + 3 * nw then
     return redis.error_reply('spendguard budgets: bad alert arguments')
   end
+elseif #ARGV ~= 6 + 2 * nw then
+  return redis.error_reply('spendguard budgets: bad commit arguments')
 end
 local now = arg_int(ARGV[1])
 local at = arg_int(ARGV[3])
@@ -41,9 +45,9 @@ if held_only and not found then
   return 0
 end
 for w = 1, nw do
-  local slice_ms = tonumber(ARGV[6 + w])
+  local slice_ms = tonumber(ARGV[5 + 2 * w])
   local idx = math.floor(at / slice_ms)
-  if idx >= math.floor(now / slice_ms) - SLICES + 1 then
+  if idx >= bounds(slice_ms, now, ARGV[6 + 2 * w]) then
     local key = KEYS[w + 2]
     add_usage(key, idx, tokens, cost, 1)
     redis.call('PEXPIRE', key, ttl)
@@ -53,10 +57,10 @@ local reply = found and 1 or 0
 if not alerting then return reply end
 local fired, clock, pending = 0, nil, KEYS[#KEYS]
 for w = 1, nw do
-  local wid, epoch, marks = string.match(ARGV[7 + nw + w], '^(%S+) (%d+) (.*)$')
+  local wid, epoch, marks = string.match(ARGV[7 + 2 * nw + w], '^(%S+) (%d+) (.*)$')
   if wid then
     local key = KEYS[w + 2]
-    local t, c, r = window_totals(key, tonumber(ARGV[6 + w]), now)
+    local t, c, r = window_totals(key, bounds(tonumber(ARGV[5 + 2 * w]), now, ARGV[6 + 2 * w]))
     for u, pct, limit, amount in string.gmatch(marks, '([tcr])(%d+):(%d+):(%d+)') do
       local used = (u == 't' and t) or (u == 'c' and c) or r
       local mark = '_a' .. u .. pct .. ':' .. limit

@@ -67,12 +67,19 @@ local function drop_hold(holds, expiry, id)
   return true
 end
 
--- The window's committed usage now, per unit and per slice; slices that left it are deleted
--- and the totals rewritten. One pass over the slices: for a denial's retry time, and when a
--- slice has left the window (once per slice period) or the totals are missing.
-local function window_usage(key, slice_ms, now)
-  local cur = math.floor(now / slice_ms)
-  local lo = cur - SLICES + 1
+-- A window's bounds now: the oldest slice index still in it, and when everything in it
+-- leaves at once (a calendar window's reset, ms; nil: a rolling window, whose slices leave one
+-- by one). The caller sends them for a calendar window ("" for a rolling one).
+local function bounds(slice_ms, now, lo, reset)
+  local first = tonumber(lo)
+  if first == nil then first = math.floor(now / slice_ms) - SLICES + 1 end
+  return first, tonumber(reset)
+end
+
+-- The window's committed usage now (lo: its oldest slice), per unit and per slice; slices that
+-- left it are deleted and the totals rewritten. One pass over the slices: for a denial's retry
+-- time, and when a slice has left the window (once per slice period) or the totals are missing.
+local function window_usage(key, lo)
   local flat = redis.call('HGETALL', key)
   local t, c, r, first = 0, 0, 0, nil
   local ts, cs, rs = {}, {}, {}
@@ -110,10 +117,9 @@ end
 
 -- The window's committed usage now (tokens, cost, requests): its running totals while its
 -- oldest slice is still in it, else one pass (window_usage).
-local function window_totals(key, slice_ms, now)
+local function window_totals(key, lo)
   local h = redis.call('HMGET', key, '_T', '_C', '_F', '_R')
   if h[1] and h[2] then
-    local lo = math.floor(now / slice_ms) - SLICES + 1
     if not h[3] or tonumber(h[3]) >= lo then
       -- _R is written with the first request counted after _T: absent, none since.
       return tonumber(h[1]), tonumber(h[2]), tonumber(h[4] or '0')
@@ -121,7 +127,7 @@ local function window_totals(key, slice_ms, now)
   elseif redis.call('EXISTS', key) == 0 then
     return 0, 0, 0
   end
-  local t, c, r = window_usage(key, slice_ms, now)
+  local t, c, r = window_usage(key, lo)
   return t, c, r
 end
 
@@ -148,18 +154,23 @@ local function add_usage(key, idx, tokens, cost, requests)
   end
 end
 
--- Milliseconds until enough slices left the window for `wanted` to fit (see store.retry_ms).
-local function retry(slices, slice_ms, now, used, wanted, limit)
-  local period = slice_ms * SLICES
-  if wanted > limit then return period end
-  local need = used + wanted - limit
+-- Milliseconds until enough slices left the window for `wanted` to fit (see store.retry_ms); a
+-- calendar window's (reset given): until its reset, when all of it leaves.
+local function retry(slices, slice_ms, now, used, wanted, limit, lo, reset)
+  if reset then
+    if reset - now < 1 then return 1 end
+    return reset - now
+  end
   local cur = math.floor(now / slice_ms)
+  local span = cur - lo + 1
+  if wanted > limit then return slice_ms * span end
+  local need = used + wanted - limit
   local drained, last = 0, 0
-  for idx = cur - SLICES + 1, cur do
+  for idx = lo, cur do
     local v = slices[idx]
     if v and v > 0 then
       drained = drained + v
-      last = (idx + SLICES) * slice_ms - now
+      last = (idx + span) * slice_ms - now
       if drained >= need then
         if last < 1 then return 1 end
         return last

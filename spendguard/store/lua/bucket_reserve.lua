@@ -2,7 +2,8 @@
 -- KEYS: holds, expiry, then one slices hash per window.
 -- ARGV: now_ms, hold id, expires_ms, tokens, cost, count_cost (1|0), ttl_ms, seeded (1: the
 --       bucket must have been seeded: rebuilt from the ledger, or found empty there),
---       then per window: slice_ms, token limit or '-', cost limit or '-', request limit or '-'.
+--       then per window: slice_ms, its oldest slice and its reset ('' both: a rolling window;
+--       see bounds), token limit or '-', cost limit or '-', request limit or '-'.
 -- Reply: {1, used tokens per window (this hold included)...} or {0, window, unit, retry_ms,
 -- tokens left, cost left} (window 1-based; unit 1 tokens, 2 cost, 3 requests; left: the least
 -- any window has left of that unit now, holds counted, -1 without such a limit: what a
@@ -27,9 +28,10 @@ local held_t, held_c, held_r = prune(KEYS[1], KEYS[2], now)
 local function denied(w, unit, wait)
   local lt, lc = -1, -1
   for v = 1, #KEYS - 2 do
-    local base = 8 + (v - 1) * 4
-    local t, c = window_totals(KEYS[v + 2], tonumber(ARGV[base + 1]), now)
-    local lim_t, lim_c = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+    local base = 8 + (v - 1) * 6
+    local lo = bounds(tonumber(ARGV[base + 1]), now, ARGV[base + 2], ARGV[base + 3])
+    local t, c = window_totals(KEYS[v + 2], lo)
+    local lim_t, lim_c = tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5])
     if lim_t then
       local left = math.max(0, lim_t - t - held_t)
       if lt < 0 or left < lt then lt = left end
@@ -44,23 +46,24 @@ end
 
 local used = {}
 for w = 1, #KEYS - 2 do
-  local base = 8 + (w - 1) * 4
+  local base = 8 + (w - 1) * 6
   local slice_ms = tonumber(ARGV[base + 1])
-  local lim_t = tonumber(ARGV[base + 2])
-  local lim_c = tonumber(ARGV[base + 3])
-  local lim_r = tonumber(ARGV[base + 4])
-  local t, c, r = window_totals(KEYS[w + 2], slice_ms, now)
+  local lo, reset = bounds(slice_ms, now, ARGV[base + 2], ARGV[base + 3])
+  local lim_t = tonumber(ARGV[base + 4])
+  local lim_c = tonumber(ARGV[base + 5])
+  local lim_r = tonumber(ARGV[base + 6])
+  local t, c, r = window_totals(KEYS[w + 2], lo)
   if lim_t and t + held_t + tokens > lim_t then
-    local _, _, _, ts = window_usage(KEYS[w + 2], slice_ms, now)
-    return denied(w, 1, retry(ts, slice_ms, now, t + held_t, tokens, lim_t))
+    local _, _, _, ts = window_usage(KEYS[w + 2], lo)
+    return denied(w, 1, retry(ts, slice_ms, now, t + held_t, tokens, lim_t, lo, reset))
   end
   if count_cost and lim_c and c + held_c + cost > lim_c then
-    local _, _, _, _, cs = window_usage(KEYS[w + 2], slice_ms, now)
-    return denied(w, 2, retry(cs, slice_ms, now, c + held_c, cost, lim_c))
+    local _, _, _, _, cs = window_usage(KEYS[w + 2], lo)
+    return denied(w, 2, retry(cs, slice_ms, now, c + held_c, cost, lim_c, lo, reset))
   end
   if lim_r and r + held_r + 1 > lim_r then
-    local _, _, _, _, _, rs = window_usage(KEYS[w + 2], slice_ms, now)
-    return denied(w, 3, retry(rs, slice_ms, now, r + held_r, 1, lim_r))
+    local _, _, _, _, _, rs = window_usage(KEYS[w + 2], lo)
+    return denied(w, 3, retry(rs, slice_ms, now, r + held_r, 1, lim_r, lo, reset))
   end
   used[#used + 1] = int(t + held_t + tokens)
 end
