@@ -371,3 +371,17 @@ async def test_doctor_gateway_counts_records_in_words(
     settings = Settings(admin_token="t", database_url="sqlite:///unused.db")
     found = await doctor.check_gateway(doctor.DoctorContext(settings, gateway="http://gw/admin"))
     assert said in found.detail
+
+
+def test_a_customers_prepaid_balance_from_the_cli(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(capsys, "db", "init")[0] == 0
+    assert run(capsys, "budgets", "customer-balance", "--customer", "globex")[0] == 1
+    opened = run_json(capsys, "budgets", "customer-topup", "--customer", "globex", "--usd", "5")
+    again = run_json(capsys, "budgets", "customer-topup", "--customer", "globex", "--usd", "2.5")
+    shown = run_json(capsys, "budgets", "customer-balance", "--customer", "globex")
+    assert opened["topped_up_micros"] == 5_000_000
+    assert again["topped_up_micros"] == shown["topped_up_micros"] == 7_500_000
+    assert shown["used_micros"] is None  # without Redis each gateway counts its own use
+    assert run(capsys, "budgets", "customer-topup", "--customer", "globex", "--usd", "0")[0] == 2

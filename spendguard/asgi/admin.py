@@ -295,6 +295,16 @@ class AdminApp:
                 Route("/alerts/test", self._wrap(self.alerts_test), methods=["POST"]),
                 Route("/budgets", self._wrap(self.budgets_inspect), methods=["GET"]),
                 Route("/budgets/reset", self._wrap(self.budgets_reset), methods=["POST"]),
+                Route(
+                    "/customers/{customer}/balance",
+                    self._wrap(self.customer_balance),
+                    methods=["GET"],
+                ),
+                Route(
+                    "/customers/{customer}/balance/topup",
+                    self._wrap(self.customer_topup),
+                    methods=["POST"],
+                ),
             ],
             exception_handlers={HTTPException: self._http_error},  # type: ignore[dict-item]
         )
@@ -685,6 +695,27 @@ class AdminApp:
             customer=body.get("customer"),
         )
         return JSONResponse(budget_reset_json(n))
+
+    async def customer_balance(self, request: Request, target: _Target) -> Response:
+        budgets = self._budget_admin(target)
+        found = await budgets.customer_balance(_customer_of(request))
+        if found is None:
+            raise AdminError(404, "no_account", "no prepaid account (the customer is not prepaid)")
+        return JSONResponse(found.as_json())
+
+    async def customer_topup(self, request: Request, target: _Target) -> Response:
+        budgets = self._budget_admin(target)
+        body = await _body(request, {"usd"}, {"usd"})
+        micros = _amount(body, "usd", "a top-up", allow_zero=False)
+        account = await budgets.topup_customer(_customer_of(request), micros_to_usd(micros))
+        return JSONResponse(account.as_json())
+
+
+def _customer_of(request: Request) -> str:
+    customer = str(request.path_params["customer"])
+    if len(customer) > MAX_PATH_ID or not customer.isprintable():
+        raise AdminError(400, "invalid_id", f"customer: at most {MAX_PATH_ID} printable characters")
+    return customer
 
 
 def _raw_header(scope: Scope, name: bytes) -> bytes:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from ..clock import to_micros, utcnow
 from ..identity import Identity, encode_id
 from ..ledger import BudgetOverride, Ledger
-from ..limits.model import BudgetLimit
-from ..limits.windows import Rolling
+from ..limits.model import BudgetLimit, SubjectKind
+from ..limits.windows import PREPAID, Rolling
+from ..money import MAX_TOTAL_MICROS, checked_amount, usd_text, usd_to_micros
 from ..store import Store
 from ..store.rolling import Bucket, BucketCheck, WindowCheck
 from .config import BudgetsConfig, Scope, parse_period
@@ -60,6 +62,30 @@ class BudgetReport:
             "config": self.config.as_json(),
             "storage": self.storage,
             "counters": [c.as_json() for c in self.counters],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CustomerBalance:
+    """A customer's prepaid account: what was topped up and what its teams used (counted at
+    admission like every budget, live holds included), in micro-USD."""
+
+    customer: str  # as the app named it
+    topped_up: int
+    used: int
+
+    @property
+    def left(self) -> int:
+        return self.topped_up - self.used
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "customer": self.customer,
+            "topped_up_micros": self.topped_up,
+            "topped_up_usd": usd_text(self.topped_up),
+            "used_micros": self.used,
+            "balance_micros": self.left,
+            "balance_usd": usd_text(self.left),
         }
 
 
@@ -261,6 +287,43 @@ class BudgetAdmin:
     async def key_budgets(self) -> Sequence[BudgetOverride]:
         return await self._ledger().budget_overrides()
 
+    # -- customers' prepaid accounts ------------------------------------------------------
+    async def topup_customer(self, customer_id: str, usd: Decimal | str | int) -> CustomerBalance:
+        """Add prepaid credit to a customer (the first top-up opens its account): every team
+        of the customer draws from it, and a request it can't pay for is refused."""
+        customer = _customer(customer_id)
+        micros = checked_amount(usd_to_micros(usd), "a top-up", allow_zero=False)
+        ledger = self._ledger()
+        current = await ledger.customer_topped_up(customer)
+        if current is not None and current + micros > MAX_TOTAL_MICROS:
+            raise ValueError(f"top-ups of customer {customer_id!r} would exceed the bound")
+        total = await ledger.topup_customer(customer, customer_id, micros)
+        if self.gate is not None and self.gate.balances is not None:
+            self.gate.balances.set(customer, total)  # in force here at once
+        return await self._customer_balance(customer_id, customer, total)
+
+    async def customer_balance(self, customer_id: str) -> CustomerBalance | None:
+        """A customer's prepaid account; None when it has none."""
+        customer = _customer(customer_id)
+        total = await self._ledger().customer_topped_up(customer)
+        if total is None:
+            return None
+        return await self._customer_balance(customer_id, customer, total)
+
+    async def _customer_balance(
+        self, customer_id: str, customer: str, total: int
+    ) -> CustomerBalance:
+        check = WindowCheck(PREPAID, BudgetLimit(cost_micros=total))
+        bucket = Bucket(SubjectKind.CUSTOMER, customer)
+        usage = await self.store.inspect_bucket(BucketCheck(bucket, (check,)), self._now_ms())
+        return CustomerBalance(customer_id, total, usage.windows[0].cost + usage.held_cost)
+
     def _evict(self, ident: Identity) -> None:
         if self.gate is not None and self.gate.overrides is not None and ident.api_key:
             self.gate.overrides.evict(ident.team, ident.api_key)
+
+
+def _customer(customer_id: str) -> str:
+    if not isinstance(customer_id, str) or not customer_id or len(customer_id) > 256:
+        raise ValueError("a customer is 1 to 256 characters")
+    return encode_id(customer_id)

@@ -112,6 +112,23 @@ async def _dispatch(args: argparse.Namespace, admin: BudgetAdmin, store: Store |
         bucket = "bucket" if n == 1 else "buckets"
         print(json.dumps(budget_reset_json(n), indent=2) if args.json else f"reset {n} {bucket}")
         return 0
+    if cmd in ("customer-topup", "customer-balance"):
+        if cmd == "customer-topup":
+            account = await admin.topup_customer(args.customer, args.usd)
+        else:
+            found = await admin.customer_balance(args.customer)
+            if found is None:
+                print(f"customer {args.customer!r} has no prepaid account", file=sys.stderr)
+                return 1
+            account = found
+        data = account.as_json()
+        if store is None:  # its use is counted in each gateway's memory: unknown here
+            data["used_micros"] = data["balance_micros"] = data["balance_usd"] = None
+        text = f"customer {account.customer}: topped up ${data['topped_up_usd']}"
+        if store is not None:
+            text += f", balance ${data['balance_usd']}"
+        print(json.dumps(data, indent=2) if args.json else text)
+        return 0
     if cmd == "key-set":
         o = await admin.set_key_budget(
             args.team, args.api_key, max_tokens=args.max_tokens, budget_window=args.window
@@ -162,3 +179,12 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     key_set.add_argument("--max-tokens", type=int, required=True, help="max_tokens_budget")
     key_set.add_argument("--window", required=True, help="budget_window, e.g. 24h or 30d")
     bud.add_parser("key-ls", parents=[common], help="keys with their own budget")
+    c_top = bud.add_parser(
+        "customer-topup", parents=[common], help="add to a customer's prepaid balance"
+    )
+    c_show = bud.add_parser(
+        "customer-balance", parents=[common], help="a customer's prepaid balance (exit 1: none)"
+    )
+    for p in (c_top, c_show):
+        p.add_argument("--customer", required=True, help="as the app names it")
+    c_top.add_argument("--usd", required=True, help="e.g. 100.00")

@@ -42,7 +42,7 @@ from ..ledger import BudgetOverride, Ledger
 from ..limits.kinds import KINDS
 from ..limits.model import BudgetLimit, SubjectKind, Unit
 from ..limits.rates import POLICY_FIELD, STATE_FIELD, TOKENS_UNIT
-from ..limits.windows import Rolling
+from ..limits.windows import PREPAID, Rolling
 from ..record import InferenceRecord
 from ..store import MemoryStore, Store
 from ..store.rolling import (
@@ -56,7 +56,7 @@ from ..store.rolling import (
 )
 from ..usage import Usage
 from .config import BudgetsConfig, Scope, Storage, make_window
-from .overrides import OverrideCache
+from .overrides import CustomerBalances, OverrideCache
 from .source import BudgetsSource
 
 if TYPE_CHECKING:
@@ -143,6 +143,8 @@ class Denial:
             Scope.GLOBAL: "Global",
         }[self.scope]
         unit = {Unit.TOKENS: "token", Unit.REQUESTS: "request"}.get(self.unit, "cost")
+        if self.window == PREPAID.id:
+            return f"{what} prepaid balance exhausted: {usd(self.limit)} topped up, all used."
         if self.reserved is not None:
             limit = f"{self.limit:,} tokens" if self.unit is Unit.TOKENS else usd(self.limit)
             return (
@@ -221,6 +223,7 @@ class BudgetGate:
         fit_min: int | None = None,
         ratelimit_fields: bool = False,
         fit_by_default: bool = True,
+        balances: CustomerBalances | None = None,
     ) -> None:
         self.source = source
         self.output = output  # the spend limits' own rule (the guard's), so the two agree
@@ -242,6 +245,7 @@ class BudgetGate:
         # (None: off; the spend limits' setting, so the two agree).
         self.fit_min = fit_min
         self.fit_by_default = fit_by_default  # a limit without its own ``fit`` fits
+        self.balances = balances  # customers' prepaid accounts (with a ledger)
         # The IETF RateLimit fields for the key's own token budget (the guard's setting).
         self.ratelimit_fields = ratelimit_fields
         self._warned_no_redis = False
@@ -316,14 +320,21 @@ class BudgetGate:
         ``hold_id``: the spend limits' record id of the same admission, so that its admission
         entry names the hold too (:meth:`recover`); a new id when None."""
         config = self.config
-        if not config.active:
+        # A customer's prepaid account applies whenever the section is on, limits or not.
+        balances = self.balances if request.customer is not None and config.enabled else None
+        if not config.active and balances is None:
             return _no_budget()
         override: BudgetOverride | None = None
         if identity.api_key is not None and self.overrides is not None:
             known, override = self.overrides.peek(identity)
             if not known:
                 return self._admit_read(config, identity, request, hold_id)
-        return self._begin(config, identity, request, override, hold_id)
+        topped: int | None = None
+        if balances is not None:
+            known, topped = balances.peek(encode_id(request.customer or ""))
+            if not known:
+                return self._admit_read(config, identity, request, hold_id)
+        return self._begin(config, identity, request, override, hold_id, topped)
 
     async def _admit_read(
         self,
@@ -332,9 +343,13 @@ class BudgetGate:
         request: InferenceRequest,
         hold_id: str | None,
     ) -> BudgetAdmission | None:
-        assert self.overrides is not None
-        override = await self.overrides.get(identity)
-        return await self._begin(config, identity, request, override, hold_id)
+        override: BudgetOverride | None = None
+        topped: int | None = None
+        if identity.api_key is not None and self.overrides is not None:
+            override = await self.overrides.get(identity)
+        if request.customer is not None and self.balances is not None:
+            topped = await self.balances.get(encode_id(request.customer))
+        return await self._begin(config, identity, request, override, hold_id, topped)
 
     def _begin(
         self,
@@ -343,12 +358,13 @@ class BudgetGate:
         request: InferenceRequest,
         override: BudgetOverride | None,
         hold_id: str | None = None,
+        topped: int | None = None,
     ) -> Awaitable[BudgetAdmission | None]:
         model = request.model
         planned = self._planned(config, identity, model, override)
         if request.end_user is not None or request.tags or request.customer is not None:
             planned = self._with_parties(
-                planned, identity, request.end_user, request.tags, request.customer
+                planned, identity, request.end_user, request.tags, request.customer, topped
             )
         calls = planned.calls
         if not calls:
@@ -405,6 +421,7 @@ class BudgetGate:
         end_user: str | None,
         tags: tuple[str, ...],
         customer: str | None,
+        topped: int | None = None,
     ) -> _Plan:
         """``planned`` and the buckets of the request's end user (within its team), tags and
         customer that have limits: made per request (end users are many), after the key's
@@ -419,9 +436,15 @@ class BudgetGate:
             limit = config.tag_limit(tag)
             if limit is not None:
                 extra += _checked(Bucket(SubjectKind.TAG, encode_id(tag)), limit, windows)
-        limit = None if customer is None else config.customer_limit(customer)
-        if customer is not None and limit is not None:
-            extra += _checked(Bucket(SubjectKind.CUSTOMER, encode_id(customer)), limit, windows)
+        if customer is not None:
+            bucket = Bucket(SubjectKind.CUSTOMER, encode_id(customer))
+            limit = config.customer_limit(customer)
+            found = [] if limit is None else _checked(bucket, limit, windows)
+            own = found[0].checks if found else ()
+            if topped is not None:  # its prepaid account: what was topped up, never draining
+                own = (*own, WindowCheck(PREPAID, BudgetLimit(cost_micros=topped)))
+            if own:
+                extra.append(BucketCheck(bucket, own))
         if not extra:
             return planned
         calls = (*planned.calls, *extra)
@@ -543,7 +566,8 @@ class BudgetGate:
         out = []
         for window in call.windows:
             slice_ms = window.slice_ms
-            first = window.first_slice(now_ms) * slice_ms
+            # A prepaid window starts before the epoch: every record counts then.
+            first = max(0, window.first_slice(now_ms) * slice_ms)
             rows = await self.ledger.used_slices(
                 since=from_micros(first * 1000), slice_us=slice_ms * 1000, **filters
             )
@@ -589,7 +613,10 @@ class BudgetGate:
                 unit=answer.unit,
                 limit=limit,
                 model=model if scope is Scope.PER_MODEL else None,
-                retry_after=max(1, -(-answer.retry_ms // 1000)),
+                # A prepaid balance frees nothing by waiting: only a top-up.
+                retry_after=None
+                if check.window is PREPAID
+                else max(1, -(-answer.retry_ms // 1000)),
                 tag=_tag_of(call.bucket, request),
                 customer=request.customer if scope is Scope.PER_CUSTOMER else None,
             )
@@ -645,6 +672,8 @@ class BudgetGate:
         found: tuple[tuple[int, int], BucketCheck, WindowCheck, Unit, int] | None = None
         for call in admission.calls:
             for w, check in enumerate(call.checks):
+                if check.window is PREPAID:
+                    continue  # used up, not too small: it says so as a balance
                 tokens, cost = check.limit.tokens, check.limit.cost_micros
                 if tokens is not None and hold.tokens > tokens:
                     unit, limit = Unit.TOKENS, tokens
@@ -781,16 +810,20 @@ class BudgetGate:
         the gateway: nothing to do."""
         config = self.config
         store = self.store_for(config)
-        if not config.active or not store.shared:
+        balances = self.balances if record.customer is not None and config.enabled else None
+        if not (config.active or balances is not None) or not store.shared:
             return
         identity = record.identity
-        override = None
+        override: BudgetOverride | None = None
+        topped: int | None = None
         if identity.api_key is not None and self.overrides is not None:
             override = await self.overrides.get(identity)
+        if balances is not None:
+            topped = await balances.get(encode_id(record.customer or ""))
         planned = self._planned(config, identity, record.model, override)
         if record.end_user is not None or record.tags or record.customer is not None:
             planned = self._with_parties(
-                planned, identity, record.end_user, record.tags, record.customer
+                planned, identity, record.end_user, record.tags, record.customer, topped
             )
         if not planned.calls:
             return
@@ -966,6 +999,13 @@ def make_gate(
         if ledger is not None
         else None
     )
+    balances = (
+        CustomerBalances(
+            ledger, ttl=override_ttl, timeout=override_timeout, ensure_connected=ensure_connected
+        )
+        if ledger is not None
+        else None
+    )
     return BudgetGate(
         source,
         prices,
@@ -981,4 +1021,5 @@ def make_gate(
         fit_min=fit_min,
         ratelimit_fields=ratelimit_fields,
         fit_by_default=fit_by_default,
+        balances=balances,
     )

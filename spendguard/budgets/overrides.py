@@ -83,3 +83,62 @@ class OverrideCache:
 
     def evict(self, team: str, api_key: str) -> None:
         self._entries.pop((team, api_key), None)
+
+
+class CustomerBalances:
+    """What each customer's prepaid account was topped up with, read through a cache like
+    :class:`OverrideCache` (``ttl``, one read per customer at a time, bounded by
+    ``timeout``): a warm request reads no SQL. None: the customer has no account."""
+
+    MAX_ENTRIES = 100_000
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        ttl: float = 60.0,
+        timeout: float = 5.0,
+        ensure_connected: Callable[[], Awaitable[None]] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._ledger = ledger
+        self._ttl = ttl
+        self._timeout = timeout
+        self._reads: SingleFlight[int | None] = SingleFlight()
+        self._ensure = ensure_connected
+        self._monotonic = monotonic
+        self._entries: dict[str, tuple[float, int | None]] = {}
+
+    def peek(self, customer: str) -> tuple[bool, int | None]:
+        """(True, topped up or None) when read less than ``ttl`` ago; (False, None) when
+        :meth:`get` must read it (``customer`` encoded)."""
+        entry = self._entries.get(customer)
+        if entry is not None and entry[0] > self._monotonic():
+            return True, entry[1]
+        return False, None
+
+    async def get(self, customer: str) -> int | None:
+        known, found = self.peek(customer)
+        if known:
+            return found
+        return await self._reads.do(customer, lambda: self._read(customer))
+
+    async def _read(self, customer: str) -> int | None:
+        now = self._monotonic()
+        entry = self._entries.get(customer)
+        try:
+            with anyio.fail_after(self._timeout):
+                if self._ensure is not None:
+                    await self._ensure()
+                found = await self._ledger.customer_topped_up(customer)
+        except (LedgerUnavailable, TimeoutError) as exc:
+            log.warning("a customer's balance is unreadable, last known kept: %r", exc)
+            return entry[1] if entry is not None else None
+        if len(self._entries) >= self.MAX_ENTRIES:
+            self._entries.clear()
+        self._entries[customer] = (now + self._ttl, found)
+        return found
+
+    def set(self, customer: str, topped_up: int) -> None:
+        """What this process just wrote (a top-up): in force here at once."""
+        self._entries[customer] = (self._monotonic() + self._ttl, topped_up)

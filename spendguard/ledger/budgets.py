@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from ..clock import to_micros, utcnow
 from ..usage import Usage
 from .database import LedgerDatabase, _text
-from .schema import budget_overrides, records
+from .schema import budget_overrides, customer_balances, records
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +83,42 @@ class BudgetQueries(LedgerDatabase):
                 )
             )
         return [_override_of(r._mapping) for r in rows]
+
+    async def topup_customer(
+        self, customer: str, customer_id: str, micros: int, *, now: datetime | None = None
+    ) -> int:
+        """Add ``micros`` to a customer's prepaid account (made by its first top-up); returns
+        what it was topped up with in all."""
+        now_us = to_micros(now or utcnow())
+        row = customer_balances.c
+        stmt = self._insert(customer_balances).values(
+            customer=customer,
+            customer_id=_text(customer_id),
+            topped_up_micros=micros,
+            updated_us=now_us,
+        )
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["customer"],
+            set_={
+                "topped_up_micros": row.topped_up_micros + stmt.excluded.topped_up_micros,
+                "updated_us": stmt.excluded.updated_us,
+            },
+        )
+        async with self._guard("customer top-up"), self._db.transaction():
+            await self._db.execute(stmt)
+            total = await self._db.fetch_val(
+                sa.select(row.topped_up_micros).where(row.customer == customer)
+            )
+        return int(total)
+
+    async def customer_topped_up(self, customer: str) -> int | None:
+        """What a customer's prepaid account was topped up with (None: it has none)."""
+        row = customer_balances.c
+        async with self._guard("customer balance read"):
+            found = await self._db.fetch_val(
+                sa.select(row.topped_up_micros).where(row.customer == customer)
+            )
+        return None if found is None else int(found)
 
     async def used_slices(
         self,

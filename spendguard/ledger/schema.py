@@ -253,6 +253,19 @@ budget_overrides = sa.Table(
     sa.CheckConstraint("max_tokens > 0", name="spendguard_budget_override_positive"),
 )
 
+# A customer's prepaid account (the organisation above teams): what was topped up, in
+# micro-USD. What its teams used is counted in the customer's budget bucket, rebuilt from the
+# records that carry the customer (docs: rolling-budgets.md, "A customer's prepaid balance").
+customer_balances = sa.Table(
+    "spendguard_customer_balances",
+    metadata,
+    sa.Column("customer", sa.String(100), primary_key=True),  # encoded
+    sa.Column("customer_id", sa.Text, nullable=False),  # as the app named it
+    sa.Column("topped_up_micros", sa.BigInteger, nullable=False),
+    sa.Column("updated_us", sa.BigInteger, nullable=False),
+    sa.CheckConstraint("topped_up_micros > 0", name="spendguard_customer_balance_positive"),
+)
+
 # Threshold alerts (the outbox): a row per alert, whichever gateway fired or moved it first
 # (the id is the same every time one threshold of one limit amount fires in one window). A row
 # is delivered once ``delivered_us`` is set; until then a gateway claims it (``claimed_us``:

@@ -125,6 +125,11 @@ class Rolling:
         return self.first_slice(now_ms)
 
 
+PREPAID: Final = Rolling("prepaid", "prepaid", 60 * 2**32)
+"""A prepaid account's window: one slice longer than anything counted (until 2106), so what
+is counted never leaves it; only a top-up raises what it admits."""
+
+
 # The windows a spend limit can have. Rolling windows join this union once the planner plans
 # them beside calendar periods (today budgets plan their own); nothing that takes a
 # ``Window`` should then need to know which kind it holds.

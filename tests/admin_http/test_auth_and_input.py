@@ -49,6 +49,8 @@ ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
     ("POST", "/teams/acme/keys/alpha/models/remove", {"models": ["gpt-4o*"]}),
     ("GET", "/budgets", None),
     ("POST", "/budgets/reset", {"scope": "global"}),
+    ("GET", "/customers/globex/balance", None),
+    ("POST", "/customers/globex/balance/topup", {"usd": "1"}),
     ("GET", "/alerts", None),
     ("GET", "/teams", None),
     ("GET", "/top", None),
@@ -68,6 +70,7 @@ def test_the_list_covers_every_route() -> None:
     for method, path, _ in ROUTES:
         template = (
             path.replace("/teams/acme", "/teams/{team}")
+            .replace("/customers/globex", "/customers/{customer}")
             .replace("/keys/alpha", "/keys/{key}")
             .replace("/policies/day", "/policies/{period}")
             .replace("/policies/month", "/policies/{period}")

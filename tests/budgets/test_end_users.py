@@ -402,3 +402,40 @@ async def test_an_end_users_spend_limit_on_the_utc_calendar_month(tmp_path: Path
         "limit_micro_usd": EST,
     }
     assert refused.headers["retry-after"] == "60"
+
+
+async def test_a_customers_prepaid_balance_is_shared_by_its_teams_and_topped_up(
+    tmp_path: Path, storage: dict[str, object]
+) -> None:
+    """Customer > team: one prepaid account for every team of the customer, checked in the
+    same round; used up, both teams are refused until a top-up, another customer is not."""
+    budgets = section(storage="redis" if storage else "memory")  # no limits: the balance alone
+    gw = BudgetGateway(tmp_path, budgets=budgets, customer_from="header:x-customer", **storage)
+    async with gw, gw.client() as c:
+
+        async def post(team: str, customer: str) -> httpx.Response:
+            return await c.post(
+                "/v1/chat/completions",
+                json=chat_body(max_tokens=98),  # holds 100 micro-USD, uses 15
+                headers={"x-test-team": team, "x-test-key": "k1", "x-customer": customer},
+            )
+
+        opened = await gw.budgets.topup_customer("globex", "0.00011")
+        first = await post("acme", "globex")
+        same_team, other_team = await post("acme", "globex"), await post("initech", "globex")
+        no_account = await post("initech", "hooli")
+        await gw.budgets.topup_customer("globex", "0.0001")
+        topped = await post("initech", "globex")
+        balance = await gw.budgets.customer_balance("globex")
+        assert await gw.budgets.customer_balance("hooli") is None
+    assert opened.topped_up == 110 and opened.used == 0
+    assert first.status_code == 200 and no_account.status_code == 200
+    for refused in (same_team, other_team):
+        assert refused.status_code == 429
+        error = refused.json()["error"]
+        assert error["details"]["scope"] == "per_customer"
+        assert error["details"]["window"] == "prepaid"
+        assert error["message"].startswith("Customer 'globex' prepaid balance exhausted")
+        assert "retry-after" not in refused.headers
+    assert topped.status_code == 200
+    assert balance is not None and (balance.topped_up, balance.used, balance.left) == (210, 30, 180)
