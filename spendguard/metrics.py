@@ -219,6 +219,11 @@ BUDGET_USED = _Counter(
     "Usage recorded against budgets (tokens, or cost in micro-USD).",
     ["scope", "window", "unit"],
 )
+FITTED = Counter(
+    "spendguard_fitted_total",
+    "Requests admitted with their output cap lowered to what a limit had left (each also "
+    "counted once as a denial in spendguard_decisions_total: its first ask).",
+)
 BUDGET_REJECTIONS = Counter(
     "spendguard_budget_rejections_total",
     "Requests a budget scope denied.",

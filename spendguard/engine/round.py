@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import anyio
 
+from .. import metrics
 from ..budgets import BudgetAdmission, BudgetGate, BudgetVerdict
 from ..identity import Identity
 from ..providers.model import Lease, NoCapacity
@@ -149,6 +150,7 @@ class Round:
             )
             if isinstance(again, Admitted):
                 again.fitted = fits
+                metrics.FITTED.inc()
                 return again
             if isinstance(again, Refused):
                 outcome = again

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import openai
 import pytest
+from prometheus_client import REGISTRY
 
 from spendguard import SpendGuardMiddleware
 from spendguard.asgi.fit import FIT_HEADER
@@ -49,7 +50,12 @@ MESSAGES: Any = [{"role": "user", "content": "hi"}]
 LONG = {"x-fake-chunks": "5000"}  # the provider would answer far more than fits
 
 
+def fitted_total() -> float:
+    return REGISTRY.get_sample_value("spendguard_fitted_total") or 0.0
+
+
 async def test_the_openai_sdk_gets_an_answer_capped_at_what_fits(tmp_path: Path) -> None:
+    before = fitted_total()
     async with Gateway(tmp_path, fit_min_output_tokens=100) as gw:
         await hard_day_limit(gw, LIMIT)
         async with gw.client() as http:
@@ -66,6 +72,7 @@ async def test_the_openai_sdk_gets_an_answer_capped_at_what_fits(tmp_path: Path)
     assert completion.usage is not None and completion.usage.completion_tokens == fitted
     assert completion.choices[0].finish_reason == "length"
     assert charged <= LIMIT
+    assert fitted_total() == before + 1
 
 
 async def test_a_stream_through_the_sdk_is_fitted_too(tmp_path: Path) -> None:
