@@ -34,7 +34,7 @@ from tests.support.sql import sql_rows
 pytestmark = pytest.mark.anyio
 
 EST = 100  # max_tokens=98 + the 2-token prompt: one request's admission estimate
-USERS, EACH = 50, 4  # 200 requests at once: four from each of 50 never-seen end users
+USERS, EACH = 200, 2  # 400 requests at once: two from each of 200 never-seen end users
 
 
 async def test_never_seen_end_users_each_get_the_default_from_their_first_request(
