@@ -108,14 +108,15 @@ def reserve_args(now_ms: int, hold_id: str, tokens: int, cost: int) -> list[str]
     args = [str(now_ms), hold_id, str(now_ms + HOLD_MS), str(tokens), str(cost), "1"]
     args += [str(TTL_MS), "1"]
     for w in WINDOWS:
-        args += [str(w.slice_ms), str(HIGH), str(HIGH)]
+        # slice, rolling bounds (the script's own), token, cost and request limits
+        args += [str(w.slice_ms), "", "", str(HIGH), str(HIGH), "-"]
     return args
 
 
 def commit_args(now_ms: int, hold_id: str, tokens: int, cost: int) -> list[str]:
     """``RedisStore.commit_buckets``'s ARGV: counted in the slice of the request's start."""
     args = [str(now_ms), hold_id, str(now_ms), str(tokens), str(cost), str(TTL_MS)]
-    return args + [str(w.slice_ms) for w in WINDOWS]
+    return args + [x for w in WINDOWS for x in (str(w.slice_ms), "")]
 
 
 TEAM, KEY = "acme", "alpha"
