@@ -20,6 +20,7 @@ reach another's):
 
 Per configuration: the pipelines sent to Redis per inference (sequential round trips: every
 part of the gateway's round shares its one store's pipeline), the script calls they carry, the
+Redis servers' own time and commands per inference (a script's inner calls included), the
 p50 time to the last response byte, and this process's CPU per inference (the gateway and its
 upstream, both in process: compare configurations with each other). The gateways live
 at once and take turns in blocks of requests, the order reversed every round, so the host's
@@ -33,6 +34,8 @@ from contextlib import AsyncExitStack
 from typing import Any, Final
 
 from fastapi import FastAPI
+from redis import Redis as SyncRedis
+from redis.cluster import RedisCluster as SyncCluster
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -184,6 +187,40 @@ async def _prepared(
     return call, app
 
 
+class ServerStats:
+    """The Redis servers' own work, summed over every node: microseconds spent in commands and
+    commands run (a script's ``redis.call``s count as commands of their own, and so does the
+    script), read from ``INFO commandstats`` around each gateway's blocks."""
+
+    def __init__(self, url: str) -> None:
+        self._client: Any = (
+            SyncCluster.from_url(url.replace("redis+cluster://", "redis://", 1))
+            if url.startswith("redis+cluster://")
+            else SyncRedis.from_url(url)
+        )
+        self._cluster = isinstance(self._client, SyncCluster)
+
+    def _infos(self) -> list[dict[str, Any]]:
+        if self._cluster:
+            got = self._client.info("commandstats", target_nodes=SyncCluster.ALL_NODES)
+            return list(got.values())
+        return [self._client.info("commandstats")]
+
+    def read(self) -> tuple[int, int]:
+        """(µs, commands) so far, this benchmark's reads left out."""
+        usec = calls = 0
+        for info in self._infos():
+            for name, stat in info.items():
+                if name in ("cmdstat_info", "cmdstat_config|resetstat", "cmdstat_cluster|nodes"):
+                    continue
+                usec += int(stat["usec"])
+                calls += int(stat["calls"])
+        return usec, calls
+
+    def close(self) -> None:
+        self._client.close()
+
+
 async def _run(redis_url: str, postgres_url: str, sizes: Sizes) -> dict[str, dict[str, float]]:
     """Every configuration's gateway alive at once, measured in alternating blocks (the order
     reversed every round), so that the host's drift lands on all of them alike and cancels out
@@ -202,10 +239,13 @@ async def _run(redis_url: str, postgres_url: str, sizes: Sizes) -> dict[str, dic
         # Counted within each gateway's own blocks: what another's turn left in flight (its
         # records' background writes) is not this one's.
         sent = {c: [0, 0] for c in CONFIGS}
+        server = ServerStats(redis_url)
+        work = {c: [0, 0] for c in CONFIGS}
         for turn in range(-(-n // block)):
             for config in CONFIGS if turn % 2 == 0 else reversed(CONFIGS):
                 call, app = gateways[config]
                 before = _pipelines(app)
+                server_before = server.read()
                 started = time.process_time()
                 for _ in range(block):
                     start = time.perf_counter_ns()
@@ -215,8 +255,12 @@ async def _run(redis_url: str, postgres_url: str, sizes: Sizes) -> dict[str, dic
                     times[config].append(done - start)
                 cpu[config] += time.process_time() - started
                 after = _pipelines(app)
+                server_after = server.read()
+                work[config][0] += server_after[0] - server_before[0]
+                work[config][1] += server_after[1] - server_before[1]
                 sent[config][0] += after[0] - before[0]
                 sent[config][1] += after[1] - before[1]
+    server.close()
     out: dict[str, dict[str, float]] = {}
     for config in CONFIGS:
         count = len(times[config])
@@ -225,6 +269,8 @@ async def _run(redis_url: str, postgres_url: str, sizes: Sizes) -> dict[str, dic
             "pipelines_per_inference": sent[config][0] / count,
             "scripts_per_inference": sent[config][1] / count,
             "cpu_us_per_inference": cpu[config] / count * 1e6,
+            "redis_us_per_inference": work[config][0] / count,
+            "redis_commands_per_inference": work[config][1] / count,
         }
     return out
 

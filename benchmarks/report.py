@@ -480,8 +480,9 @@ def features_section(features: dict[str, Any]) -> list[str]:
         "## 6. Features on (Redis, in process, one request at a time)",
         "",
         "Per inference on warm caches: pipelines sent to Redis (sequential round trips) and "
-        "the script calls they carry, p50 time to the last response byte, and this "
-        "process's CPU (gateway and upstream); the ratios are to spend limits alone.",
+        "the script calls they carry, the Redis servers' own time and the commands they ran "
+        "(every node; a script's inner calls count), p50 time to the last response byte, and "
+        "this process's CPU (gateway and upstream); the ratios are to spend limits alone.",
         "",
     ]
     rows: list[list[str]] = []
@@ -497,12 +498,16 @@ def features_section(features: dict[str, Any]) -> list[str]:
                 else "—"
             )
             scripts = f.get("scripts_per_inference")
+            server_us = f.get("redis_us_per_inference")
+            commands = f.get("redis_commands_per_inference")
             rows.append(
                 [
                     "one redis-server" if name == "single" else "3-master Redis Cluster",
                     config,
                     _cell(f["pipelines_per_inference"], 1),
                     _cell(scripts, 1) if scripts else "—",
+                    _cell(server_us) if server_us else "—",
+                    _cell(commands, 1) if commands else "—",
                     _cell(f["p50_us"]),
                     added,
                     _cell(f["cpu_us_per_inference"]),
@@ -515,6 +520,8 @@ def features_section(features: dict[str, Any]) -> list[str]:
             "configuration",
             "pipelines / inference",
             "scripts / inference",
+            "Redis µs / inference",
+            "Redis commands / inference",
             "last-byte p50 µs",
             "added p50 µs",
             "CPU µs / inference",

@@ -296,6 +296,62 @@ async def test_a_window_written_before_running_totals_gets_them(redis_url: str) 
         await store.aclose()
 
 
+async def test_every_bucket_key_keeps_a_lifetime_longer_than_its_usage(redis_url: str) -> None:
+    """The scripts renew a bucket's lifetimes once a sixteenth of its ttl has passed, not on
+    every call, so each key they create must get a lifetime of its own: the holds hash, the
+    expiry set made anew after its last hold left, a window first written by a commit."""
+    store = RedisStore.from_url(redis_url, prefix=f"t{uuid.uuid4().hex[:8]}", timeout=2.0)
+    client: Any = store.client
+    call = tokens(10**6, HOUR, DAY)
+    keys = store.bucket_keys(KEY, (HOUR, DAY))
+    ttl = hold(T0, 1).ttl_ms
+
+    async def lifetimes() -> list[int]:
+        return [await client.pttl(k) for k in keys]  # -2: no such key, -1: no lifetime
+
+    async def admitted(h: Hold, used: int) -> None:
+        assert (await store.reserve_buckets([call], h))[0].ok
+        assert all(t == -2 or t > ttl for t in await lifetimes()), await lifetimes()
+        await commit(store, call, h, used, now_ms=h.now_ms + 1)
+        assert all(t == -2 or t > ttl for t in await lifetimes()), await lifetimes()
+
+    try:
+        await admitted(hold(T0, 10), 5)  # the windows are written first by this commit
+        assert (await lifetimes())[1] == -2  # its only hold left: the expiry set is gone
+        await admitted(hold(T0 + 2, 10), 5)  # made anew, renewal not due
+        await client.delete(*keys[2:])  # the windows lapse (a reset)
+        await admitted(hold(T0 + 4, 10), 5)
+        now = await lifetimes()
+        assert now[0] > ttl and min(now[2:]) > ttl  # the windows have lifetimes again
+        # Renewal is due a sixteenth of the ttl after the last one, then for every key at once.
+        assert (await store.reserve_buckets([call], hold(T0 + 5, 10)))[0].ok  # stays open
+        for k in keys:
+            await client.pexpire(k, 60_000)
+        assert (await store.reserve_buckets([call], hold(T0 + 6, 10)))[0].ok
+        assert max(await lifetimes()) <= 60_000  # not due yet: nothing renewed
+        later = hold(T0 + ttl // 16, 10)
+        assert (await store.reserve_buckets([call], later))[0].ok
+        assert min(await lifetimes()) > ttl
+        assert (await store.inspect_bucket(call, later.now_ms)).windows[1].tokens == 5
+    finally:
+        await store.aclose()
+
+
+async def test_a_hold_written_without_its_expiry_mark_still_expires(redis_url: str) -> None:
+    """Reserves look for expired holds only once the earliest may have expired (the holds
+    hash's _n); a bucket an earlier release wrote has no _n and is searched at once."""
+    store = RedisStore.from_url(redis_url, prefix=f"t{uuid.uuid4().hex[:8]}", timeout=2.0)
+    client: Any = store.client
+    call = tokens(100, HOUR)
+    try:
+        assert (await store.reserve_buckets([call], hold(T0, 100, hold_ms=5000)))[0].ok
+        await client.hdel(store.bucket_keys(KEY, (HOUR,))[0], "_n")
+        assert not (await store.reserve_buckets([call], hold(T0 + 4999, 1)))[0].ok
+        assert (await store.reserve_buckets([call], hold(T0 + 5000, 100)))[0].ok
+    finally:
+        await store.aclose()
+
+
 async def test_a_commit_held_only_counts_where_the_hold_still_is_and_only_once(
     store: Store,
 ) -> None:

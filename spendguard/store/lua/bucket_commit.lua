@@ -39,7 +39,9 @@ for _, v in ipairs({now, at, tokens, cost, ttl}) do
 end
 local hold, held_only = ARGV[2], false
 if string.sub(hold, 1, 1) == '!' then hold, held_only = string.sub(hold, 2), true end
-local found = drop_hold(KEYS[1], KEYS[2], hold)
+local own = {}
+for i = 1, nw + 2 do own[i] = KEYS[i] end
+local found = drop_hold(KEYS[1], KEYS[2], hold, now, ttl, own)
 if held_only and not found then
   if alerting then return {0, 0} end
   return 0
@@ -49,8 +51,7 @@ for w = 1, nw do
   local idx = math.floor(at / slice_ms)
   if idx >= bounds(slice_ms, now, ARGV[6 + 2 * w]) then
     local key = KEYS[w + 2]
-    add_usage(key, idx, tokens, cost, 1)
-    redis.call('PEXPIRE', key, ttl)
+    if add_usage(key, idx, tokens, cost, 1) then renew({key}, ttl) end
   end
 end
 local reply = found and 1 or 0

@@ -1,12 +1,20 @@
 -- Shared by every budget script (prepended when loaded). One bucket's keys only, one slot.
 --   holds:   hash  hold id -> "expires_ms tokens cost"; _t and _c: totals of the live holds,
---                  _r: how many there are (each hold is one request)
+--                  _r: how many there are (each hold is one request); _n: no hold expires
+--                  before it (absent: unknown), so a reserve looks for expired holds only once
+--                  the earliest may have; _x: when the bucket's keys last had their lifetime
+--                  renewed (see renew); _seeded: the bucket was rebuilt from the ledger
 --   expiry:  zset  hold id scored by expires_ms
 --   window:  hash  t<slice index> -> tokens, c<slice index> -> micro-USD, r<slice index> ->
 --                  requests (committed usage); _T, _C and _R: the totals of the slices
 --                  present (_R absent: 0), _F: the lowest slice index present (absent: none).
 --                  While _F is still in the window the totals are the window's usage, read
 --                  without walking its slices.
+--
+-- Every redis.call inside a script costs the server about as much as a small command of its
+-- own, and these scripts run on every admission and every finish: so each reads its hashes
+-- with one HMGET and writes them with one HSET, and leaves the rare work (expired holds,
+-- lifetimes) to the calls that find it due.
 
 local SLICES = 60
 
@@ -23,48 +31,82 @@ local function arg_int(s)
   return n
 end
 
--- Drops the holds that expired by now; returns the totals of the live ones (tokens, cost,
--- requests).
-local function prune(holds, expiry, now)
-  local h = redis.call('HMGET', holds, '_t', '_c', '_r')
-  local t, c, r = tonumber(h[1] or '0'), tonumber(h[2] or '0'), tonumber(h[3] or '0')
-  local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', now)
-  if #gone > 0 then
-    for _, id in ipairs(gone) do
-      local v = redis.call('HGET', holds, id)
-      if v then
-        local _, ht, hc = string.match(v, '(%d+) (%d+) (%d+)')
-        t = t - tonumber(ht)
-        c = c - tonumber(hc)
-        r = r - 1
-        redis.call('HDEL', holds, id)
-      end
-    end
-    redis.call('ZREMRANGEBYSCORE', expiry, '-inf', now)
-    if t < 0 then t = 0 end
-    if c < 0 then c = 0 end
-    if r < 0 then r = 0 end
-    redis.call('HSET', holds, '_t', int(t), '_c', int(c), '_r', int(r))
-  end
-  return t, c, r
+-- No hold expires at or after this (ms): the _n of a bucket without holds.
+local NEVER = 9007199254740992
+
+-- The bucket's header: one read of the holds hash. Absent fields read as false.
+local function header(holds)
+  local h = redis.call('HMGET', holds, '_t', '_c', '_r', '_n', '_x', '_seeded')
+  return {
+    t = tonumber(h[1] or '0'), c = tonumber(h[2] or '0'), r = tonumber(h[3] or '0'),
+    n = tonumber(h[4] or ''), x = tonumber(h[5] or ''), seeded = h[6] ~= false,
+    exists = h[1] ~= false or h[4] ~= false or h[5] ~= false or h[6] ~= false,
+  }
 end
 
--- Returns a hold's amounts to the totals; true if the hold was still there.
-local function drop_hold(holds, expiry, id)
-  local v = redis.call('HGET', holds, id)
-  if not v then return false end
-  local _, ht, hc = string.match(v, '(%d+) (%d+) (%d+)')
+-- Drops the holds that expired by now, once the earliest may have (hd.n); updates hd's totals
+-- and hd.n (the earliest expiry left).
+local function prune(holds, expiry, now, hd)
+  if hd.n and now < hd.n then return end
+  local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', now)
+  for _, id in ipairs(gone) do
+    local v = redis.call('HGET', holds, id)
+    if v then
+      local _, ht, hc = string.match(v, '(%d+) (%d+) (%d+)')
+      hd.t = math.max(0, hd.t - tonumber(ht))
+      hd.c = math.max(0, hd.c - tonumber(hc))
+      hd.r = math.max(0, hd.r - 1)
+      redis.call('HDEL', holds, id)
+    end
+  end
+  if #gone > 0 then redis.call('ZREMRANGEBYSCORE', expiry, '-inf', now) end
+  local first = redis.call('ZRANGE', expiry, 0, 0, 'WITHSCORES')
+  local old = hd.n
+  hd.n = tonumber(first[2]) or NEVER
+  if #gone > 0 or (hd.exists and hd.n ~= old) then
+    redis.call('HSET', holds, '_t', int(hd.t), '_c', int(hd.c), '_r', int(hd.r), '_n', int(hd.n))
+  end
+end
+
+-- Whether the bucket's keys are due for a longer life: each key lives ttl and a sixteenth
+-- more from its last renewal (or its creation: see add_usage), and renewals come at most a
+-- sixteenth apart, so whatever a key holds outlives its last write by at least ttl.
+local function renew_due(hd, now, ttl)
+  return hd.x == nil or now - hd.x >= math.floor(ttl / 16) or now < hd.x
+end
+
+local function renew(keys, ttl)
+  local life = ttl + math.floor(ttl / 16)
+  for i = 1, #keys do redis.call('PEXPIRE', keys[i], life) end
+end
+
+-- Returns a hold's amounts to the totals and drops it; false if it was not there. Renews the
+-- bucket's lifetime on the way when due (now given).
+local function drop_hold(holds, expiry, id, now, ttl, keys)
+  local h = redis.call('HMGET', holds, id, '_t', '_c', '_r', '_x')
+  local due = now and renew_due({x = tonumber(h[5] or '')}, now, ttl)
+  if not h[1] then
+    if due then
+      -- A late commit (a recovered admission, a hold that expired): no write here creates
+      -- the holds hash, but the windows it counts in must live on.
+      if h[2] or h[5] then redis.call('HSET', holds, '_x', int(now)) end
+      renew(keys, ttl)
+    end
+    return false, due
+  end
+  local _, ht, hc = string.match(h[1], '(%d+) (%d+) (%d+)')
   redis.call('HDEL', holds, id)
   redis.call('ZREM', expiry, id)
-  local h = redis.call('HMGET', holds, '_t', '_c', '_r')
-  local t = tonumber(h[1] or '0') - tonumber(ht)
-  local c = tonumber(h[2] or '0') - tonumber(hc)
-  local r = tonumber(h[3] or '0') - 1
-  if t < 0 then t = 0 end
-  if c < 0 then c = 0 end
-  if r < 0 then r = 0 end
-  redis.call('HSET', holds, '_t', int(t), '_c', int(c), '_r', int(r))
-  return true
+  local t = math.max(0, tonumber(h[2] or '0') - tonumber(ht))
+  local c = math.max(0, tonumber(h[3] or '0') - tonumber(hc))
+  local r = math.max(0, tonumber(h[4] or '0') - 1)
+  if due then
+    redis.call('HSET', holds, '_t', int(t), '_c', int(c), '_r', int(r), '_x', int(now))
+    renew(keys, ttl)
+  else
+    redis.call('HSET', holds, '_t', int(t), '_c', int(c), '_r', int(r))
+  end
+  return true, due
 end
 
 -- A window's bounds now: the oldest slice index still in it, and when everything in it
@@ -132,26 +174,40 @@ local function window_totals(key, lo)
 end
 
 -- Adds committed usage to slice idx of a window, keeping its totals (a window written before
--- it had totals gets them from its next full pass instead).
+-- it had totals gets them from its next full pass instead): one read, one write. Returns true
+-- if the window's hash is new (it has no lifetime yet: the caller gives it one).
 local function add_usage(key, idx, tokens, cost, requests)
-  local h = redis.call('HMGET', key, '_T', '_F')
-  local kept = h[1] ~= false or redis.call('EXISTS', key) == 0
-  if tokens > 0 then
-    redis.call('HINCRBY', key, 't' .. int(idx), int(tokens))
-    if kept then redis.call('HINCRBY', key, '_T', int(tokens)) end
+  if tokens <= 0 and cost <= 0 and requests <= 0 then return false end
+  local ft, fc, fr = 't' .. int(idx), 'c' .. int(idx), 'r' .. int(idx)
+  local h = redis.call('HMGET', key, '_T', '_F', '_C', '_R', ft, fc, fr)
+  local kept, fresh = h[1] ~= false, false
+  if not kept then
+    fresh = redis.call('EXISTS', key) == 0
+    kept = fresh
   end
-  if cost > 0 then
-    redis.call('HINCRBY', key, 'c' .. int(idx), int(cost))
-    if kept then redis.call('HINCRBY', key, '_C', int(cost)) end
+  local out = {}
+  local function add(field, old, amount)
+    if amount > 0 then
+      out[#out + 1] = field
+      out[#out + 1] = int(tonumber(old or '0') + amount)
+    end
   end
-  if requests > 0 then
-    redis.call('HINCRBY', key, 'r' .. int(idx), int(requests))
-    if kept then redis.call('HINCRBY', key, '_R', int(requests)) end
+  add(ft, h[5], tokens)
+  add(fc, h[6], cost)
+  add(fr, h[7], requests)
+  if kept then
+    out[#out + 1] = '_T'
+    out[#out + 1] = int(tonumber(h[1] or '0') + tokens)
+    out[#out + 1] = '_C'
+    out[#out + 1] = int(tonumber(h[3] or '0') + cost)
+    add('_R', h[4], requests)
+    if not h[2] or idx < tonumber(h[2]) then
+      out[#out + 1] = '_F'
+      out[#out + 1] = int(idx)
+    end
   end
-  if kept and (tokens > 0 or cost > 0 or requests > 0) then
-    if not h[1] then redis.call('HSETNX', key, '_T', '0') redis.call('HSETNX', key, '_C', '0') end
-    if not h[2] or idx < tonumber(h[2]) then redis.call('HSET', key, '_F', int(idx)) end
-  end
+  redis.call('HSET', key, unpack(out))
+  return fresh
 end
 
 -- Milliseconds until enough slices left the window for `wanted` to fit (see store.retry_ms); a

@@ -4,7 +4,9 @@
 -- Reply: {held tokens, held cost, held requests, then tokens, cost, requests per window}.
 local now = arg_int(ARGV[1])
 if type(now) == 'table' then return now end
-local held_t, held_c, held_r = prune(KEYS[1], KEYS[2], now)
+local hd = header(KEYS[1])
+prune(KEYS[1], KEYS[2], now, hd)
+local held_t, held_c, held_r = hd.t, hd.c, hd.r
 local reply = {int(held_t), int(held_c), int(held_r)}
 for w = 1, #KEYS - 2 do
   local t, c, r = window_totals(KEYS[w + 2], bounds(tonumber(ARGV[2 * w]), now, ARGV[2 * w + 1]))

@@ -19,10 +19,12 @@ local ttl = arg_int(ARGV[7])
 for _, v in ipairs({now, expires, tokens, cost, ttl}) do
   if type(v) == 'table' then return v end
 end
-if ARGV[8] == '1' and redis.call('HEXISTS', KEYS[1], '_seeded') == 0 then
+local hd = header(KEYS[1])
+if ARGV[8] == '1' and not hd.seeded then
   return {-1}
 end
-local held_t, held_c, held_r = prune(KEYS[1], KEYS[2], now)
+prune(KEYS[1], KEYS[2], now, hd)
+local held_t, held_c, held_r = hd.t, hd.c, hd.r
 
 -- A denial: the least left in any window, per unit (-1: no limit of that unit).
 local function denied(w, unit, wait)
@@ -67,10 +69,17 @@ for w = 1, #KEYS - 2 do
   end
   used[#used + 1] = int(t + held_t + tokens)
 end
+local due = renew_due(hd, now, ttl)
 redis.call('HSET', KEYS[1], id, int(expires) .. ' ' .. int(tokens) .. ' ' .. int(cost),
-  '_t', int(held_t + tokens), '_c', int(held_c + cost), '_r', int(held_r + 1))
+  '_t', int(held_t + tokens), '_c', int(held_c + cost), '_r', int(held_r + 1),
+  '_n', int(math.min(hd.n, expires)), '_x', int(due and now or hd.x))
 redis.call('ZADD', KEYS[2], expires, id)
-for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ttl) end
+if due then
+  renew(KEYS, ttl)
+elseif held_r == 0 then
+  -- The expiry set empties (and is deleted) with its last hold: this ZADD made it anew.
+  renew({KEYS[2]}, ttl)
+end
 local reply = {1}
 for _, u in ipairs(used) do reply[#reply + 1] = u end
 return reply

@@ -19,5 +19,5 @@ for w = 1, #KEYS - 2 do
   end
 end
 redis.call('HSET', KEYS[1], '_seeded', '1')
-for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ttl) end
+renew(KEYS, ttl)
 return 1
