@@ -61,6 +61,7 @@ def gate_for(guard: SpendGuard) -> BudgetGate | None:
         fit_min=settings.fit_min_output_tokens,
         ratelimit_fields=settings.ratelimit_headers,
         fit_by_default=settings.fit_by_default,
+        unknown_model=settings.unknown_model,
     )
 
 
@@ -91,6 +92,7 @@ def recovery_gate(
         memory_max_buckets=settings.memory_max_keys,
         store=store,
         override_timeout=settings.db_timeout,
+        unknown_model=settings.unknown_model,
     )
 
 

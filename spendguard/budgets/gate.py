@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 from .. import metrics
 from ..clock import from_micros, to_micros, utcnow
+from ..engine.costing import DEFAULT_ENTRY
 from ..engine.decision import Lasting
 from ..engine.reservation import (
     DEFAULT_RESERVATION,
@@ -44,6 +45,7 @@ from ..limits.model import BudgetLimit, SubjectKind, Unit
 from ..limits.rates import POLICY_FIELD, STATE_FIELD, TOKENS_UNIT
 from ..limits.windows import PREPAID, Rolling
 from ..record import InferenceRecord
+from ..settings import UnknownModel
 from ..store import MemoryStore, Store
 from ..store.rolling import (
     Bucket,
@@ -172,6 +174,8 @@ class BudgetAdmission:
     # A denial that a smaller output cap per completion would pass now (fitting on): that
     # cap; None otherwise.
     fits: int | None = None
+    # It draws on a customer's prepaid account: priced as the ledger charges (BudgetGate.price).
+    prepaid: bool = False
 
     @property
     def allowed(self) -> bool:
@@ -224,6 +228,7 @@ class BudgetGate:
         ratelimit_fields: bool = False,
         fit_by_default: bool = True,
         balances: CustomerBalances | None = None,
+        unknown_model: UnknownModel = UnknownModel.DEFAULT_PRICE,
     ) -> None:
         self.source = source
         self.output = output  # the spend limits' own rule (the guard's), so the two agree
@@ -232,6 +237,7 @@ class BudgetGate:
         self._rebuilding: SingleFlight[None] = SingleFlight()
         self._ensure_connected = ensure_connected
         self.prices = prices
+        self.unknown_model = unknown_model  # the gateway's rule (see price)
         # The gateway's shared store (its Redis, closed with its guard), and the gate's own
         # in this process for ``storage: memory``.
         self.redis = redis_store
@@ -371,7 +377,8 @@ class BudgetGate:
             return _no_budget()
         output = self.output.tokens(request, self.prices, config.default_output_tokens)
         estimate = Usage(input_tokens=request.estimated_input_tokens, output_tokens=output)
-        price = self.prices.lookup(model)
+        prepaid = topped is not None
+        price = self.price(model, prepaid=prepaid)
         cost = 0 if price is None else int(price.cost(estimate))
         now_ms = self._now_ms()
         hold_ms = config.hold_seconds * 1000
@@ -387,7 +394,7 @@ class BudgetGate:
         store = self.store_for(config)
         reserving = store.reserve_buckets(calls, hold, require_seed=self.ledger is not None)
         return self._admitted(
-            config, store, planned, hold, reserving, request, estimate, price is not None
+            config, store, planned, hold, reserving, request, estimate, price is not None, prepaid
         )
 
     def _planned(
@@ -462,6 +469,7 @@ class BudgetGate:
         request: InferenceRequest,
         estimate: Usage,
         count_cost: bool,
+        prepaid: bool = False,
     ) -> BudgetAdmission:
         model, calls = request.model, planned.calls
         try:
@@ -490,6 +498,7 @@ class BudgetGate:
             model=model,
             count_cost=count_cost,
             counters=planned.counters,
+            prepaid=prepaid,
         )
         denied = [(i, a) for i, a in enumerate(answers) if not a.ok]
         if denied:
@@ -564,6 +573,9 @@ class BudgetGate:
         elif bucket.kind is SubjectKind.MODEL:
             filters["model"] = model
         out = []
+        # A customer's bucket with a prepaid account counted its requests at the ledger's
+        # price (see price); the others' unpriced models, tokens only.
+        prepaid = PREPAID in call.windows
         for window in call.windows:
             slice_ms = window.slice_ms
             # A prepaid window starts before the epoch: every record counts then.
@@ -575,7 +587,7 @@ class BudgetGate:
             for row in rows:
                 u = row.usage
                 tokens = u.total_tokens
-                price = self.prices.lookup(row.model)
+                price = self.price(row.model, prepaid=prepaid)
                 cost = 0 if price is None else int(price.cost(u))
                 entry = merged.setdefault(row.start_us // 1000 // slice_ms, [0, 0, 0])
                 entry[0] += tokens
@@ -624,7 +636,9 @@ class BudgetGate:
         admission.verdict = BudgetVerdict.DENY
         admission.denial = denial
         admission.done = True
-        admission.fits = self._fits([(admission.calls[i], a) for i, a in denied], request, estimate)
+        admission.fits = self._fits(
+            [(admission.calls[i], a) for i, a in denied], request, estimate, admission.prepaid
+        )
         return admission
 
     def _fits(
@@ -632,6 +646,7 @@ class BudgetGate:
         denied: list[tuple[BucketCheck, Reserved]],
         request: InferenceRequest,
         estimate: Usage,
+        prepaid: bool = False,
     ) -> int | None:
         """The largest output cap per completion that every refusing bucket has room for
         now, when fitting is on, the request declared a cap, and that cap is at least the
@@ -648,7 +663,7 @@ class BudgetGate:
                     return None  # a budget that has not opted in refuses as sent
         tokens_in, choices = estimate.input_tokens, request.choices
         cap = estimate.output_tokens // choices
-        price = self.prices.lookup(request.model)
+        price = self.price(request.model, prepaid=prepaid)
         for _, answer in denied:
             if answer.left_tokens is not None:
                 cap = min(cap, (answer.left_tokens - tokens_in) // choices)
@@ -696,7 +711,7 @@ class BudgetGate:
             explained += advice(request, (limit - tokens_in) // choices)
         else:
             reserved = hold.cost
-            price = self.prices.lookup(request.model)
+            price = self.price(request.model, prepaid=admission.prepaid)
             assert price is not None  # a cost is only counted for a priced model
 
             def cost_of(out: int) -> int:
@@ -739,6 +754,16 @@ class BudgetGate:
         )
         return BudgetAdmission(BudgetVerdict.DENY, denial=denial, done=True)
 
+    def price(self, model: str, *, prepaid: bool = False) -> Price | None:
+        """What ``model`` is counted at: its price in the table; a model without one counts
+        tokens only (None), except where the request draws on a customer's prepaid account:
+        that is money, paid as the ledger charges it, so the gateway's unknown-model rule
+        prices it there (the ``default`` entry; nothing with ``unknown_model=free``)."""
+        price = self.prices.lookup(model)
+        if price is None and prepaid and self.unknown_model is UnknownModel.DEFAULT_PRICE:
+            price = self.prices.lookup(DEFAULT_ENTRY)
+        return price
+
     # -- the end of a request -----------------------------------------------------------------
     async def finish(self, admission: BudgetAdmission, usage: Usage | None, model: str) -> None:
         """Replace the hold by ``usage`` (None: the request was refused, failed or cancelled:
@@ -760,7 +785,9 @@ class BudgetGate:
         tokens = usage.total_tokens
         cost = 0
         if admission.count_cost:
-            price = self.prices.lookup(model) or self.prices.lookup(admission.model)
+            price = self.prices.lookup(model) or self.price(
+                admission.model, prepaid=admission.prepaid
+            )
             cost = 0 if price is None else int(price.cost(usage))
         committing = store.commit_buckets(
             admission.calls,
@@ -828,7 +855,7 @@ class BudgetGate:
         if not planned.calls:
             return
         usage = record.usage
-        price = self.prices.lookup(record.model)
+        price = self.price(record.model, prepaid=topped is not None)
         cost = 0 if price is None else int(price.cost(usage))
         at_ms = to_micros(record.t0) // 1000
         fired = await store.commit_buckets(
@@ -985,6 +1012,7 @@ def make_gate(
     fit_min: int | None = None,
     ratelimit_fields: bool = False,
     fit_by_default: bool = True,
+    unknown_model: UnknownModel = UnknownModel.DEFAULT_PRICE,
 ) -> BudgetGate:
     """A gate on the gateway's store: its Redis (shared by every replica, the calls leaving
     in the same pipeline writes as the spend limits') when it is one, used whenever the
@@ -1021,5 +1049,6 @@ def make_gate(
         fit_min=fit_min,
         ratelimit_fields=ratelimit_fields,
         fit_by_default=fit_by_default,
+        unknown_model=unknown_model,
         balances=balances,
     )

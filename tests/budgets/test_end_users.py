@@ -439,3 +439,62 @@ async def test_a_customers_prepaid_balance_is_shared_by_its_teams_and_topped_up(
         assert "retry-after" not in refused.headers
     assert topped.status_code == 200
     assert balance is not None and (balance.topped_up, balance.used, balance.left) == (210, 30, 180)
+
+
+@pytest.mark.parametrize(("rule", "used"), [("default_price", 15), ("free", 0)])
+async def test_a_model_without_a_price_draws_the_prepaid_balance_as_the_ledger_charges_it(
+    tmp_path: Path, rule: str, used: int, storage: dict[str, object]
+) -> None:
+    """A prepaid account is money: a model missing from the price table draws it as the
+    ledger charges it, by the unknown-model rule (the ``default`` entry, 1 micro-USD per token
+    here; nothing with ``free``), never at nothing while the ledger charges it."""
+    gw = BudgetGateway(
+        tmp_path,
+        budgets=section(storage="redis" if storage else "memory"),
+        customer_from="header:x-customer",
+        unknown_model=rule,
+        **storage,
+    )
+    async with gw, gw.client() as c:
+
+        async def post() -> httpx.Response:
+            return await c.post(
+                "/v1/chat/completions",
+                json=chat_body(model="model-nobody-priced", max_tokens=98),  # holds 100
+                headers={"x-customer": "globex"},
+            )
+
+        await gw.budgets.topup_customer("globex", "0.00011")
+        first, second = await post(), await post()  # 110 - 15 = 95 left: no room for 100
+        await gw.guard.recorder.flush()
+        balance = await gw.budgets.customer_balance("globex")
+        rows = await sql_rows(
+            gw.settings.database_url.get_secret_value(), sa.select(records.c.estimate_micros)
+        )
+    assert first.status_code == 200
+    assert balance is not None and balance.used == used
+    assert sum(charge for (charge,) in rows) == used  # what the ledger charged
+    if used:
+        assert second.status_code == 429
+        assert second.json()["error"]["details"]["window"] == "prepaid"
+    else:
+        assert second.status_code == 200
+
+
+async def test_a_model_without_a_price_counts_tokens_only_in_a_cost_budget(tmp_path: Path) -> None:
+    """Without a prepaid account a budget counts a model the table does not price in tokens
+    only, and a cost-only budget does not limit it (the budgets' statement 18), whatever the
+    ledger charges it."""
+    budgets = section(scopes={"per_api_key": {"cost_usd": 0.00005, "tokens": 1_000_000}})
+    gw = BudgetGateway(tmp_path, budgets=budgets)
+    async with gw, gw.client() as c:
+        answers = [
+            await c.post(
+                "/v1/chat/completions", json=chat_body(model="model-nobody-priced", max_tokens=98)
+            )
+            for _ in range(3)
+        ]
+        counters = (await gw.budgets.inspect()).counters
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    key = next(c for c in counters if c.scope is BudgetScope.PER_API_KEY)
+    assert (key.tokens, key.cost_micros) == (45, 0)
