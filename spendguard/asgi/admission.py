@@ -174,7 +174,10 @@ async def admit_inference(
     request: InferenceRequest | None = None
     if identity is not None and body is not None:
         try:
-            request = parse_request(body, path_model)
+            budgets = round_.budgets
+            request = parse_request(
+                body, path_model, estimate_now=budgets is not None and budgets.config.enabled
+            )
             if parties is not None:
                 parties.apply(request, state, headers, body)
         except BadRequest as exc:

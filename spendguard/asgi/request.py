@@ -60,11 +60,15 @@ def _parse_float(text: str) -> float:
     return value
 
 
-def parse_request(body: bytes, path_model: str | None = None) -> InferenceRequest:
+def parse_request(
+    body: bytes, path_model: str | None = None, *, estimate_now: bool = False
+) -> InferenceRequest:
     """Validate an inference request body and extract what budgeting needs.
 
     ``path_model`` is the model a route names in its path (an Azure deployment): the upstream
     runs that one whatever the body says, so it is the one priced and checked.
+    ``estimate_now``: the input estimate is wanted at admission (budgets hold it on every
+    request): taken from this parse instead of parsing the body again.
 
     Raises :class:`BadRequest` (and nothing else) when the body is unusable.
     """
@@ -75,10 +79,12 @@ def parse_request(body: bytes, path_model: str | None = None) -> InferenceReques
         model=_model(obj) if path_model is None else _model({"model": path_model}),
         stream=_stream(obj),
         max_tokens=_max_tokens(obj),
-        # Walked only if the provider reports no usage: one pass over the body otherwise. It
-        # keeps the body's bytes, not its parsed objects: those would stay alive for the whole
-        # upstream call, and the garbage collector walks every live container in each pass.
-        estimate=partial(_estimate_from_body, body),
+        # Otherwise walked only if the provider reports no usage (or a hard limit or a TPM
+        # rate holds it): one pass over the body then. It keeps the body's bytes, not its
+        # parsed objects: those would stay alive for the whole upstream call, and the garbage
+        # collector walks every live container in each pass.
+        estimated_input_tokens=_estimate_input_tokens(obj) if estimate_now else None,
+        estimate=None if estimate_now else partial(_estimate_from_body, body),
         size=len(body),
         choices=_choices(obj),
         model_pinned=path_model is not None,

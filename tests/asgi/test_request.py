@@ -29,6 +29,39 @@ def test_openai_chat_request() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x" * 41}]},
+        {"model": "claude-sonnet-4-6", "system": "s" * 9, "messages": [], "max_tokens": 5},
+        {"model": "gpt-5-nano", "input": [[1, 2, 3], "abc"], "instructions": "i" * 7},
+        {"model": "gpt-4o", "messages": [{"role": "user", "content": "data:image/png;x"}]},
+    ],
+)
+def test_an_estimate_wanted_at_admission_comes_from_the_one_parse(
+    fields: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With budgets on, every request's input estimate is held at admission: it is taken from
+    the parse that validated the body, not from a second one, and equals the lazy one."""
+    from spendguard.asgi import request as module
+
+    parses = 0
+    load = module._load
+
+    def counting(raw: bytes) -> object:
+        nonlocal parses
+        parses += 1
+        return load(raw)
+
+    monkeypatch.setattr(module, "_load", counting)
+    raw = body(**fields)
+    lazy = parse_request(raw).estimated_input_tokens
+    assert parses == 2  # validated, then parsed again when first asked
+    parses = 0
+    assert parse_request(raw, estimate_now=True).estimated_input_tokens == lazy
+    assert parses == 1
+
+
 def test_anthropic_streaming_request_counts_system_and_content_blocks() -> None:
     request = parse_request(
         body(

@@ -367,3 +367,28 @@ async def test_headers_report_the_tightest_window(tmp_path: Path) -> None:
     # The daily window empties when its current 24-minute slice has left it.
     slice_start = int(gw.clock.now.timestamp()) // 1440 * 1440
     assert int(ok.headers["x-budget-api-key-reset"]) == slice_start + 86_400
+
+
+async def test_a_budgeted_request_body_is_parsed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Budgets hold every request's input estimate at admission: the gateway takes it from
+    the parse that validated the body instead of decoding the body a second time."""
+    from spendguard.asgi import request as parsing
+
+    parses = 0
+    load = parsing._load
+
+    def counting(raw: bytes) -> object:
+        nonlocal parses
+        parses += 1
+        return load(raw)
+
+    monkeypatch.setattr(parsing, "_load", counting)
+    budgets = section(scopes={"per_api_key": {"tokens": 10_000}})
+    async with BudgetGateway(tmp_path, budgets=budgets) as gw, gw.client() as c:
+        answer = await c.post("/v1/chat/completions", json=req())
+        held = await counters(gw.gate, gw)
+    assert answer.status_code == 200
+    assert parses == 1
+    assert sorted(set(held.values())) == [USED], held  # its estimate held, then replaced
