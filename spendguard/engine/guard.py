@@ -156,6 +156,7 @@ class SpendGuard:
         self.clock = clock
         self.codec = KeyCodec(s.key_prefix, timedelta(seconds=s.key_grace))
         self.store: Store = store if store is not None else make_store(s, clock)
+        self._owns_store = store is None  # a store the caller gave stays the caller's
         self.outage = OutageTracker(s.fail_open_max_keys)
         self._fail_open = s.fail_mode is FailMode.OPEN
         self.ledger = ledger if ledger is not None else Ledger(s.database_url.get_secret_value())
@@ -480,6 +481,11 @@ class SpendGuard:
                     with suppress(StoreUnavailable):
                         await self._owners.delete(self.codec.owner_alive_key(self.owner))
             await self.ledger.disconnect()
+            if self._owns_store and self.store.shared:
+                # Its connections, not its state (Redis keeps that): a guard started again
+                # connects again. The embedded store is left as it is: its state is in here.
+                with anyio.move_on_after(self.settings.redis_timeout * 2):
+                    await self.store.aclose()
 
     async def __aenter__(self) -> SpendGuard:
         await self.start()

@@ -686,8 +686,14 @@ class RedisStore:
         await self._call(self._client.ping)
 
     async def aclose(self) -> None:
+        """Close every connection (the pipeline's and the client's pool); used again, the
+        store connects again."""
         await self.pipeline.aclose()
-        await self._client.aclose()
+        if isinstance(self._client, RedisCluster):
+            await self._client.aclose()
+        else:
+            # client_for gives the client a pool of its own, which a plain aclose() leaves open.
+            await self._client.aclose(close_connection_pool=True)
 
 
 # The URL schemes client_for understands: one server, or a cluster through any seed node.

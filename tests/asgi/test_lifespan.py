@@ -61,3 +61,45 @@ async def test_app_without_lifespan_support_still_gets_the_worker(
 
     guard = await serve_one_and_wait_for_settlement(SpendGuardMiddleware(bare, settings(tmp_path)))
     assert not guard.running
+
+
+async def test_a_guard_on_redis_closes_its_connections_when_the_app_stops_and_reconnects(
+    tmp_path: Path,
+) -> None:
+    """The Redis client a guard made for itself is closed with the app's lifespan (a host
+    that starts and stops apps, as tests do, leaks no sockets), and a guard started again
+    connects again."""
+    import redis as sync_redis
+
+    from tests.support import RedisServer
+    from tests.support.services import require_redis_server, started_redis
+
+    require_redis_server()
+    server = started_redis(RedisServer())  # its own: the clients counted are only ours
+    try:
+        probe = sync_redis.Redis(port=server.port)
+
+        def clients() -> int:
+            return int(probe.info("clients")["connected_clients"]) - 1  # not the probe
+
+        before = clients()
+        on_redis = Settings(
+            database_url=f"sqlite:///{tmp_path / 'l.db'}",
+            prices=write_unit_prices(tmp_path),
+            redis_url=server.url,
+            key_prefix="lifespan",
+        )
+        middleware = SpendGuardMiddleware(upstream(), on_redis)
+        app = StateAuth(middleware)
+        for _ in range(2):  # started, stopped, started again
+            async with lifespan(app):
+                async with client(app) as c:
+                    answer = await c.post("/v1/chat/completions", json=chat_body())
+                assert answer.status_code == 200
+                assert clients() > before
+            with anyio.fail_after(5):
+                while clients() > before:
+                    await anyio.sleep(0.05)
+        probe.close()
+    finally:
+        server.stop()
