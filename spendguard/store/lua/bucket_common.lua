@@ -11,10 +11,10 @@
 --                  While _F is still in the window the totals are the window's usage, read
 --                  without walking its slices.
 --
--- Every redis.call inside a script costs the server about as much as a small command of its
--- own, and these scripts run on every admission and every finish: so each reads its hashes
--- with one HMGET and writes them with one HSET, and leaves the rare work (expired holds,
--- lifetimes) to the calls that find it due.
+-- Every redis.call inside a script is a command the server runs (a write one it also sends to
+-- its replicas and its AOF), and these scripts run on every admission and every finish: so
+-- each reads its hashes with one HMGET and writes them with one HSET, and leaves the rare
+-- work (expired holds, lifetimes) to the calls that find it due.
 
 local SLICES = 60
 
