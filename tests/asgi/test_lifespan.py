@@ -8,9 +8,19 @@ from typing import Any
 
 import anyio
 import pytest
+import redis as sync_redis
 
 from spendguard import Settings, SpendGuard, SpendGuardMiddleware
-from tests.support import StateAuth, chat_body, client, lifespan, upstream, write_unit_prices
+from tests.support import (
+    RedisServer,
+    StateAuth,
+    chat_body,
+    client,
+    lifespan,
+    upstream,
+    write_unit_prices,
+)
+from tests.support.services import require_redis_server, started_redis
 
 pytestmark = pytest.mark.anyio
 
@@ -69,11 +79,6 @@ async def test_a_guard_on_redis_closes_its_connections_when_the_app_stops_and_re
     """The Redis client a guard made for itself is closed with the app's lifespan (a host
     that starts and stops apps, as tests do, leaks no sockets), and a guard started again
     connects again."""
-    import redis as sync_redis
-
-    from tests.support import RedisServer
-    from tests.support.services import require_redis_server, started_redis
-
     require_redis_server()
     server = started_redis(RedisServer())  # its own: the clients counted are only ours
     try:

@@ -9,6 +9,7 @@ import pytest
 
 from spendguard.asgi.request import BadRequest, parse_request
 from spendguard.engine.decision import InferenceRequest
+from tests.support import Counting
 
 
 def body(**fields: object) -> bytes:
@@ -45,21 +46,14 @@ def test_an_estimate_wanted_at_admission_comes_from_the_one_parse(
     the parse that validated the body, not from a second one, and equals the lazy one."""
     from spendguard.asgi import request as module
 
-    parses = 0
-    load = module._load
-
-    def counting(raw: bytes) -> object:
-        nonlocal parses
-        parses += 1
-        return load(raw)
-
-    monkeypatch.setattr(module, "_load", counting)
+    parses = Counting(module)
+    monkeypatch.setattr(module, "_load", parses._load)
     raw = body(**fields)
     lazy = parse_request(raw).estimated_input_tokens
-    assert parses == 2  # validated, then parsed again when first asked
-    parses = 0
+    assert parses.calls["_load"] == 2  # validated, then parsed again when first asked
+    parses.calls.clear()
     assert parse_request(raw, estimate_now=True).estimated_input_tokens == lazy
-    assert parses == 1
+    assert parses.calls["_load"] == 1
 
 
 def test_anthropic_streaming_request_counts_system_and_content_blocks() -> None:

@@ -21,7 +21,7 @@ from spendguard.asgi import admin_app
 from spendguard.budgets import BudgetGate
 from spendguard.limits import Period
 from spendguard.testing import StreamingASGITransport, fake_upstream
-from tests.support import chat_body
+from tests.support import Counting, chat_body
 from tests.support.budgets import BudgetGateway, section
 
 pytestmark = pytest.mark.anyio
@@ -376,19 +376,12 @@ async def test_a_budgeted_request_body_is_parsed_once(
     the parse that validated the body instead of decoding the body a second time."""
     from spendguard.asgi import request as parsing
 
-    parses = 0
-    load = parsing._load
-
-    def counting(raw: bytes) -> object:
-        nonlocal parses
-        parses += 1
-        return load(raw)
-
-    monkeypatch.setattr(parsing, "_load", counting)
+    parses = Counting(parsing)
+    monkeypatch.setattr(parsing, "_load", parses._load)
     budgets = section(scopes={"per_api_key": {"tokens": 10_000}})
     async with BudgetGateway(tmp_path, budgets=budgets) as gw, gw.client() as c:
         answer = await c.post("/v1/chat/completions", json=req())
         held = await counters(gw.gate, gw)
     assert answer.status_code == 200
-    assert parses == 1
+    assert parses.calls["_load"] == 1
     assert sorted(set(held.values())) == [USED], held  # its estimate held, then replaced

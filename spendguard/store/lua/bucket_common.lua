@@ -71,8 +71,8 @@ end
 -- Whether the bucket's keys are due for a longer life: each key lives ttl and a sixteenth
 -- more from its last renewal (or its creation: see add_usage), and renewals come at most a
 -- sixteenth apart, so whatever a key holds outlives its last write by at least ttl.
-local function renew_due(hd, now, ttl)
-  return hd.x == nil or now - hd.x >= math.floor(ttl / 16) or now < hd.x
+local function renew_due(x, now, ttl)
+  return x == nil or now - x >= math.floor(ttl / 16) or now < x
 end
 
 local function renew(keys, ttl)
@@ -84,7 +84,7 @@ end
 -- bucket's lifetime on the way when due (now given).
 local function drop_hold(holds, expiry, id, now, ttl, keys)
   local h = redis.call('HMGET', holds, id, '_t', '_c', '_r', '_x')
-  local due = now and renew_due({x = tonumber(h[5] or '')}, now, ttl)
+  local due = now and renew_due(tonumber(h[5] or ''), now, ttl)
   if not h[1] then
     if due then
       -- A late commit (a recovered admission, a hold that expired): no write here creates

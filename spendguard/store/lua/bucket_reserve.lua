@@ -69,7 +69,7 @@ for w = 1, #KEYS - 2 do
   end
   used[#used + 1] = int(t + held_t + tokens)
 end
-local due = renew_due(hd, now, ttl)
+local due = renew_due(hd.x, now, ttl)
 redis.call('HSET', KEYS[1], id, int(expires) .. ' ' .. int(tokens) .. ' ' .. int(cost),
   '_t', int(held_t + tokens), '_c', int(held_c + cost), '_r', int(held_r + 1),
   '_n', int(math.min(hd.n, expires)), '_x', int(due and now or hd.x))
