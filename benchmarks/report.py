@@ -480,8 +480,9 @@ def features_section(features: dict[str, Any]) -> list[str]:
         "## 6. Features on (Redis, in process, one request at a time)",
         "",
         "Per inference on warm caches: pipelines sent to Redis (sequential round trips) and "
-        "the script calls they carry, the Redis servers' own time and the commands they ran "
-        "(every node; a script's inner calls count), p50 time to the last response byte, and "
+        "the script calls they carry, the Redis servers' time in those scripts and the commands "
+        "they ran (every node; a script's inner calls count), p50 time to the last response "
+        "byte, and "
         "this process's CPU (gateway and upstream); the ratios are to spend limits alone.",
         "",
     ]
@@ -520,7 +521,7 @@ def features_section(features: dict[str, Any]) -> list[str]:
             "configuration",
             "pipelines / inference",
             "scripts / inference",
-            "Redis µs / inference",
+            "Redis script µs / inference",
             "Redis commands / inference",
             "last-byte p50 µs",
             "added p50 µs",
