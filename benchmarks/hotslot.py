@@ -15,7 +15,7 @@ three ways past it.
    server's command thread, not the client, is the bottleneck. Scenarios:
 
    * ``admission``: the budget ``reserve`` then ``commit`` scripts on ONE bucket (the fleet's
-     ``{bg}`` bucket: holds hash, expiry zset and two window hashes, named as
+     ``{bg}`` bucket: its holds hash and two window hashes, named as
      ``RedisStore.bucket_keys`` names them), one pair per admission; the windows are full (60
      slices each, tokens and cost) and 1,000 other holds are in flight, as on a busy bucket;
    * ``reserve only`` then ``commit only``: the same two scripts apart, to split the cost;
@@ -97,9 +97,9 @@ TTL_MS = max(w.seconds for w in WINDOWS) * 1000 + HOLD_MS
 
 
 def bucket_keys(tag: str = "bg") -> list[str]:
-    """``RedisStore.bucket_keys``: holds, expiry, one hash per window, one hash tag."""
+    """``RedisStore.bucket_keys``: holds, one hash per window, one hash tag."""
     base = f"{PREFIX}:{{{tag}}}:budget"
-    return [f"{base}:holds", f"{base}:expiry", *(f"{base}:w:{w.id}:{w.seconds}" for w in WINDOWS)]
+    return [f"{base}:holds", *(f"{base}:w:{w.id}:{w.seconds}" for w in WINDOWS)]
 
 
 def reserve_args(now_ms: int, hold_id: str, tokens: int, cost: int) -> list[str]:
@@ -307,18 +307,16 @@ def _prepare_bucket(client: Any, keys: Sequence[str], in_flight: int, full: bool
     later than any run. ``full=False, in_flight=0``: a bucket seeded a moment ago."""
     client.delete(*keys)
     now = _now_ms()
-    holds, expiry = keys[0], keys[1]
+    holds = keys[0]
     mapping: dict[str, str] = {"_seeded": "1"}
-    scores: dict[str, int] = {}
     for i in range(in_flight):
         mapping[f"other-{i}"] = f"{now + HOLD_MS} 1500 300"
-        scores[f"other-{i}"] = now + HOLD_MS
     mapping["_t"] = str(1500 * in_flight)
     mapping["_c"] = str(300 * in_flight)
+    mapping["_r"] = str(in_flight)
+    mapping["_n"] = str(now + HOLD_MS)  # no hold expires during a run
     client.hset(holds, mapping=mapping)
-    if scores:
-        client.zadd(expiry, scores)
-    for key, w in zip(keys[2:], WINDOWS, strict=True):
+    for key, w in zip(keys[1:], WINDOWS, strict=True):
         if not full:
             continue
         cur = now // w.slice_ms

@@ -449,20 +449,15 @@ class RedisStore:
 
     # -- rolling windows --------------------------------------------------------------------
     # A bucket's keys share its hash tag, so each script runs in one slot:
-    #   {prefix}:{bk:<team>:<key>}:budget:holds        the key's holds (hash)
-    #   {prefix}:{bk:<team>:<key>}:budget:expiry       their expiry times (zset)
+    #   {prefix}:{bk:<team>:<key>}:budget:holds        the key's holds and their totals (hash)
     #   {prefix}:{bk:<team>:<key>}:budget:w:<id>:<s>   window <id> of <s> seconds: its slices
     #   {prefix}:{bm:<model>}:budget:...               a model's bucket (model name encoded)
     #   {prefix}:{bg}:budget:...                       the fleet's bucket
     # Keys live as long as the longest window plus the hold time, refreshed on every write.
     def bucket_keys(self, bucket: Bucket, windows: Sequence[Rolling]) -> list[str]:
-        """The bucket's keys: holds, expiry, then one per window (one hash tag, one slot)."""
+        """The bucket's keys: holds, then one per window (one hash tag, one slot)."""
         base = f"{self._prefix}:{{{bucket.tag}}}:budget"
-        return [
-            f"{base}:holds",
-            f"{base}:expiry",
-            *(f"{base}:w:{w.id}:{w.label}" for w in windows),
-        ]
+        return [f"{base}:holds", *(f"{base}:w:{w.id}:{w.label}" for w in windows)]
 
     def bucket_alerts_key(self, bucket: Bucket) -> str:
         return f"{self._prefix}:{{{bucket.tag}}}:budget:alerts"
@@ -613,7 +608,7 @@ class RedisStore:
         return BucketUsage(call.bucket, values[0], values[1], rows, values[2])
 
     async def reset_bucket(self, bucket: Bucket, windows: Sequence[Rolling]) -> None:
-        keys = self.bucket_keys(bucket, windows)[2:]
+        keys = self.bucket_keys(bucket, windows)[1:]
         if keys:
             await self._call(lambda: self._client.delete(*keys))
 

@@ -131,6 +131,31 @@ async def test_a_hold_left_by_a_dead_request_expires(store: Store) -> None:
     assert (await store.reserve_buckets([call], hold(T0 + 5000, 100)))[0].ok
 
 
+async def test_holds_expire_one_by_one_at_their_own_times(store: Store) -> None:
+    """Forty holds expiring a second apart, every fourth committed first: at each moment the
+    bucket holds exactly those that neither expired nor were committed, and only the expired
+    ones stop counting (the search for expired holds runs when the earliest is due, and
+    whatever it finds, it finds each hold once)."""
+    call = tokens(10**9, HOUR)
+    held = [hold(T0, 10 + i, hold_ms=1000 * (i + 1)) for i in range(40)]
+    for h in held:
+        assert (await store.reserve_buckets([call], h))[0].ok
+    committed = set(range(0, 40, 4))
+    for i in sorted(committed):
+        await commit(store, call, held[i], 1, now_ms=T0 + 1)
+    for at in (T0 + 500, T0 + 1000, T0 + 7_500, T0 + 20_000, T0 + 39_999, T0 + 40_000):
+        live = [
+            10 + i for i, h in enumerate(held) if i not in committed and h.expires_ms > at
+        ]
+        usage = await store.inspect_bucket(call, at)
+        assert (usage.held_tokens, usage.held_requests) == (sum(live), len(live)), at
+        assert usage.windows[0].tokens == len(committed)
+    # An expired hold's late commit still counts its usage (it is no longer held).
+    await commit(store, call, held[1], 5, now_ms=T0 + 40_001)
+    usage = await store.inspect_bucket(call, T0 + 40_001)
+    assert usage.held_tokens == 0 and usage.windows[0].tokens == len(committed) + 5
+
+
 async def test_every_window_must_afford_it(store: Store) -> None:
     call = BucketCheck(
         KEY,
@@ -280,7 +305,7 @@ async def test_a_window_written_before_running_totals_gets_them(redis_url: str) 
     store = RedisStore.from_url(redis_url, prefix=prefix, timeout=2.0)
     try:
         call = tokens(100, HOUR)
-        window_key = store.bucket_keys(KEY, (HOUR,))[2]
+        window_key = store.bucket_keys(KEY, (HOUR,))[1]
         slice_now = T0 // HOUR.slice_ms
         client: Any = store.client
         await client.hset(window_key, mapping={f"t{slice_now}": "60", f"t{slice_now - 1}": "30"})
@@ -298,8 +323,8 @@ async def test_a_window_written_before_running_totals_gets_them(redis_url: str) 
 
 async def test_every_bucket_key_keeps_a_lifetime_longer_than_its_usage(redis_url: str) -> None:
     """The scripts renew a bucket's lifetimes once a sixteenth of its ttl has passed, not on
-    every call, so each key they create must get a lifetime of its own: the holds hash, the
-    expiry set made anew after its last hold left, a window first written by a commit."""
+    every call, so each key they create must get a lifetime of its own: the holds hash, a
+    window first written by a commit."""
     store = RedisStore.from_url(redis_url, prefix=f"t{uuid.uuid4().hex[:8]}", timeout=2.0)
     client: Any = store.client
     call = tokens(10**6, HOUR, DAY)
@@ -317,12 +342,11 @@ async def test_every_bucket_key_keeps_a_lifetime_longer_than_its_usage(redis_url
 
     try:
         await admitted(hold(T0, 10), 5)  # the windows are written first by this commit
-        assert (await lifetimes())[1] == -2  # its only hold left: the expiry set is gone
-        await admitted(hold(T0 + 2, 10), 5)  # made anew, renewal not due
-        await client.delete(*keys[2:])  # the windows lapse (a reset)
+        await admitted(hold(T0 + 2, 10), 5)  # renewal not due
+        await client.delete(*keys[1:])  # the windows lapse (a reset)
         await admitted(hold(T0 + 4, 10), 5)
         now = await lifetimes()
-        assert now[0] > ttl and min(now[2:]) > ttl  # the windows have lifetimes again
+        assert now[0] > ttl and min(now[1:]) > ttl  # the windows have lifetimes again
         # Renewal is due a sixteenth of the ttl after the last one, then for every key at once.
         assert (await store.reserve_buckets([call], hold(T0 + 5, 10)))[0].ok  # stays open
         for k in keys:
@@ -337,7 +361,9 @@ async def test_every_bucket_key_keeps_a_lifetime_longer_than_its_usage(redis_url
         await store.aclose()
 
 
-async def test_a_hold_written_without_its_expiry_mark_still_expires(redis_url: str) -> None:
+async def test_a_hold_written_without_the_earliest_expiry_mark_still_expires(
+    redis_url: str,
+) -> None:
     """Reserves look for expired holds only once the earliest may have expired (the holds
     hash's _n); a bucket an earlier release wrote has no _n and is searched at once."""
     store = RedisStore.from_url(redis_url, prefix=f"t{uuid.uuid4().hex[:8]}", timeout=2.0)

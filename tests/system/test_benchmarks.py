@@ -180,14 +180,13 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
         want = {"spend limits": 2, "alerts": 2, "budgets": 8, "everything": 10}
         assert scripts == want, (redis, scripts)
         # The servers' own count: each script and the commands it runs. Per bucket (three,
-        # of two windows each), a warm reserve runs 3 commands and one per window, plus the
-        # lifetime of the expiry set it makes anew (one request at a time: the last hold left
-        # it), a commit 4 and two per window: 16 with the two scripts, never a lifetime renewal
-        # of every key or an increment per unit (the rare work, such as the search for expired
-        # holds, averages well under one more).
+        # of two windows each), a warm reserve runs 2 commands and one per window, a commit 3
+        # and two per window: 13 with the two scripts, never a sorted set of expiries, a
+        # lifetime renewal of every key or an increment per unit (the rare work, such as the
+        # search for expired holds, averages well under one more).
         ran = {c: f["redis_commands_per_inference"]["median"] for c, f in configs.items()}
         assert all(ran[c] > scripts[c] for c in configs), (redis, ran)
-        assert ran["budgets"] - ran["spend limits"] <= 3 * 16 + 1, (redis, ran)
+        assert ran["budgets"] - ran["spend limits"] <= 3 * 13 + 1, (redis, ran)
     for target in results["targets"]:
         assert target["measured"] and isinstance(target["met"], bool), target
 

@@ -1,7 +1,7 @@
 -- Replace a hold by the actual usage (and one request), counted in the slice of the request's
 -- start.
--- KEYS: holds, expiry, then one slices hash per window; then (alerting) the bucket's pending
---       alerts hash.
+-- KEYS: holds, then one slices hash per window; then (alerting) the bucket's pending alerts
+--       hash.
 -- ARGV: now_ms, hold id, at_ms, tokens, cost, ttl_ms, then per window: slice_ms and its oldest
 --       slice ('' for a rolling window: see bounds); then
 --       (alerting) "alerts", then per window its thresholds: "" or
@@ -18,7 +18,7 @@
 -- usage reached an amount fires it once per epoch: the mark _a<u><percent>:<limit> in the
 -- window's hash holds the epoch it last fired in (a field starting with _ is not a slice),
 -- and the alert waits in the pending hash, in this bucket's slot, until a gateway moves it.
-local nw = #KEYS - 2
+local nw = #KEYS - 1
 -- Alerting, the last key is the pending hash and "alerts" follows the windows' arguments.
 local alerting = ARGV[7 + 2 * (nw - 1)] == 'alerts'
 if alerting then
@@ -40,8 +40,8 @@ end
 local hold, held_only = ARGV[2], false
 if string.sub(hold, 1, 1) == '!' then hold, held_only = string.sub(hold, 2), true end
 local own = {}
-for i = 1, nw + 2 do own[i] = KEYS[i] end
-local found = drop_hold(KEYS[1], KEYS[2], hold, now, ttl, own)
+for i = 1, nw + 1 do own[i] = KEYS[i] end
+local found = drop_hold(KEYS[1], hold, now, ttl, own)
 if held_only and not found then
   if alerting then return {0, 0} end
   return 0
@@ -50,7 +50,7 @@ for w = 1, nw do
   local slice_ms = tonumber(ARGV[5 + 2 * w])
   local idx = math.floor(at / slice_ms)
   if idx >= bounds(slice_ms, now, ARGV[6 + 2 * w]) then
-    local key = KEYS[w + 2]
+    local key = KEYS[w + 1]
     if add_usage(key, idx, tokens, cost, 1) then renew({key}, ttl) end
   end
 end
@@ -60,7 +60,7 @@ local fired, clock, pending = 0, nil, KEYS[#KEYS]
 for w = 1, nw do
   local wid, epoch, marks = string.match(ARGV[7 + 2 * nw + w], '^(%S+) (%d+) (.*)$')
   if wid then
-    local key = KEYS[w + 2]
+    local key = KEYS[w + 1]
     local t, c, r = window_totals(key, bounds(tonumber(ARGV[5 + 2 * w]), now, ARGV[6 + 2 * w]))
     for u, pct, limit, amount in string.gmatch(marks, '([tcr])(%d+):(%d+):(%d+)') do
       local used = (u == 't' and t) or (u == 'c' and c) or r

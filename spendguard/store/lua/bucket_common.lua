@@ -4,7 +4,6 @@
 --                  before it (absent: unknown), so a reserve looks for expired holds only once
 --                  the earliest may have; _x: when the bucket's keys last had their lifetime
 --                  renewed (see renew); _seeded: the bucket was rebuilt from the ledger
---   expiry:  zset  hold id scored by expires_ms
 --   window:  hash  t<slice index> -> tokens, c<slice index> -> micro-USD, r<slice index> ->
 --                  requests (committed usage); _T, _C and _R: the totals of the slices
 --                  present (_R absent: 0), _F: the lowest slice index present (absent: none).
@@ -45,24 +44,32 @@ local function header(holds)
 end
 
 -- Drops the holds that expired by now, once the earliest may have (hd.n); updates hd's totals
--- and hd.n (the earliest expiry left).
-local function prune(holds, expiry, now, hd)
+-- and hd.n (the earliest expiry left). One pass over the holds hash: it is due about once per
+-- hold lifetime (_n is lowered by reserves, never raised by commits), so a sorted set of
+-- expiries, written by every reserve and commit, would cost more than it saves. (Buckets an
+-- earlier release wrote also kept one, "expiry": left to lapse, its holds are in the hash.)
+local function prune(holds, now, hd)
   if hd.n and now < hd.n then return end
-  local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', now)
-  for _, id in ipairs(gone) do
-    local v = redis.call('HGET', holds, id)
-    if v then
-      local _, ht, hc = string.match(v, '(%d+) (%d+) (%d+)')
-      hd.t = math.max(0, hd.t - tonumber(ht))
-      hd.c = math.max(0, hd.c - tonumber(hc))
-      hd.r = math.max(0, hd.r - 1)
-      redis.call('HDEL', holds, id)
+  local flat = redis.call('HGETALL', holds)
+  local gone, first = {}, NEVER
+  for i = 1, #flat, 2 do
+    local id = flat[i]
+    if string.byte(id, 1) ~= 95 then -- a hold, not a header field ('_')
+      local e, ht, hc = string.match(flat[i + 1], '(%d+) (%d+) (%d+)')
+      e = tonumber(e)
+      if e <= now then
+        gone[#gone + 1] = id
+        hd.t = math.max(0, hd.t - tonumber(ht))
+        hd.c = math.max(0, hd.c - tonumber(hc))
+        hd.r = math.max(0, hd.r - 1)
+      elseif e < first then
+        first = e
+      end
     end
   end
-  if #gone > 0 then redis.call('ZREMRANGEBYSCORE', expiry, '-inf', now) end
-  local first = redis.call('ZRANGE', expiry, 0, 0, 'WITHSCORES')
+  if #gone > 0 then redis.call('HDEL', holds, unpack(gone)) end
   local old = hd.n
-  hd.n = tonumber(first[2]) or NEVER
+  hd.n = first
   if #gone > 0 or (hd.exists and hd.n ~= old) then
     redis.call('HSET', holds, '_t', int(hd.t), '_c', int(hd.c), '_r', int(hd.r), '_n', int(hd.n))
   end
@@ -82,7 +89,7 @@ end
 
 -- Returns a hold's amounts to the totals and drops it; false if it was not there. Renews the
 -- bucket's lifetime on the way when due (now given).
-local function drop_hold(holds, expiry, id, now, ttl, keys)
+local function drop_hold(holds, id, now, ttl, keys)
   local h = redis.call('HMGET', holds, id, '_t', '_c', '_r', '_x')
   local due = now and renew_due(tonumber(h[5] or ''), now, ttl)
   if not h[1] then
@@ -96,7 +103,6 @@ local function drop_hold(holds, expiry, id, now, ttl, keys)
   end
   local _, ht, hc = string.match(h[1], '(%d+) (%d+) (%d+)')
   redis.call('HDEL', holds, id)
-  redis.call('ZREM', expiry, id)
   local t = math.max(0, tonumber(h[2] or '0') - tonumber(ht))
   local c = math.max(0, tonumber(h[3] or '0') - tonumber(hc))
   local r = math.max(0, tonumber(h[4] or '0') - 1)

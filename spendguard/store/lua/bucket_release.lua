@@ -1,4 +1,4 @@
 -- Return a hold: a refused, failed or cancelled request counts nothing.
--- KEYS: holds, expiry. ARGV: hold id. Reply: 1 if it was still there.
-if drop_hold(KEYS[1], KEYS[2], ARGV[1]) then return 1 end
+-- KEYS: holds. ARGV: hold id. Reply: 1 if it was still there.
+if drop_hold(KEYS[1], ARGV[1]) then return 1 end
 return 0
