@@ -144,9 +144,7 @@ async def test_holds_expire_one_by_one_at_their_own_times(store: Store) -> None:
     for i in sorted(committed):
         await commit(store, call, held[i], 1, now_ms=T0 + 1)
     for at in (T0 + 500, T0 + 1000, T0 + 7_500, T0 + 20_000, T0 + 39_999, T0 + 40_000):
-        live = [
-            10 + i for i, h in enumerate(held) if i not in committed and h.expires_ms > at
-        ]
+        live = [10 + i for i, h in enumerate(held) if i not in committed and h.expires_ms > at]
         usage = await store.inspect_bucket(call, at)
         assert (usage.held_tokens, usage.held_requests) == (sum(live), len(live)), at
         assert usage.windows[0].tokens == len(committed)
