@@ -223,13 +223,18 @@ class CacheSync:
             self._unreconciled = None
         if self._unreconciled is None or self._unreconciled:
             dirty |= await self._reconcile(now, now_us)
-        teams = sorted(set(self._pending) | dirty)
+        # The records this pass drops, taken before the ledger's values are read: every one of
+        # them is in those values. A record handed over while the read is in flight (a
+        # settlement in this process, concurrently) waits for the next pass; dropped now, its
+        # estimate would leave the cache with an aggregate that lacks its charge.
+        held = {team: dict(records) for team, records in self._pending.items()}
+        teams = sorted(held.keys() | dirty)
         if not teams:
             return
         # Read after the journal and the markers: every record dropped below is in these values.
         keys = await self._keys(now, teams)
         for team in teams:
-            if await self._refresh_team(team, keys.get(team, []), result):
+            if await self._refresh_team(team, keys.get(team, []), held.get(team, {}), result):
                 dirty.discard(team)
 
     async def _evict_changed_policies(self) -> set[str]:
@@ -373,9 +378,11 @@ class CacheSync:
             keys[team] = team_keys
         return keys
 
-    async def _refresh_team(self, team: str, keys: list[_Key], result: SyncResult) -> bool:
-        """One store call for the team's keys; False when it failed (retried next pass)."""
-        held = self._pending.get(team, {})
+    async def _refresh_team(
+        self, team: str, keys: list[_Key], held: dict[str, SettledRecord], result: SyncResult
+    ) -> bool:
+        """One store call for the team's keys, dropping the estimates of ``held``; False when
+        it failed (retried next pass)."""
         orphans = self._orphans.get(team, {})
         if keys:
             entries = _entries(keys, held.values())
@@ -410,8 +417,14 @@ class CacheSync:
                 gone,
                 team,
             )
-        # Done, or nothing cached is the team's any more (no policy, no account).
-        self._pending_count -= len(self._pending.pop(team, {}))
+        # Done, or nothing cached is the team's any more (no policy, no account). Records held
+        # since the values were read stay for the next pass.
+        pending = self._pending.get(team, {})
+        for rid in held:
+            if pending.pop(rid, None) is not None:
+                self._pending_count -= 1
+        if not pending:
+            self._pending.pop(team, None)
         return True
 
 

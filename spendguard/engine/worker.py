@@ -79,6 +79,9 @@ class SettlementWorker:
         self._sync = None if store is None else CacheSync(ledger, store, codec, clock)
         self._pruned_at: int | None = None
         self._decoded: dict[str, Price | None] = {}  # records' prices, by their text
+        # One pass at a time: run_once() called (a test, an admin's settle) while the loop's
+        # pass is under way waits for it rather than interleaving with its cache sync.
+        self._pass = anyio.Lock()
 
     @property
     def settling(self) -> bool:
@@ -141,7 +144,7 @@ class SettlementWorker:
     async def run_once(self) -> PassResult:
         result = PassResult()
         # One connection for the whole pass, not one per query.
-        async with self._ledger.session():
+        async with self._pass, self._ledger.session():
             if self._settle:
                 await self._recover(result)
                 await self._settle_batches(result)

@@ -9,11 +9,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from spendguard import Settings, SpendGuard
 from spendguard.clock import to_micros, utcnow
-from spendguard.engine.cachesync import JOURNAL_KEEP_US
+from spendguard.engine.cachesync import JOURNAL_KEEP_US, CacheSync
 from spendguard.engine.worker import SettlementWorker
 from spendguard.errors import StoreUnavailable
 from spendguard.identity import Identity
@@ -26,6 +27,7 @@ from spendguard.store.redis import RedisStore
 from spendguard.usage import Usage
 from tests.engine.helpers import (
     ALPHA,
+    DoubledWorker,
     cached,
     day_key,
     doubled_worker,
@@ -399,3 +401,83 @@ async def test_an_estimate_whose_record_never_comes_is_removed_on_its_second_sig
     await worker.run_once()  # the hourly reconcile sees it again: removed
     assert await cached(guard) == before - 7
     assert set((await store.pending_records([key]))[key]) == {"inflight", "coming", spent}
+
+
+class _StaleRead:
+    """The ledger's aggregates read, then held until released: a pass that read them before a
+    settlement committed and goes on after it."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.armed = False
+        self.reading = anyio.Event()
+        self.release = anyio.Event()
+
+    async def policy_aggregates(self, now: Any, teams: Any = None) -> Any:
+        values = await self.ledger.policy_aggregates(now, teams)
+        if self.armed:
+            self.armed = False
+            self.reading.set()
+            await self.release.wait()
+        return values
+
+
+async def test_records_settled_while_a_pass_reads_the_ledger_leave_with_the_next_pass(
+    guard: SpendGuard,
+) -> None:
+    await set_limit(guard, 10**6)
+    await spend(guard, 40)
+    await guard.recorder.flush()
+    stale = _StaleRead(guard.ledger)
+    ledger = Override(guard.ledger, policy_aggregates=stale.policy_aggregates)
+    sync = CacheSync(ledger, guard.store, guard.codec, guard.clock)  # type: ignore[arg-type]
+    await sync.run()  # the first pass: markers read, nothing settled
+    assert await cached(guard) == 40
+
+    sync.filled("acme")  # something for the next pass to refresh
+    stale.armed = True
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(sync.run)
+        await stale.reading.wait()  # the pass has read the aggregates (nothing settled)
+        # This process settles meanwhile and hands its records over.
+        batch = await guard.ledger.settle(100, lambda r: 2 * r.input_tokens, guard.clock())
+        assert batch.charged == 1
+        sync.settled(batch)
+        stale.release.set()
+    # The pass that read before the settlement kept the estimate (dropped with a value lacking
+    # its charge, the key would show 0 spent); the next one replaces it by the charge.
+    assert await cached(guard) == 40
+    await sync.run()
+    assert await cached(guard) == 80
+
+
+async def test_a_pass_asked_for_while_one_runs_waits_for_it(guard: SpendGuard) -> None:
+    await set_limit(guard, 10**6)
+    await spend(guard, 40)
+    stale = _StaleRead(guard.ledger)
+    order: list[str] = []
+
+    async def settle(*args: Any) -> Any:
+        order.append("settle")
+        return await guard.ledger.settle(*args)
+
+    ledger = Override(guard.ledger, policy_aggregates=stale.policy_aggregates, settle=settle)
+    worker = DoubledWorker(ledger, guard.store, guard.coster, guard.codec, clock=guard.clock)  # type: ignore[arg-type]
+    worker.note_filled("acme")
+    stale.armed = True
+
+    async def first() -> None:
+        await worker.run_once()  # settles nothing: the record is not written yet
+        order.append("first done")
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(first)
+        await stale.reading.wait()
+        await guard.recorder.flush()  # the record reaches the ledger mid-pass
+        tasks.start_soon(worker.run_once)  # the loop's pass, or an admin's settle
+        await anyio.wait_all_tasks_blocked()
+        stale.release.set()
+    # The second pass settled only once the first was done, and its refresh used the ledger's
+    # values after its own settlement.
+    assert order == ["settle", "first done", "settle"]
+    assert await cached(guard) == 80
