@@ -180,20 +180,22 @@ class AlertService:
         if not self.active:
             return 0, 0
         moved = 0
-        for team in sorted(self._teams):
+        # Taken before moving: an alert noted while its team's move is under way (fired after
+        # that move read the store) is moved by the next pass, not forgotten with this one.
+        teams, self._teams = sorted(self._teams), set()
+        for team in teams:
             try:
                 moved += len(await move_alerts(self.ledger, self.store, self.codec, team))
             except (LedgerUnavailable, StoreUnavailable) as exc:
                 log.warning("spendguard alerts of team %s wait for the next pass: %r", team, exc)
-                continue
-            self._teams.discard(team)
-        for store, bucket in list(self._buckets):
+                self._teams.add(team)
+        buckets, self._buckets = list(self._buckets), set()
+        for store, bucket in buckets:
             try:
                 moved += len(await move_bucket_alerts(self.ledger, store, bucket))
             except (LedgerUnavailable, StoreUnavailable) as exc:
                 log.warning("spendguard alerts of %s wait for the next pass: %r", bucket.tag, exc)
-                continue
-            self._buckets.discard((store, bucket))
+                self._buckets.add((store, bucket))
         if self._usage is not None and self.clock() >= self._next_forecast:
             self._next_forecast = self.clock() + timedelta(seconds=self.forecast_interval)
             moved += len(await self.project())

@@ -11,7 +11,7 @@ import pytest
 
 from spendguard.alerts import SIGNATURE_HEADER, verify
 from spendguard.limits import Period
-from tests.support import Gateway
+from tests.support import Gateway, Override
 from tests.support.webhook import WebhookReceiver
 
 pytestmark = pytest.mark.anyio
@@ -161,3 +161,29 @@ async def test_a_limit_projected_to_run_out_alerts_once_per_window(tmp_path: Pat
     # (300 + 450 / 24) / 2 = 159.375 per hour: the 550 left last 12,424 s (rounded up)
     assert got["runs_out_at"] == "2026-09-30T15:28:05Z"
     assert got["fired_at"] == "2026-09-30T12:01:01Z"
+
+
+async def test_an_alert_fired_while_its_team_is_being_moved_goes_with_the_next_pass(
+    tmp_path: Path,
+) -> None:
+    with WebhookReceiver() as receiver:
+        async with gateway(tmp_path, receiver, alert_interval=3600) as gw:
+            await gw.policy(Period.DAY, 300)
+            await spend(gw, 10)  # 150: 50 %
+            service = gw.guard.alerts
+            real = service.store
+            fired_meanwhile = False
+
+            async def pending_alerts(key: str) -> dict[str, str]:
+                nonlocal fired_meanwhile
+                found: dict[str, str] = await real.pending_alerts(key)
+                if not fired_meanwhile:
+                    fired_meanwhile = True
+                    await spend(gw, 7)  # 255: 80 % fires after the pass read the store
+                return found
+
+            service.store = Override(real, pending_alerts=pending_alerts)  # type: ignore[assignment]
+            assert await service.run_once() == (1, 1)  # the 50 % it read
+            assert await service.run_once() == (1, 1)  # the 80 %, noted meanwhile
+            assert await service.run_once() == (0, 0)
+    assert [d.json["threshold_percent"] for d in receiver.taken] == [50, 80]
