@@ -156,15 +156,17 @@ def find_guard(app: Any) -> SpendGuard | None:
     return None
 
 
-def section_args(prog: str) -> Any:
+def section_args(prog: str, **flags: str) -> Any:
     """The options of a section run alone (``python -m benchmarks.<section>``): ``--quick``,
     ``--repeat N`` and ``--postgres-url`` (default: ``SPENDGUARD_TEST_POSTGRES_URL`` or the
-    local server as user postgres)."""
+    local server as user postgres), and the section's own on/off ``flags`` (name: help)."""
     import argparse
     import os
 
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--quick", action="store_true")
+    for name, text in flags.items():
+        parser.add_argument(f"--{name}", action="store_true", help=text)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
         "--postgres-url",

@@ -62,7 +62,34 @@ BUDGETS: dict[str, Any] = {
         "global": {"tokens": HIGH, "cost_usd": 1_000_000},
     },
 }
+# What each configuration turns on over spend limits alone (the key's daily, the team's monthly).
+FEATURES: Final = ("hard", "balance", "models", "rates", "headers", "alerts", "budgets", "pool")
+SETS: Final[dict[str, frozenset[str]]] = {
+    "spend limits": frozenset(),
+    "alerts": frozenset({"alerts"}),
+    "budgets": frozenset({"budgets"}),
+    "everything": frozenset(FEATURES),
+    # ``--each``: one feature at a time.
+    "hard limit": frozenset({"hard"}),
+    "balance": frozenset({"balance"}),
+    "model lists": frozenset({"models"}),
+    "rates": frozenset({"rates"}),
+    "remaining headers": frozenset({"headers"}),
+    "provider pool": frozenset({"pool"}),
+}
 CONFIGS: Final = ("spend limits", "alerts", "budgets", "everything")
+EACH: Final = (
+    "spend limits",
+    "hard limit",
+    "balance",
+    "model lists",
+    "rates",
+    "remaining headers",
+    "alerts",
+    "budgets",
+    "provider pool",
+    "everything",
+)
 ALERTS: Final = "50,80,100"  # threshold alerts on every spend limit (never reached in a run)
 KEY: Final = "k"
 POOL_KEY: Final = "bench-upstream"
@@ -133,18 +160,17 @@ def _pipelines(app: Any) -> tuple[int, int]:
 async def _configure(guard: SpendGuard, team: str, config: str) -> None:
     admin = guard.admin
     usd = HIGH_LIMIT_MICROS // 10**6
-    hard = config == "everything"
-    await admin.set_policy(team, KEY, window="day", limit_usd=usd, hard=hard)
+    on = SETS[config]
+    await admin.set_policy(team, KEY, window="day", limit_usd=usd, hard="hard" in on)
     await admin.set_policy(team, window="month", limit_usd=usd)
-    if config != "everything":
-        return
-    await admin.topup(team, usd)
-    await admin.allow_models(team, KEY, ["gpt-4o*"])
-    await admin.allow_models(team, None, ["gpt-*", "claude-*"])
-    set_rates = getattr(admin, "set_rates", None)
-    if set_rates is not None:  # rate limits: RPM, TPM and parallel requests
+    if "balance" in on:
+        await admin.topup(team, usd)
+    if "models" in on:
+        await admin.allow_models(team, KEY, ["gpt-4o*"])
+        await admin.allow_models(team, None, ["gpt-*", "claude-*"])
+    if "rates" in on:  # RPM, TPM and parallel requests, on the key and the team
         for key in (KEY, None):
-            await set_rates(team, key, rpm=10**9, tpm=10**12, max_parallel=10**6)
+            await admin.set_rates(team, key, rpm=10**9, tpm=10**12, max_parallel=10**6)
 
 
 async def _prepared(
@@ -153,12 +179,14 @@ async def _prepared(
     """One configuration's gateway, started (its lifespan held by ``stack``), configured and
     warm: its call and its app."""
     extra: dict[str, Any] = {}
-    if config in ("budgets", "everything"):
+    on = SETS[config]
+    if "budgets" in on:
         extra["budgets"] = BUDGETS
-    if config in ("alerts", "everything"):
+    if "alerts" in on:
         extra["alert_thresholds"] = ALERTS
-    if config == "everything":
+    if "headers" in on:
         extra["remaining_headers"] = True
+    if "pool" in on:
         extra["provider_candidates"] = {"*": [POOL_KEY]}
     settings = load_settings(
         database_url=postgres_url,
@@ -168,7 +196,7 @@ async def _prepared(
         key_prefix="bench-features",
         **extra,
     )
-    pooled = config == "everything"
+    pooled = "pool" in on
     team, token = _register_team()
     app = _app(settings, pooled)
     auth = [(b"authorization", f"Bearer {token}".encode()), (b"content-type", b"application/json")]
@@ -233,28 +261,30 @@ class ServerStats:
         self._client.close()
 
 
-async def _run(redis_url: str, postgres_url: str, sizes: Sizes) -> dict[str, dict[str, float]]:
+async def _run(
+    redis_url: str, postgres_url: str, sizes: Sizes, configs: tuple[str, ...] = CONFIGS
+) -> dict[str, dict[str, float]]:
     """Every configuration's gateway alive at once, measured in alternating blocks (the order
     reversed every round), so that the host's drift lands on all of them alike and cancels out
     of their ratios."""
     n = max(50, sizes.inproc_inference // 4)
     block = max(10, sizes.inproc_block)
     async with AsyncExitStack() as stack:
-        gateways = {c: await _prepared(stack, redis_url, postgres_url, c, sizes) for c in CONFIGS}
+        gateways = {c: await _prepared(stack, redis_url, postgres_url, c, sizes) for c in configs}
         # Configuring a later gateway's team (model lists, rates) makes the earlier ones read
         # their policies once more: warm them all again before anything is counted.
         for call, _ in gateways.values():
             for _ in range(5):
                 await call()
-        times: dict[str, list[int]] = {c: [] for c in CONFIGS}
-        cpu = dict.fromkeys(CONFIGS, 0.0)
+        times: dict[str, list[int]] = {c: [] for c in configs}
+        cpu = dict.fromkeys(configs, 0.0)
         # Counted within each gateway's own blocks: what another's turn left in flight (its
         # records' background writes) is not this one's.
-        sent = {c: [0, 0] for c in CONFIGS}
+        sent = {c: [0, 0] for c in configs}
         server = ServerStats(redis_url)
-        work = {c: [0, 0] for c in CONFIGS}
+        work = {c: [0, 0] for c in configs}
         for turn in range(-(-n // block)):
-            for config in CONFIGS if turn % 2 == 0 else reversed(CONFIGS):
+            for config in configs if turn % 2 == 0 else reversed(configs):
                 call, app = gateways[config]
                 before = _pipelines(app)
                 server_before = server.read()
@@ -274,7 +304,7 @@ async def _run(redis_url: str, postgres_url: str, sizes: Sizes) -> dict[str, dic
                 sent[config][1] += after[1] - before[1]
     server.close()
     out: dict[str, dict[str, float]] = {}
-    for config in CONFIGS:
+    for config in configs:
         count = len(times[config])
         out[config] = {
             "p50_us": percentile(times[config], 50) / 1000,
@@ -287,14 +317,16 @@ async def _run(redis_url: str, postgres_url: str, sizes: Sizes) -> dict[str, dic
     return out
 
 
-async def measure(services: Services, sizes: Sizes, repeats: int) -> dict[str, Any]:
+async def measure(
+    services: Services, sizes: Sizes, repeats: int, configs: tuple[str, ...] = CONFIGS
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with RedisCluster() as cluster:
         for name, url in (("single", services.redis_url), ("cluster", cluster.url)):
-            raw: dict[str, dict[str, list[float]]] = {c: {} for c in CONFIGS}
+            raw: dict[str, dict[str, list[float]]] = {c: {} for c in configs}
             for _ in range(repeats):
-                got = await _run(url, services.postgres_url, sizes)
-                for config in CONFIGS:
+                got = await _run(url, services.postgres_url, sizes, configs)
+                for config in configs:
                     for stat, value in got[config].items():
                         raw[config].setdefault(stat, []).append(value)
             out[name] = {
@@ -304,8 +336,31 @@ async def measure(services: Services, sizes: Sizes, repeats: int) -> dict[str, A
     return out
 
 
+def each_table(results: dict[str, Any]) -> list[str]:
+    """``--each``: what every feature alone adds to spend limits alone (medians of the runs)."""
+    lines = [
+        "| Redis | configuration | scripts / inference | Redis script µs / inference "
+        "| added last-byte p50 µs | CPU µs / inference | CPU × spend alone |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, label in (("single", "one redis-server"), ("cluster", "3-master Cluster")):
+        got = results[name]
+        base = got["spend limits"]
+        for config, stats in got.items():
+            added = stats["p50_us"]["median"] - base["p50_us"]["median"]
+            cpu = stats["cpu_us_per_inference"]["median"]
+            lines.append(
+                f"| {label} | {config} | {stats['scripts_per_inference']['median']:.1f} "
+                f"| {stats['redis_us_per_inference']['median']:.0f} "
+                f"| {'' if config == 'spend limits' else f'{added:+.0f}'} | {cpu:,.0f} "
+                f"| {cpu / base['cpu_us_per_inference']['median']:.2f}× |"
+            )
+    return lines
+
+
 def main() -> None:
-    """``python -m benchmarks.features [--quick] [--repeat N]``: section 6 alone, printed."""
+    """``python -m benchmarks.features [--quick] [--repeat N] [--each]``: section 6 alone,
+    printed; ``--each`` measures every request-path feature alone over spend limits alone."""
     import asyncio
     import tempfile
     from contextlib import ExitStack
@@ -314,14 +369,16 @@ def main() -> None:
     from .report import features_section
     from .services import PrivatePostgres, PrivateRedis
 
-    args = section_args("python -m benchmarks.features")
+    args = section_args("python -m benchmarks.features", each="every feature alone, one by one")
     sizes = Sizes.quick() if args.quick else Sizes.full()
+    configs = EACH if args.each else CONFIGS
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sg-features-")))
         redis = stack.enter_context(PrivateRedis())
         pg = stack.enter_context(PrivatePostgres(args.postgres_url))
-        results = asyncio.run(measure(Services(redis.url, pg.url, workdir), sizes, args.repeat))
-    print("\n".join(features_section(results)))
+        services = Services(redis.url, pg.url, workdir)
+        results = asyncio.run(measure(services, sizes, args.repeat, configs))
+    print("\n".join(each_table(results) if args.each else features_section(results)))
 
 
 if __name__ == "__main__":

@@ -268,3 +268,33 @@ def test_instruction_counts_workload_runs_and_reports(tmp_path: Path) -> None:
         db.close()
     table = instructions.report({"inference": {"bare": 2_000_000.0, "embedded": 2_500_000.0}})
     assert "| inference | embedded | 2,500,000 | 500,000 | 0.800 |" in table
+
+
+@pytest.mark.anyio
+async def test_each_feature_alone_turns_on_that_feature_only(
+    redis_url: str, clean_postgres_url: str
+) -> None:
+    """``python -m benchmarks.features --each``: ten gateways, each spend limits plus one
+    feature (or all of them), measured taking turns on one redis-server."""
+    from benchmarks.common import Sizes
+    from benchmarks.features import EACH, _run, each_table
+
+    got = await _run(redis_url, clean_postgres_url, Sizes.quick(), EACH)
+    assert tuple(got) == EACH
+    # (At these sizes a gateway's one-off reads, such as a cache fill, show in the averages:
+    # rounded, as the full run's medians are.)
+    trips = {c: round(f["pipelines_per_inference"], 1) for c, f in got.items()}
+    assert trips == dict.fromkeys(EACH, 2), trips
+    scripts = {c: round(f["scripts_per_inference"], 1) for c, f in got.items()}
+    # Only the budgets (a reserve and a commit per bucket: key, model, global) and the
+    # provider pool (a lease and its settlement) add scripts; the rest ride the two the
+    # spend limits send, and read or write more in them.
+    assert scripts == dict.fromkeys(EACH, 2) | {"budgets": 8, "provider pool": 4, "everything": 10}
+    ran = {c: f["redis_commands_per_inference"] for c, f in got.items()}
+    for config in ("hard limit", "balance", "rates"):  # a hold, the balance key, rate states
+        assert ran[config] > ran["spend limits"], (config, ran)
+    results = {"single": {c: {k: {"median": v} for k, v in f.items()} for c, f in got.items()}}
+    results["cluster"] = results["single"]
+    table = each_table(results)
+    assert len(table) == 2 + 2 * len(EACH)
+    assert table[2].startswith("| one redis-server | spend limits | 2.0 |")
