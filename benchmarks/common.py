@@ -156,10 +156,11 @@ def find_guard(app: Any) -> SpendGuard | None:
     return None
 
 
-def section_args(prog: str, **flags: str) -> Any:
+def section_args(prog: str, numbers: dict[str, str] | None = None, **flags: str) -> Any:
     """The options of a section run alone (``python -m benchmarks.<section>``): ``--quick``,
     ``--repeat N`` and ``--postgres-url`` (default: ``SPENDGUARD_TEST_POSTGRES_URL`` or the
-    local server as user postgres), and the section's own on/off ``flags`` (name: help)."""
+    local server as user postgres), and the section's own on/off ``flags`` and whole-number
+    options ``numbers`` (name: help; absent: None)."""
     import argparse
     import os
 
@@ -167,6 +168,8 @@ def section_args(prog: str, **flags: str) -> Any:
     parser.add_argument("--quick", action="store_true")
     for name, text in flags.items():
         parser.add_argument(f"--{name}", action="store_true", help=text)
+    for name, text in (numbers or {}).items():
+        parser.add_argument(f"--{name}", type=int, help=text)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
         "--postgres-url",

@@ -29,6 +29,7 @@ drift (large on a shared VM) falls on all of them alike instead of on whichever 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import AsyncExitStack
 from typing import Any, Final
@@ -359,8 +360,9 @@ def each_table(results: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    """``python -m benchmarks.features [--quick] [--repeat N] [--each]``: section 6 alone,
-    printed; ``--each`` measures every request-path feature alone over spend limits alone."""
+    """``python -m benchmarks.features [--quick] [--repeat N] [--each] [--requests N]``:
+    section 6 alone, printed; ``--each`` measures every request-path feature alone over spend
+    limits alone; ``--requests`` sets the timed requests per configuration and run."""
     import asyncio
     import tempfile
     from contextlib import ExitStack
@@ -369,8 +371,14 @@ def main() -> None:
     from .report import features_section
     from .services import PrivatePostgres, PrivateRedis
 
-    args = section_args("python -m benchmarks.features", each="every feature alone, one by one")
+    args = section_args(
+        "python -m benchmarks.features",
+        {"requests": "timed requests per configuration and run"},
+        each="every feature alone, one by one",
+    )
     sizes = Sizes.quick() if args.quick else Sizes.full()
+    if args.requests:
+        sizes = dataclasses.replace(sizes, inproc_inference=4 * args.requests)
     configs = EACH if args.each else CONFIGS
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sg-features-")))

@@ -39,7 +39,7 @@ from redis import Redis
 from spendguard.store import redis as redis_store
 
 from .common import Services, Sizes, find_guard
-from .features import CONFIGS, _middleware, _prepared
+from .features import SETS, _middleware, _prepared
 from .services import PrivatePostgres, PrivateRedis
 
 Call = tuple[str, list[str], list[str]]  # script name, keys, arguments
@@ -179,7 +179,7 @@ def _table(result: dict[str, Any], labels: list[str]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scripts")
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--config", choices=CONFIGS, default="everything")
+    parser.add_argument("--config", choices=sorted(SETS), default="everything")
     parser.add_argument("--lua", type=Path, help="a second script folder to A/B against")
     parser.add_argument("--json", type=Path)
     parser.add_argument(
