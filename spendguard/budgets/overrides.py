@@ -45,6 +45,9 @@ class OverrideCache:
         self._ensure = ensure_connected
         self._monotonic = monotonic
         self._entries: dict[tuple[str, str], tuple[float, BudgetOverride | None]] = {}
+        # Counts evictions: a read that began before one (it may hold the value the change
+        # replaced) answers its caller but is not kept.
+        self._changes = 0
 
     def peek(self, identity: Identity) -> tuple[bool, BudgetOverride | None]:
         """(True, the key's override or None) when read less than ``ttl`` ago; (False, None)
@@ -67,7 +70,7 @@ class OverrideCache:
     async def _read(
         self, key: tuple[str, str], entry: tuple[float, BudgetOverride | None] | None
     ) -> BudgetOverride | None:
-        now = self._monotonic()
+        now, changes = self._monotonic(), self._changes
         try:
             with anyio.fail_after(self._timeout):
                 if self._ensure is not None:
@@ -76,12 +79,15 @@ class OverrideCache:
         except (LedgerUnavailable, TimeoutError) as exc:
             log.warning("budget override of a key unreadable, last known kept: %r", exc)
             return entry[1] if entry is not None else None
+        if changes != self._changes:
+            return found
         if len(self._entries) >= self.MAX_ENTRIES:
             self._entries.clear()
         self._entries[key] = (now + self._ttl, found)
         return found
 
     def evict(self, team: str, api_key: str) -> None:
+        self._changes += 1
         self._entries.pop((team, api_key), None)
 
 
@@ -108,6 +114,7 @@ class CustomerBalances:
         self._ensure = ensure_connected
         self._monotonic = monotonic
         self._entries: dict[str, tuple[float, int | None]] = {}
+        self._changes = 0  # top-ups written here (see OverrideCache._changes)
 
     def peek(self, customer: str) -> tuple[bool, int | None]:
         """(True, topped up or None) when read less than ``ttl`` ago; (False, None) when
@@ -124,7 +131,7 @@ class CustomerBalances:
         return await self._reads.do(customer, lambda: self._read(customer))
 
     async def _read(self, customer: str) -> int | None:
-        now = self._monotonic()
+        now, changes = self._monotonic(), self._changes
         entry = self._entries.get(customer)
         try:
             with anyio.fail_after(self._timeout):
@@ -134,6 +141,8 @@ class CustomerBalances:
         except (LedgerUnavailable, TimeoutError) as exc:
             log.warning("a customer's balance is unreadable, last known kept: %r", exc)
             return entry[1] if entry is not None else None
+        if changes != self._changes:
+            return found
         if len(self._entries) >= self.MAX_ENTRIES:
             self._entries.clear()
         self._entries[customer] = (now + self._ttl, found)
@@ -141,4 +150,5 @@ class CustomerBalances:
 
     def set(self, customer: str, topped_up: int) -> None:
         """What this process just wrote (a top-up): in force here at once."""
+        self._changes += 1
         self._entries[customer] = (self._monotonic() + self._ttl, topped_up)
