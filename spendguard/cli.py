@@ -24,10 +24,10 @@ import anyio
 
 from .alerts import cli as alerts_cli
 from .budgets import cli as budgets_cli
-from .budgets import recovery_gate
 from .describe import ledger_description, store_description
 from .doctor import DoctorContext, run_checks
 from .engine.admin import Admin, BalanceReport
+from .engine.budgets import recovery_gate
 from .engine.costing import DEFAULT_ENTRY, Coster
 from .engine.price_files import LITELLM, litellm_file
 from .engine.price_refresh import shipped_document

@@ -40,12 +40,12 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ..alerts.thresholds import parse_thresholds
-from ..budgets import BudgetGate
 from ..budgets.admin import BudgetAdmin
 from ..clock import utcnow
 from ..describe import redact_url
 from ..doctor import effective_settings
 from ..engine.admin import Admin, TopReport
+from ..engine.budgets import BudgetGate
 from ..engine.guard import SpendGuard
 from ..engine.views import (
     RATE_FIELDS,

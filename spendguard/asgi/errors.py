@@ -24,8 +24,8 @@ from typing import Final
 
 from starlette.types import Send
 
-from ..budgets.gate import OUTAGE_RETRY_AFTER, BudgetAdmission, BudgetVerdict
 from ..clock import time_text
+from ..engine.budgets import OUTAGE_RETRY_AFTER, BudgetAdmission, BudgetVerdict
 from ..engine.decision import Admission, Never, Verdict
 from ..engine.reservation import usd
 from ..limits import Limit, Period, SubjectKind

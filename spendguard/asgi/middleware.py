@@ -18,7 +18,7 @@ from typing import Any
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..budgets import BudgetGate, gate_for
+from ..engine.budgets import BudgetGate, gate_for
 from ..engine.guard import SpendGuard
 from ..engine.round import Round
 from ..integrations.litellm import LiteLLMRouting, litellm_routing

@@ -18,6 +18,7 @@ from decimal import Decimal
 from typing import Any
 
 from ..clock import to_micros, utcnow
+from ..engine.budgets import BudgetGate, override_window, scope_of
 from ..identity import Identity, encode_id
 from ..ledger import BudgetOverride, Ledger
 from ..limits.model import BudgetLimit, SubjectKind
@@ -26,7 +27,6 @@ from ..money import MAX_TOTAL_MICROS, checked_amount, usd_text, usd_to_micros
 from ..store import Store
 from ..store.rolling import Bucket, BucketCheck, WindowCheck
 from .config import BudgetsConfig, Scope, parse_period
-from .gate import BudgetGate, override_window, scope_of
 
 
 @dataclass(frozen=True, slots=True)

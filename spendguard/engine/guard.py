@@ -74,7 +74,7 @@ from .telemetry import charged as count_charge
 from .worker import SettlementWorker
 
 if TYPE_CHECKING:  # the budgets package builds on this one
-    from ..budgets import BudgetGate
+    from .budgets import BudgetGate
 
 log = logging.getLogger("spendguard")
 

@@ -35,11 +35,11 @@ from typing import Any, TypeVar
 import anyio
 
 from .. import metrics
-from ..budgets import BudgetAdmission, BudgetGate, BudgetVerdict
 from ..identity import Identity
 from ..providers.model import Lease, NoCapacity
 from ..providers.routing import ProviderRouting
 from ..usage import BodyObserver, Dialect, Usage
+from .budgets import BudgetAdmission, BudgetGate, BudgetVerdict
 from .decision import Admission, InferenceRequest, Verdict
 from .denials import spend_denial_kind
 from .entries import admission_tokens

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from spendguard.asgi import admin_app
-from spendguard.budgets import BudgetGate
+from spendguard.engine.budgets import BudgetGate
 from spendguard.limits import Period
 from spendguard.testing import StreamingASGITransport, fake_upstream
 from tests.support import Counting, chat_body

@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
-from spendguard.budgets.overrides import CustomerBalances, OverrideCache
+from spendguard.engine.overrides import CustomerBalances, OverrideCache
 from spendguard.identity import Identity
 from spendguard.ledger import BudgetOverride
 

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from spendguard import Settings, SpendGuard, SpendGuardMiddleware
 from spendguard.asgi.request import parse_request
-from spendguard.budgets import gate_for
+from spendguard.engine.budgets import gate_for
 from spendguard.engine.entries import admission_tokens
 from spendguard.identity import Identity
 from spendguard.limits import Period

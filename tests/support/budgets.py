@@ -10,8 +10,8 @@ from typing import Any
 from starlette.types import ASGIApp
 
 from spendguard import SpendGuardMiddleware
-from spendguard.budgets import BudgetGate, gate_for
 from spendguard.budgets.admin import BudgetAdmin
+from spendguard.engine.budgets import BudgetGate, gate_for
 
 from .asgi import StateAuth
 from .gateway import Gateway

@@ -25,18 +25,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Final, Protocol
 
 from .. import metrics
+from ..budgets.config import BudgetsConfig, Scope, Storage, make_window, parse_budgets
+from ..budgets.source import BudgetsSource
 from ..clock import from_micros, to_micros, utcnow
-from ..engine.costing import DEFAULT_ENTRY
-from ..engine.decision import Lasting
-from ..engine.reservation import (
-    DEFAULT_RESERVATION,
-    OutputReservation,
-    advice,
-    describe_output,
-    largest_fitting,
-    usd,
-)
-from ..engine.singleflight import SingleFlight
 from ..errors import LedgerUnavailable, StoreFull, StoreUnavailable
 from ..identity import Identity, encode_id
 from ..ledger import BudgetOverride, Ledger
@@ -46,7 +37,7 @@ from ..limits.rates import POLICY_FIELD, STATE_FIELD, TOKENS_UNIT
 from ..limits.windows import PREPAID, Rolling
 from ..record import InferenceRecord
 from ..settings import UnknownModel
-from ..store import MemoryStore, Store
+from ..store import MemoryStore, Store, make_store
 from ..store.rolling import (
     Bucket,
     BucketCheck,
@@ -57,13 +48,24 @@ from ..store.rolling import (
     bucket_marks,
 )
 from ..usage import Usage
-from .config import BudgetsConfig, Scope, Storage, make_window
+from .costing import DEFAULT_ENTRY
+from .decision import Lasting
 from .overrides import CustomerBalances, OverrideCache
-from .source import BudgetsSource
+from .reservation import (
+    DEFAULT_RESERVATION,
+    OutputReservation,
+    advice,
+    describe_output,
+    largest_fitting,
+    usd,
+)
+from .singleflight import SingleFlight
 
 if TYPE_CHECKING:
-    from ..engine.decision import InferenceRequest
-    from ..engine.pricing import Price, PriceTable
+    from ..settings import Settings
+    from .decision import InferenceRequest
+    from .guard import SpendGuard
+    from .pricing import Price, PriceTable
 
 log = logging.getLogger("spendguard.budgets")
 
@@ -1051,4 +1053,69 @@ def make_gate(
         fit_by_default=fit_by_default,
         unknown_model=unknown_model,
         balances=balances,
+    )
+
+
+def gate_for(guard: SpendGuard) -> BudgetGate | None:
+    """The budgets of the guard's settings; None when no budgets section is configured at
+    all (then not even a file is watched). A section with ``enabled: false`` still gets a
+    gate: enabling it in the file applies without a restart."""
+    settings = guard.settings
+    source = source_of(settings)
+    if source is None:
+        return None
+    store, owned = guard.store, False
+    if not store.shared and settings.redis_url is not None:
+        # A guard given a store of its own in this process: budgets still count where the
+        # settings say (storage: redis), on a store the gate owns.
+        store, owned = make_store(settings, guard.clock), True
+    return make_gate(
+        source,
+        guard.prices,
+        ledger=guard.ledger,
+        override_ttl=settings.policy_ttl,
+        fallback_max_buckets=settings.fail_open_max_keys,
+        memory_max_buckets=settings.memory_max_keys,
+        # The guard connects its ledger at start; without a lifespan, on first use.
+        ensure_connected=guard._ensure_connected,
+        clock=guard.clock,
+        output=guard.output,  # the spend limits' reservation rule: the two engines agree
+        store=store,
+        owned=owned,
+        override_timeout=settings.db_timeout,
+        fit_min=settings.fit_min_output_tokens,
+        ratelimit_fields=settings.ratelimit_headers,
+        fit_by_default=settings.fit_by_default,
+        unknown_model=settings.unknown_model,
+    )
+
+
+def source_of(settings: Settings) -> BudgetsSource | None:
+    """The settings' budgets section (its file, watched, or the section itself); None when
+    there is none."""
+    if settings.budgets_file is not None:
+        return BudgetsSource.from_file(settings.budgets_file)
+    if settings.budgets is not None:
+        return BudgetsSource(parse_budgets(settings.budgets))
+    return None
+
+
+def recovery_gate(
+    settings: Settings, prices: PriceTable, ledger: Ledger, store: Store
+) -> BudgetGate | None:
+    """The budgets a standalone worker closes recovered holds with (``spendguard settle``):
+    the gateways' section, on their shared store; None without budgets."""
+    source = source_of(settings)
+    if source is None:
+        return None
+    return make_gate(
+        source,
+        prices,
+        ledger=ledger,
+        override_ttl=settings.policy_ttl,
+        fallback_max_buckets=settings.fail_open_max_keys,
+        memory_max_buckets=settings.memory_max_keys,
+        store=store,
+        override_timeout=settings.db_timeout,
+        unknown_model=settings.unknown_model,
     )

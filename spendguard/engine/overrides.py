@@ -18,10 +18,10 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from ..engine.singleflight import SingleFlight
 from ..errors import LedgerUnavailable
 from ..identity import Identity
 from ..ledger import BudgetOverride, Ledger
+from .singleflight import SingleFlight
 
 log = logging.getLogger("spendguard.budgets")
 
