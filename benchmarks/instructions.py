@@ -20,6 +20,12 @@ comparison of the request path that the host's drift cannot blur:
 
     python -m benchmarks.instructions                 # bare, embedded, redis; both routes
     python -m benchmarks.instructions --variants embedded --routes inference
+    python -m benchmarks.instructions --features      # section 6's gateways, one at a time
+
+``--features`` counts section 6's gateways instead (``benchmarks/features.py``: spend limits
+alone, budgets, everything; ``--configs`` picks others of its configurations), one request at
+a time as section 6 runs them, on one redis-server (``--cluster``: a 3-master Cluster as
+well): the CPU ratio of a feature to spend limits alone, free of the host's drift.
 
 Needs ``valgrind`` (Debian: ``apt-get install valgrind``), ``redis-server`` and PostgreSQL as
 the rest of the suite; a run takes a few minutes (the process runs about fifty times slower).
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -37,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Final
 
@@ -47,6 +55,8 @@ from .inprocess import inference_call, variant_settings
 from .services import PrivatePostgres, PrivateRedis, ServiceError
 
 VARIANTS: Final = ("bare", "embedded", "redis")
+FEATURES_PREFIX: Final = "features:"  # a section 6 configuration, counted (``--features``)
+FEATURE_CONFIGS: Final = ("spend limits", "budgets", "everything")
 ROUTES: Final = ("inference", "stream")
 WARM: Final = 200  # requests before the counted part, in both runs
 BASE: Final = 200  # counted requests of the shorter run
@@ -56,6 +66,9 @@ _COLLECTED = re.compile(r"Collected : (\d+)")
 
 async def _serve(variant: str, route: str, requests: int, services: Services) -> None:
     """The child: the gateway in process, WARM + requests inferences, records flushed."""
+    if variant.startswith(FEATURES_PREFIX):
+        await _serve_features(variant.removeprefix(FEATURES_PREFIX), requests, services)
+        return
     if variant == "embedded":
         # A SQLite file of its own: the two runs of a variant go side by side.
         services.workdir.mkdir(parents=True, exist_ok=True)
@@ -68,6 +81,26 @@ async def _serve(variant: str, route: str, requests: int, services: Services) ->
             await drive(call, CONCURRENCY, n)
             if guard is not None:
                 await guard.recorder.flush()
+
+
+async def _serve_features(config: str, requests: int, services: Services) -> None:
+    """A section 6 gateway (``benchmarks/features.py``), warmed as there, then WARM + requests
+    inferences one at a time; its records flushed after each part."""
+    from .common import Sizes
+    from .features import _prepared
+
+    async with AsyncExitStack() as stack:
+        call, app = await _prepared(
+            stack, services.redis_url, services.postgres_url, config, Sizes.quick()
+        )
+        guard = find_guard(app)
+        assert guard is not None
+        for n in (WARM, requests):
+            for _ in range(n):
+                status, _ = await call()
+                if status != 200:
+                    raise RuntimeError(f"{config}: a request answered {status}")
+            await guard.recorder.flush()
 
 
 def _count(variant: str, route: str, requests: int, services: Services, env: dict[str, str]) -> int:
@@ -130,12 +163,30 @@ def report(counts: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def features_report(counts: dict[str, dict[str, float]]) -> str:
+    """``--features``: instructions per inference by Redis and configuration, as a multiple
+    of spend limits alone on the same Redis."""
+    lines = [
+        "| Redis | configuration | instructions per inference | × spend limits alone |",
+        "|---|---|---|---|",
+    ]
+    for redis, by_config in counts.items():
+        base = by_config.get("spend limits")
+        for config, n in by_config.items():
+            ratio = "" if base is None else f"{n / base:.3f}×"
+            lines.append(f"| {redis} | {config} | {n:,.0f} | {ratio} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--routes", default=",".join(ROUTES))
     parser.add_argument("--requests", type=int, default=800, help="counted inferences (diff)")
     parser.add_argument("--postgres-url", default=None)
+    parser.add_argument("--features", action="store_true", help="section 6's gateways")
+    parser.add_argument("--configs", default=",".join(FEATURE_CONFIGS))
+    parser.add_argument("--cluster", action="store_true", help="--features on a Cluster too")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -145,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
         return 2
+    if args.features:
+        return _features_main(args)
     variants = tuple(v for v in args.variants.split(",") if v)
     routes = tuple(r for r in args.routes.split(",") if r)
     if unknown := (set(variants) - set(VARIANTS)) | (set(routes) - set(ROUTES)):
@@ -162,6 +215,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmark services unavailable: {exc}", file=sys.stderr)
         return 2
     print(report(counts))
+    return 0
+
+
+def _features_main(args: argparse.Namespace) -> int:
+    from tests.support import RedisCluster
+
+    from .features import SETS
+
+    configs = tuple(c for c in args.configs.split(",") if c)
+    if unknown := set(configs) - set(SETS):
+        print(f"unknown configuration: {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    variants = tuple(FEATURES_PREFIX + c for c in configs)
+    counts: dict[str, dict[str, float]] = {}
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="spendguard-instr-") as tmp,
+            PrivateRedis() as redis,
+            PrivatePostgres(args.postgres_url) as pg,
+            RedisCluster() if args.cluster else contextlib.nullcontext() as cluster,
+        ):
+            servers = [("one redis-server", redis.url)]
+            if cluster is not None:
+                servers.append(("3-master Cluster", cluster.url))
+            for name, url in servers:
+                services = Services(url, pg.url, Path(tmp))
+                got = measure(services, variants, ("inference",), args.requests)["inference"]
+                counts[name] = {v.removeprefix(FEATURES_PREFIX): n for v, n in got.items()}
+    except ServiceError as exc:
+        print(f"benchmark services unavailable: {exc}", file=sys.stderr)
+        return 2
+    print(features_report(counts))
     return 0
 
 

@@ -18,10 +18,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+import sqlalchemy as sa
 
+from spendguard.ledger.schema import records
 from tests.support import ROOT, TemporaryDatabase
 from tests.support.services import created_database, require_modules, unavailable
+from tests.support.sql import sql_value
 
 SECTIONS = (
     "machine",
@@ -268,6 +272,50 @@ def test_instruction_counts_workload_runs_and_reports(tmp_path: Path) -> None:
         db.close()
     table = instructions.report({"inference": {"bare": 2_000_000.0, "embedded": 2_500_000.0}})
     assert "| inference | embedded | 2,500,000 | 500,000 | 0.800 |" in table
+
+
+def test_instruction_counts_of_a_feature_gateway_run_its_requests(
+    tmp_path: Path, redis_url: str, clean_postgres_url: str
+) -> None:
+    # ``python -m benchmarks.instructions --features`` runs this under valgrind: section 6's
+    # "everything" gateway, warmed as there, then WARM + n requests one at a time, each
+    # admitted and charged (a record apiece in its ledger).
+    from benchmarks import features, instructions
+    from benchmarks.common import Sizes
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.instructions",
+            "--child",
+            json.dumps(
+                [
+                    instructions.FEATURES_PREFIX + "everything",
+                    "inference",
+                    7,
+                    redis_url,
+                    clean_postgres_url,
+                    str(tmp_path / "child"),
+                ]
+            ),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    warm = max(20, Sizes.quick().inproc_warmup // 4)  # _prepared's own warm-up
+    assert features.SETS["everything"] == frozenset(features.FEATURES)
+    count = sa.select(sa.func.count()).select_from(records)
+    assert anyio.run(sql_value, clean_postgres_url, count) == warm + instructions.WARM + 7
+    table = instructions.features_report(
+        {"one redis-server": {"spend limits": 4_000_000.0, "everything": 5_000_000.0}}
+    )
+    assert "| one redis-server | everything | 5,000,000 | 1.250× |" in table
 
 
 @pytest.mark.anyio
