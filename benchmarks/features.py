@@ -77,6 +77,10 @@ SETS: Final[dict[str, frozenset[str]]] = {
     "rates": frozenset({"rates"}),
     "remaining headers": frozenset({"headers"}),
     "provider pool": frozenset({"pool"}),
+    # The same without holds stocked in the shared budget buckets (every request reserves
+    # there): what the stock buys.
+    "budgets, no stock": frozenset({"budgets", "nostock"}),
+    "everything, no stock": frozenset({*FEATURES, "nostock"}),
 }
 CONFIGS: Final = ("spend limits", "alerts", "budgets", "everything")
 EACH: Final = (
@@ -189,6 +193,8 @@ async def _prepared(
         extra["remaining_headers"] = True
     if "pool" in on:
         extra["provider_candidates"] = {"*": [POOL_KEY]}
+    if "nostock" in on:
+        extra["budget_stock"] = 0
     settings = load_settings(
         database_url=postgres_url,
         redis_url=redis_url,

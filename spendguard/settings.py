@@ -279,6 +279,20 @@ class Settings(BaseSettings):
     budgets: dict[str, Any] | None = Field(
         None, description="The budgets section itself (used when no budgets_file is set)."
     )
+    budget_stock: int = Field(
+        8,
+        ge=0,
+        le=256,
+        description="Holds a gateway keeps stocked in the model's and the fleet's budget "
+        "buckets on Redis, so that a request needs no script there on its way in (0: off).",
+    )
+    budget_stock_share: int = Field(
+        4,
+        ge=1,
+        le=1_000_000,
+        description="A shared budget bucket grants stock only while what stays free is at "
+        "least this many times the stock: near a limit every request is decided centrally.",
+    )
     admin_token: SecretStr | None = Field(
         None,
         description="Bearer token of the admin HTTP routes (spendguard.asgi.admin_app); "

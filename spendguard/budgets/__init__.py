@@ -8,6 +8,8 @@ it (``admin``, ``cli``); the round's budget part, which plans and decides, is
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..limits.model import BudgetLimit, Unit
 from ..limits.windows import Rolling
 from .config import (
@@ -34,3 +36,27 @@ __all__ = [
     "parse_period",
     "read_budgets",
 ]
+
+# The round's budget part lives in the engine (engine/budgets.py); these names stay importable
+# from here, where the manual has always shown them. Resolved on first use: the engine's module
+# imports this package's config, so importing it here at once would be circular.
+_GATE_NAMES = frozenset(
+    {
+        "BudgetAdmission",
+        "BudgetGate",
+        "BudgetVerdict",
+        "Denial",
+        "gate_for",
+        "make_gate",
+        "recovery_gate",
+        "source_of",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _GATE_NAMES:
+        from ..engine import budgets as engine_budgets
+
+        return getattr(engine_budgets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

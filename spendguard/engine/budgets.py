@@ -16,7 +16,6 @@ price reserves and counts tokens only, so cost limits don't apply to it.
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -50,6 +49,7 @@ from ..store.rolling import (
 from ..usage import Usage
 from .costing import DEFAULT_ENTRY
 from .decision import Lasting
+from .guard import new_record_id
 from .overrides import CustomerBalances, OverrideCache
 from .reservation import (
     DEFAULT_RESERVATION,
@@ -60,6 +60,7 @@ from .reservation import (
     usd,
 )
 from .singleflight import SingleFlight
+from .stock import Shelf, Stock, fresh_ms
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -77,7 +78,11 @@ _SCOPE_RANK = {
     SubjectKind.MODEL: 4,
     SubjectKind.FLEET: 5,
 }
-_SCOPES = {scope.kind: scope for scope in Scope}  # a bucket's subject kind -> the YAML's name
+_SCOPES = {scope.kind: scope for scope in Scope}
+# Buckets every key shares, where a gateway may stock holds (engine/stock.py).
+_SHARED: Final = frozenset(
+    {SubjectKind.MODEL, SubjectKind.FLEET}
+)  # a bucket's subject kind -> the YAML's name
 OUTAGE_RETRY_AFTER = KINDS["budget"].outage_retry_after
 # The budgets' names of the units, in 429 details and metric labels (as docs/budgets.md states).
 UNIT_NAMES: Final = {Unit.TOKENS: "tokens", Unit.USD: "cost_micro_usd", Unit.REQUESTS: "requests"}
@@ -195,7 +200,23 @@ class BudgetAdmission:
 
 
 def new_hold_id() -> str:
-    return f"{random.getrandbits(96):024x}"
+    """A hold's id, which is also the record id of the admission it is for (the spend
+    limits' admission entry names it): one of theirs."""
+    return new_record_id()
+
+
+# A shared bucket's answer for a request that took a stocked hold there.
+_STOCKED: Final = Reserved(True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stocked:
+    """A request's dealings with its shared buckets' stock: the shelf, the calls it reserved
+    in the round (its own only, when it took a stocked hold), and the refill sent with it."""
+
+    shelf: Shelf
+    reserved: tuple[BucketCheck, ...]
+    refill: Awaitable[None] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +228,10 @@ class _Plan:
     default_key: bool  # the key scope is the fleet's default: it reports headers
     longest_ms: int  # the longest window: how long the buckets' keys live, with the hold
     counters: tuple[tuple[CounterLike, CounterLike], ...]
+    # The calls split: the model's and the fleet's buckets, shared by every key (a gateway
+    # may stock holds there: engine/stock.py), and the request's own.
+    shared: tuple[BucketCheck, ...] = ()
+    own: tuple[BucketCheck, ...] = ()
 
 
 class BudgetGate:
@@ -231,8 +256,11 @@ class BudgetGate:
         fit_by_default: bool = True,
         balances: CustomerBalances | None = None,
         unknown_model: UnknownModel = UnknownModel.DEFAULT_PRICE,
+        stock: Stock | None = None,
     ) -> None:
         self.source = source
+        # Holds stocked ahead in the shared buckets (None: every request reserves there).
+        self.stock = stock
         self.output = output  # the spend limits' own rule (the guard's), so the two agree
         self.ledger = ledger  # where a bucket Redis lost is rebuilt from
         # One rebuild per lost bucket at a time in this process; the others wait for it.
@@ -318,6 +346,12 @@ class BudgetGate:
     def begin(
         self, identity: Identity, request: InferenceRequest, hold_id: str | None = None
     ) -> Awaitable[BudgetAdmission | None]:
+        """:meth:`start` with the given hold id (a new one when None)."""
+        return self.start(identity, request, hold_id or new_hold_id())[1]
+
+    def start(
+        self, identity: Identity, request: InferenceRequest, hold_id: str | None = None
+    ) -> tuple[str, Awaitable[BudgetAdmission | None]]:
         """:meth:`admit`, with its store calls sent before this returns: on Redis they leave
         in the next pipeline write, together with the spend limits' preflight submitted in
         the same event-loop turn (one round trip for both). The result must be awaited.
@@ -325,23 +359,26 @@ class BudgetGate:
         A key whose own budget this process has not read yet (or read too long ago) is read
         from the ledger first: its calls then leave later, on their own.
 
-        ``hold_id``: the spend limits' record id of the same admission, so that its admission
-        entry names the hold too (:meth:`recover`); a new id when None."""
+        Returns the hold's id with it, which the spend limits' admission entry names too
+        (:meth:`recover`): ``hold_id``, or a stocked hold's (engine/stock.py) when the request
+        takes one and ``hold_id`` is None; a new id when neither."""
         config = self.config
         # A customer's prepaid account applies whenever the section is on, limits or not.
         balances = self.balances if request.customer is not None and config.enabled else None
         if not config.active and balances is None:
-            return _no_budget()
+            return hold_id or new_hold_id(), _no_budget()
         override: BudgetOverride | None = None
         if identity.api_key is not None and self.overrides is not None:
             known, override = self.overrides.peek(identity)
             if not known:
-                return self._admit_read(config, identity, request, hold_id)
+                hold_id = hold_id or new_hold_id()
+                return hold_id, self._admit_read(config, identity, request, hold_id)
         topped: int | None = None
         if balances is not None:
             known, topped = balances.peek(encode_id(request.customer or ""))
             if not known:
-                return self._admit_read(config, identity, request, hold_id)
+                hold_id = hold_id or new_hold_id()
+                return hold_id, self._admit_read(config, identity, request, hold_id)
         return self._begin(config, identity, request, override, hold_id, topped)
 
     async def _admit_read(
@@ -349,7 +386,7 @@ class BudgetGate:
         config: BudgetsConfig,
         identity: Identity,
         request: InferenceRequest,
-        hold_id: str | None,
+        hold_id: str,
     ) -> BudgetAdmission | None:
         override: BudgetOverride | None = None
         topped: int | None = None
@@ -357,7 +394,7 @@ class BudgetGate:
             override = await self.overrides.get(identity)
         if request.customer is not None and self.balances is not None:
             topped = await self.balances.get(encode_id(request.customer))
-        return await self._begin(config, identity, request, override, hold_id, topped)
+        return await self._begin(config, identity, request, override, hold_id, topped)[1]
 
     def _begin(
         self,
@@ -367,7 +404,7 @@ class BudgetGate:
         override: BudgetOverride | None,
         hold_id: str | None = None,
         topped: int | None = None,
-    ) -> Awaitable[BudgetAdmission | None]:
+    ) -> tuple[str, Awaitable[BudgetAdmission | None]]:
         model = request.model
         planned = self._planned(config, identity, model, override)
         if request.end_user is not None or request.tags or request.customer is not None:
@@ -376,7 +413,7 @@ class BudgetGate:
             )
         calls = planned.calls
         if not calls:
-            return _no_budget()
+            return hold_id or new_hold_id(), _no_budget()
         output = self.output.tokens(request, self.prices, config.default_output_tokens)
         estimate = Usage(input_tokens=request.estimated_input_tokens, output_tokens=output)
         prepaid = topped is not None
@@ -385,7 +422,7 @@ class BudgetGate:
         now_ms = self._now_ms()
         hold_ms = config.hold_seconds * 1000
         hold = Hold(
-            id=hold_id or new_hold_id(),
+            id=hold_id or "",
             now_ms=now_ms,
             expires_ms=now_ms + hold_ms,
             tokens=estimate.input_tokens + estimate.output_tokens,
@@ -394,9 +431,31 @@ class BudgetGate:
             ttl_ms=planned.longest_ms + hold_ms,
         )
         store = self.store_for(config)
-        reserving = store.reserve_buckets(calls, hold, require_seed=self.ledger is not None)
-        return self._admitted(
-            config, store, planned, hold, reserving, request, estimate, price is not None, prepaid
+        seeded = self.ledger is not None
+        stock, shelf, reserve, refill = self.stock, None, calls, None
+        if stock is not None and planned.shared and store.shared:
+            shelf = stock.shelf(config, model, planned.shared)
+            if hold_id is None:
+                taken = stock.take(shelf, hold, fresh_ms(hold_ms))
+                if taken is not None:
+                    hold.id, reserve = taken, planned.own
+        if not hold.id:
+            hold.id = new_hold_id()
+        reserving = store.reserve_buckets(reserve, hold, require_seed=seeded) if reserve else None
+        if shelf is not None and stock is not None:
+            # Sent after the request's own reserves (the same write): it sees them held.
+            refill = stock.refill(shelf, store, hold, new_hold_id, fresh_ms(hold_ms), seeded)
+        return hold.id, self._admitted(
+            config,
+            store,
+            planned,
+            hold,
+            reserving,
+            request,
+            estimate,
+            price is not None,
+            prepaid,
+            _Stocked(shelf, reserve, refill) if shelf is not None else None,
         )
 
     def _planned(
@@ -414,12 +473,15 @@ class BudgetGate:
             if len(self._plans) >= _MAX_PLANS:
                 self._plans.clear()
             calls, default_key = self.plan(config, identity, model, override)
+            shared = tuple(c for c in calls if c.bucket.kind in _SHARED)
             planned = self._plans[known] = _Plan(
                 config,
                 calls,
                 default_key,
                 max((w.period_ms for c in calls for w in c.windows), default=0),
                 self._counters(calls),
+                shared,
+                tuple(c for c in calls if c.bucket.kind not in _SHARED),
             )
         return planned
 
@@ -459,7 +521,8 @@ class BudgetGate:
         calls = (*planned.calls, *extra)
         counters = (*planned.counters, *self._counters(tuple(extra)))
         longest = max(planned.longest_ms, config.longest_ms)
-        return _Plan(config, calls, planned.default_key, longest, counters)
+        mine = (*planned.own, *extra)
+        return _Plan(config, calls, planned.default_key, longest, counters, planned.shared, mine)
 
     async def _admitted(
         self,
@@ -467,20 +530,31 @@ class BudgetGate:
         store: Store,
         planned: _Plan,
         hold: Hold,
-        reserving: Awaitable[list[Reserved]],
+        reserving: Awaitable[list[Reserved]] | None,
         request: InferenceRequest,
         estimate: Usage,
         count_cost: bool,
         prepaid: bool = False,
+        stocked: _Stocked | None = None,
     ) -> BudgetAdmission:
         model, calls = request.model, planned.calls
+        reserved = calls if stocked is None else stocked.reserved
         try:
-            answers = await self._reserve(store, calls, hold, model, reserving)
+            try:
+                answers = await self._reserve(store, reserved, hold, model, reserving)
+            finally:
+                if stocked is not None and stocked.refill is not None:
+                    await stocked.refill  # its replies came with the request's own
+            if reserved is not calls:  # the shared buckets' holds were stocked: admitted there
+                own = iter(answers)  # the request's own calls, in the plan's order
+                answers = [_STOCKED if c.bucket.kind in _SHARED else next(own) for c in calls]
         except StoreFull:
             return self._tracker_full(calls, model)
         except (StoreUnavailable, ValueError) as exc:
             # ValueError: a script refused its input (a bug): a request gets the outage answer,
             # never a 500.
+            if self.stock is not None:
+                self.stock.forget()  # the stocked holds lapse with their expiry
             if not (store.shared and config.fail_open):
                 log.warning("budget store unavailable, refusing (fail_open false): %s", exc)
                 metrics.BUDGET_STORE_UNAVAILABLE.labels("refused").inc()
@@ -492,6 +566,9 @@ class BudgetGate:
                 answers = await store.reserve_buckets(calls, hold)
             except StoreFull:
                 return self._tracker_full(calls, model)
+        else:
+            if stocked is not None and reserved is calls:
+                answers = await self._unstocked(store, stocked, calls, answers, hold)
         admission = BudgetAdmission(
             BudgetVerdict.ADMIT,
             calls,
@@ -515,14 +592,37 @@ class BudgetGate:
             admission.headers = (*admission.headers, *fields)
         return admission
 
+    async def _unstocked(
+        self,
+        store: Store,
+        stocked: _Stocked,
+        calls: tuple[BucketCheck, ...],
+        answers: list[Reserved],
+        hold: Hold,
+    ) -> list[Reserved]:
+        """A request reserved centrally and a shared bucket refused it while this gateway
+        holds unused stock there: the stock goes back and the refusing shared buckets are
+        asked once more, so stock never refuses what the limit would admit."""
+        stock, shelf = self.stock, stocked.shelf
+        again = [i for i, a in enumerate(answers) if not a.ok and calls[i].bucket.kind in _SHARED]
+        if not again or stock is None or not await stock.give_back(shelf, store):
+            return answers
+        retried = await store.reserve_buckets([calls[i] for i in again], hold)
+        answers = list(answers)
+        for i, answer in zip(again, retried, strict=True):
+            answers[i] = answer
+        return answers
+
     async def _reserve(
         self,
         store: Store,
         calls: tuple[BucketCheck, ...],
         hold: Hold,
         model: str,
-        reserving: Awaitable[list[Reserved]],
+        reserving: Awaitable[list[Reserved]] | None,
     ) -> list[Reserved]:
+        if reserving is None:
+            return []
         answers = await reserving
         unseeded = [i for i, a in enumerate(answers) if a.unseeded]
         if unseeded:  # Redis lost these buckets: rebuild them, then ask them again
@@ -905,6 +1005,11 @@ class BudgetGate:
         except Exception as exc:  # the holds expire by themselves
             log.warning("budget holds could not be returned (they expire): %r", exc)
 
+    async def return_stock(self) -> None:
+        """Give back every stocked hold no request took (the gateway stops); never raises."""
+        if self.stock is not None and self.redis is not None:
+            await self.stock.give_all_back(self.redis)
+
     async def aclose(self) -> None:
         # The shared store is the gateway's, closed with its guard, unless the gate made it.
         if self.redis is not None and self._owns_redis:
@@ -1015,6 +1120,7 @@ def make_gate(
     ratelimit_fields: bool = False,
     fit_by_default: bool = True,
     unknown_model: UnknownModel = UnknownModel.DEFAULT_PRICE,
+    stock: Stock | None = None,
 ) -> BudgetGate:
     """A gate on the gateway's store: its Redis (shared by every replica, the calls leaving
     in the same pipeline writes as the spend limits') when it is one, used whenever the
@@ -1053,6 +1159,7 @@ def make_gate(
         fit_by_default=fit_by_default,
         unknown_model=unknown_model,
         balances=balances,
+        stock=stock,
     )
 
 
@@ -1087,6 +1194,9 @@ def gate_for(guard: SpendGuard) -> BudgetGate | None:
         ratelimit_fields=settings.ratelimit_headers,
         fit_by_default=settings.fit_by_default,
         unknown_model=settings.unknown_model,
+        stock=Stock(settings.budget_stock, settings.budget_stock_share)
+        if settings.budget_stock and store.shared
+        else None,
     )
 
 

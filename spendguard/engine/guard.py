@@ -481,6 +481,10 @@ class SpendGuard:
                     with suppress(StoreUnavailable):
                         await self._owners.delete(self.codec.owner_alive_key(self.owner))
             await self.ledger.disconnect()
+            if self.budgets is not None:
+                # Holds stocked ahead and never taken go back now instead of lapsing.
+                with anyio.move_on_after(self.settings.redis_timeout * 2):
+                    await self.budgets.return_stock()
             if self._owns_store and self.store.shared:
                 # Its connections, not its state (Redis keeps that): a guard started again
                 # connects again. The embedded store is left as it is: its state is in here.

@@ -43,7 +43,7 @@ from .budgets import BudgetAdmission, BudgetGate, BudgetVerdict
 from .decision import Admission, InferenceRequest, Verdict
 from .denials import spend_denial_kind
 from .entries import admission_tokens
-from .guard import SpendGuard, new_record_id
+from .guard import SpendGuard
 
 T = TypeVar("T")
 log = logging.getLogger("spendguard")
@@ -178,9 +178,9 @@ class Round:
             if budgets is not None:
                 # One id for the budget hold and the spend limits' admission entry: a gateway
                 # that dies with the request in flight leaves the entry, whose recovery turns
-                # the hold into the recovered charge (design.md, "The hold model").
-                record_id = new_record_id()
-                budget_soon = budgets.begin(identity, request, record_id)
+                # the hold into the recovered charge (design.md, "The hold model"). The gate
+                # draws it: a hold stocked ahead in the shared buckets brings its own.
+                record_id, budget_soon = budgets.start(identity, request)
             if providers is not None:
                 tokens_in, tokens_out = admission_tokens(request, guard.coster.table, guard.output)
                 lease_soon = providers.begin(request.model, identity, tokens_in + tokens_out)

@@ -355,6 +355,27 @@ class Store(Protocol):
         """Return the hold (nothing is counted)."""
         ...
 
+    def stock_bucket(
+        self,
+        call: BucketCheck,
+        hold: Hold,
+        ids: Sequence[str],
+        share: int,
+        *,
+        require_seed: bool = False,
+    ) -> Awaitable[int]:
+        """Reserve holds of ``hold``'s size and expiry under ``ids`` ahead of the requests that
+        will take them (``hold.id`` unused), atomically: the first *m* of them, *m* the most
+        that every window of ``call`` affords while what is then free stays at least ``share``
+        times what they take. Returns *m*; -1, nothing held, for a bucket without a seed
+        marker when ``require_seed``. Each is a hold like :meth:`reserve_buckets`' own: one
+        request, committed, released or expired by its id."""
+        ...
+
+    def release_stock(self, bucket: Bucket, ids: Sequence[str]) -> Awaitable[int]:
+        """Return stocked holds no request took; how many were still there."""
+        ...
+
     async def inspect_bucket(self, call: BucketCheck, now_ms: int) -> BucketUsage: ...
 
     async def reset_bucket(self, bucket: Bucket, windows: Sequence[Rolling]) -> None:

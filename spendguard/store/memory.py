@@ -751,6 +751,48 @@ class MemoryStore:
                 state.holds.pop(hold_id, None)
         return _ready(None)
 
+    def stock_bucket(
+        self,
+        call: BucketCheck,
+        hold: Hold,
+        ids: Sequence[str],
+        share: int,
+        *,
+        require_seed: bool = False,
+    ) -> Awaitable[int]:
+        """bucket_stock.lua's rule, on the same integers."""
+        try:
+            state = self._bucket(call.bucket, hold.now_ms)
+        except StoreFull as exc:
+            return _failed(exc)
+        held_t, held_c = state.prune(hold.now_ms)
+        held_r = len(state.holds)
+        most = len(ids)
+
+        def fit(free: int, amount: int) -> None:
+            nonlocal most
+            if amount > 0:
+                most = min(most, max(0, free) // (amount * (share + 1)))
+
+        for check in call.checks:
+            tokens, cost, requests = state.slices(check.window).current(check.window, hold.now_ms)
+            limit = check.limit
+            if limit.tokens is not None:
+                fit(limit.tokens - tokens - held_t, hold.tokens)
+            if hold.count_cost and limit.cost_micros is not None:
+                fit(limit.cost_micros - cost - held_c, hold.cost)
+            if limit.requests is not None:
+                fit(limit.requests - requests - held_r, 1)
+        for stock_id in ids[:most]:
+            state.holds[stock_id] = (hold.expires_ms, hold.tokens, hold.cost)
+        return _ready(most)
+
+    def release_stock(self, bucket: Bucket, ids: Sequence[str]) -> Awaitable[int]:
+        state = self._buckets.get(bucket)
+        if state is None:
+            return _ready(0)
+        return _ready(sum(state.holds.pop(i, None) is not None for i in ids))
+
     async def seed_bucket(
         self, call: BucketCheck, slices: Sequence[Sequence[SeedSlice]], ttl_ms: int
     ) -> bool:

@@ -77,6 +77,7 @@ _SCRIPTS = (
     "bucket_reserve",
     "bucket_commit",
     "bucket_release",
+    "bucket_stock",
     "bucket_inspect",
     "bucket_seed",
 )
@@ -583,6 +584,33 @@ class RedisStore:
             [self._batched("bucket_release", self.bucket_keys(b, ()), [hold_id]) for b in buckets]
         )
 
+    def stock_bucket(
+        self,
+        call: BucketCheck,
+        hold: Hold,
+        ids: Sequence[str],
+        share: int,
+        *,
+        require_seed: bool = False,
+    ) -> Awaitable[int]:
+        keys, limits, _, _ = self._bucket_wire(call)
+        if call.calendar:
+            limits = _bounded(call.windows, limits, hold.now_ms, 6, True)
+        head = [
+            str(hold.now_ms),
+            str(hold.expires_ms),
+            str(hold.tokens),
+            str(hold.cost),
+            "1" if hold.count_cost else "0",
+            str(hold.ttl_ms),
+            "1" if require_seed else "0",
+            str(share),
+        ]
+        return _as_int(self._batched("bucket_stock", keys, [*head, *limits, *ids]))
+
+    def release_stock(self, bucket: Bucket, ids: Sequence[str]) -> Awaitable[int]:
+        return _as_int(self._batched("bucket_release", self.bucket_keys(bucket, ()), list(ids)))
+
     async def seed_bucket(
         self, call: BucketCheck, slices: Sequence[Sequence[SeedSlice]], ttl_ms: int
     ) -> bool:
@@ -816,3 +844,7 @@ def _uint(value: int) -> str:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"amount must be a non-negative integer of micro-USD, got {value!r}")
     return str(value)
+
+
+async def _as_int(call: Awaitable[Any]) -> int:
+    return int(await call)

@@ -38,9 +38,27 @@ def pipelines(gw: BudgetGateway) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("where", ["redis", "cluster"])
-@pytest.mark.parametrize(("enabled", "scripts"), [(True, 8), (False, 2)])
+@pytest.mark.parametrize(
+    ("enabled", "stock", "scripts"),
+    # Scripts in five warm inferences (after three): the spend limits' two each, and with
+    # budgets a reserve and a commit per bucket (key, model, global)...
+    [
+        (True, 0, 5 * 8),
+        # ...or, with eight holds stocked in the model's and the global bucket, the key's
+        # reserve alone on the way in: the first request reserved centrally and stocked
+        # eight, the next ones take one each, and the one that leaves four on the shelf
+        # (the fourth of these five) sends a refill of four to both buckets.
+        (True, 8, 5 * 6 + 2),
+        (False, 8, 5 * 2),
+    ],
+)
 async def test_pipelines_per_warm_inference(
-    tmp_path: Path, request: pytest.FixtureRequest, where: str, enabled: bool, scripts: int
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    where: str,
+    enabled: bool,
+    stock: int,
+    scripts: int,
 ) -> None:
     if where == "redis":
         url: str = request.getfixturevalue("redis_url")
@@ -58,6 +76,7 @@ async def test_pipelines_per_warm_inference(
         redis_url=url,
         key_prefix=prefix,
         redis_timeout=2.0,
+        budget_stock=stock,
     )
     async with gw, gw.client() as c:
         await gw.policy(Period.DAY, 10**9)
@@ -68,7 +87,5 @@ async def test_pipelines_per_warm_inference(
             assert (await c.post("/v1/chat/completions", json=chat_body(max_tokens=10))).is_success
         after = pipelines(gw)
         assert after[0] - batches == 5 * 2  # one round trip before the provider, one after
-        # ...carrying the spend limits' script and, with budgets, one per bucket (key, model,
-        # global) each way.
-        assert after[1] - calls == 5 * scripts
+        assert after[1] - calls == scripts
     await spend.aclose()

@@ -509,3 +509,61 @@ async def test_a_calendar_window_empties_at_utc_midnight_and_on_the_first(store:
     [full] = await store.reserve_buckets([call], hold(feb + 27 * 86_400_000 + 1000, 60))  # 28 Feb
     assert not full.ok and full.window == 1  # the month: 200 + 60 > 250
     assert full.retry_ms == 86_400_000 - 1001  # until 1 March
+
+
+def ids(n: int, tag: str = "s") -> list[str]:
+    return [f"{tag}{i}-{uuid.uuid4().hex[:8]}" for i in range(n)]
+
+
+async def test_stocked_holds_leave_a_share_free_for_everyone_else(store: Store) -> None:
+    call = tokens(1000, HOUR, DAY)
+    size = hold(T0, 10)
+    # 1000 free: at most 1000 / (10 * (4 + 1)) = 20 holds keep four times theirs free.
+    assert await store.stock_bucket(call, size, ids(8), 4) == 8
+    usage = await store.inspect_bucket(call, T0)
+    assert (usage.held_tokens, usage.held_requests) == (80, 8)
+    # 920 free now: 18 more at most, the first ones of those asked for.
+    asked = ids(30)
+    assert await store.stock_bucket(call, size, asked, 4) == 18
+    usage = await store.inspect_bucket(call, T0)
+    assert usage.held_tokens == 260
+    # They are holds like any other: 740 is what a request may still reserve.
+    assert not (await store.reserve_buckets([call], hold(T0, 741)))[0].ok
+    assert (await store.reserve_buckets([call], hold(T0, 740)))[0].ok
+    # Nothing is free: nothing more is stocked.
+    assert await store.stock_bucket(call, size, ids(4), 4) == 0
+
+
+async def test_every_unit_and_window_bounds_the_stock(store: Store) -> None:
+    minute = Rolling("minute", "1m", 60)
+    call = BucketCheck(
+        MODEL,
+        (
+            WindowCheck(minute, BudgetLimit(requests=12)),
+            WindowCheck(HOUR, BudgetLimit(tokens=10**9, cost_micros=1_000)),
+        ),
+    )
+    # Requests: 12 / (1 * 3) = 4; cost: 1000 / (50 * 3) = 6; tokens: plenty.
+    assert await store.stock_bucket(call, hold(T0, 10, cost=50), ids(10), 2) == 4
+    # An unpriced request's holds cost nothing: only the requests bound them (8 left: 2).
+    assert await store.stock_bucket(call, hold(T0, 10), ids(10), 2) == 2
+
+
+async def test_a_stocked_hold_is_committed_released_and_expires_by_its_id(store: Store) -> None:
+    call = tokens(10_000, HOUR, bucket=FLEET)
+    size = hold(T0, 100, hold_ms=5000)
+    stock = ids(5)
+    assert await store.stock_bucket(call, size, stock, 1) == 5
+    # A request took the first: its commit replaces that hold by its usage, once.
+    taken = Hold(stock[0], T0, size.expires_ms, 100, 0, False, size.ttl_ms)
+    await commit(store, call, taken, 7, now_ms=T0 + 10)
+    usage = await store.inspect_bucket(call, T0 + 10)
+    assert (usage.held_tokens, usage.windows[0].tokens) == (400, 7)
+    # The second was taken and refused elsewhere: released like a reserved hold.
+    await store.release_buckets([FLEET], stock[1])
+    # The rest go back together; one already gone is not counted twice.
+    assert await store.release_stock(FLEET, stock[1:4]) == 2
+    usage = await store.inspect_bucket(call, T0 + 20)
+    assert (usage.held_tokens, usage.held_requests) == (100, 1)
+    # The last one lapses with its expiry, as a dead gateway's would.
+    assert (await store.reserve_buckets([call], hold(T0 + 5000, 9_993)))[0].ok

@@ -52,12 +52,13 @@ def test_a_replay_measures_every_script_of_a_request(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
     scripts = result["scripts"]
-    # One budget reserve and commit per bucket (the key's, the model's, the fleet's), the
-    # provider lease and its settlement, the spend limits' pre- and postflight.
+    # The key's budget reserve (the model's and the fleet's holds were stocked ahead), a
+    # commit per bucket (the key's, the model's, the fleet's), the provider lease and its
+    # settlement, the spend limits' pre- and postflight.
     assert {name: s["calls_per_request"] for name, s in scripts.items()} == {
         "preflight": 1,
         "postflight": 1,
-        "bucket_reserve": 3,
+        "bucket_reserve": 1,
         "bucket_commit": 3,
         "pool_acquire": 1,
         "pool_settle": 1,

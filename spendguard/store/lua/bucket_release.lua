@@ -1,4 +1,8 @@
--- Return a hold: a refused, failed or cancelled request counts nothing.
--- KEYS: holds. ARGV: hold id. Reply: 1 if it was still there.
-if drop_hold(KEYS[1], ARGV[1]) then return 1 end
-return 0
+-- Return holds: a refused, failed or cancelled request counts nothing, nor does a stocked hold
+-- no request took (bucket_stock.lua).
+-- KEYS: holds. ARGV: the hold ids. Reply: how many were still there.
+local n = 0
+for i = 1, #ARGV do
+  if drop_hold(KEYS[1], ARGV[i]) then n = n + 1 end
+end
+return n

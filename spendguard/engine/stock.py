@@ -1,0 +1,211 @@
+"""Stocked holds: a gateway's holds in the shared budget buckets, reserved ahead of its
+requests, so that a warm request sends no script to those buckets' slots on its way in.
+
+The model's and the fleet's buckets are shared by every key and every gateway: without stock,
+each request reserves in each of them, a script apiece in the admission round. With stock, a
+gateway keeps a few holds there under record ids drawn ahead (``bucket_stock.lua``), and a
+request that fits one takes its id as its own record id: its admission entry, its commit, its
+release and a dead gateway's recovery then name that hold exactly as they name a hold reserved
+for it, so nothing about recovery changes. Its own buckets (the key's, its end user's, its
+tags', its customer's) are still reserved in the round.
+
+What it costs, and why it holds (design.md, "Stocked holds"):
+
+- A bucket grants stock only while what stays free is at least ``share`` times the stock, so
+  near a limit there is none and every request is decided centrally, as without it.
+- A central refusal in a bucket this gateway holds unused stock of gives that stock back and
+  asks once more: the stock never refuses what the limit would admit, beyond what requests in
+  flight on stocked holds hold over their own estimates (each stocked hold has the size of
+  the request that asked for the refill; only a request no larger takes one).
+- Holds are a little older than the requests that take them: an id is taken only while it is
+  fresh (a tenth of the hold time, at most 30 s), and a stale one goes back with the next
+  refill. Unused stock goes back when the gateway stops; a killed gateway's lapses with the
+  holds' expiry.
+- Refills ride the round of the request that found the shelf low: sent with its own calls, in
+  the same pipeline write, and awaited with them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from ..store import Store
+from ..store.rolling import BucketCheck, Hold
+
+log = logging.getLogger("spendguard.budgets")
+
+# A stocked id is taken while it is younger than this share of the hold time (and 30 s), so a
+# request's hold outlives it by nearly as long as a hold reserved for it would.
+FRESH_SHARE = 10
+FRESH_MAX_MS = 30_000
+
+
+@dataclass(slots=True)
+class Shelf:
+    """One gateway's stocked holds in one group of shared buckets (a model's and the fleet's,
+    under one section): ids held in every bucket of the group, each of one size."""
+
+    calls: tuple[BucketCheck, ...]
+    section: object  # the budgets section they were stocked under
+    # (id, granted at ms, tokens, cost): the oldest first.
+    ids: deque[tuple[str, int, int, int]] = field(default_factory=deque)
+    asking: bool = False  # a refill is on its way
+
+
+class Stock:
+    """The shelves of one budget gate. ``size``: ids per shelf (0: off); ``share``: how many
+    times the stock a bucket keeps free for everyone else when it grants some."""
+
+    __slots__ = ("_orphans", "_shelves", "share", "size", "taken")
+
+    def __init__(self, size: int, share: int) -> None:
+        self.size, self.share = size, share
+        self.taken = 0  # requests admitted on a stocked hold, so far
+        self._shelves: dict[str, Shelf] = {}
+        # Shelves of a section no longer in force: their ids go back with the next refill.
+        self._orphans: list[Shelf] = []
+
+    def shelf(self, section: object, model: str, calls: tuple[BucketCheck, ...]) -> Shelf:
+        """The shelf of ``model``'s shared buckets (``calls``) under ``section``."""
+        found = self._shelves.get(model)
+        if found is None or found.section is not section:
+            if found is not None and found.ids:
+                self._orphans.append(found)
+            found = self._shelves[model] = Shelf(calls, section)
+        return found
+
+    def take(self, shelf: Shelf, hold: Hold, fresh_ms: int) -> str | None:
+        """A fresh stocked id that ``hold`` fits in, taken off the shelf (None: none). Stale
+        ids stay for the next refill to return."""
+        for i, (stock_id, granted, tokens, cost) in enumerate(shelf.ids):
+            if hold.now_ms - granted >= fresh_ms:
+                continue
+            if hold.tokens <= tokens and (not hold.count_cost or hold.cost <= cost):
+                del shelf.ids[i]
+                self.taken += 1
+                return stock_id
+        return None
+
+    def refill(
+        self,
+        shelf: Shelf,
+        store: Store,
+        hold: Hold,
+        draw: Callable[[], str],
+        fresh_ms: int,
+        require_seed: bool,
+    ) -> Awaitable[None] | None:
+        """Send a refill of ``shelf`` now when it runs low (None: not due): ids drawn ahead
+        (``draw``), each as large as ``hold`` (a larger request reserves centrally; a
+        smaller one holds a little more than it needs until it ends), the stale ids given
+        back in the same write. The result, awaited, puts on the shelf the ids every bucket
+        of the group granted and gives back those only some did."""
+        ids = shelf.ids
+        if shelf.asking or (len(ids) > self.size // 2 and hold.now_ms - ids[0][1] < fresh_ms):
+            return None  # the oldest is fresh (the shelf is in the order of the grants)
+        stale = [entry[0] for entry in ids if hold.now_ms - entry[1] >= fresh_ms]
+        if len(shelf.ids) - len(stale) > self.size // 2:
+            return None
+        if stale:
+            old_ids = set(stale)
+            shelf.ids = deque(entry for entry in shelf.ids if entry[0] not in old_ids)
+        size = Hold(
+            id="",
+            now_ms=hold.now_ms,
+            expires_ms=hold.expires_ms,
+            tokens=hold.tokens,
+            cost=hold.cost,
+            count_cost=hold.count_cost,
+            ttl_ms=hold.ttl_ms,
+        )
+        wanted = [draw() for _ in range(self.size - len(shelf.ids))]
+        shelf.asking = True
+        try:
+            returning = [store.release_stock(c.bucket, stale) for c in shelf.calls if stale]
+            orphans, self._orphans = self._orphans, []
+            for orphan in orphans:
+                gone = [entry[0] for entry in orphan.ids]
+                returning += [store.release_stock(c.bucket, gone) for c in orphan.calls]
+            granting = [
+                store.stock_bucket(c, size, wanted, self.share, require_seed=require_seed)
+                for c in shelf.calls
+            ]
+        except Exception:
+            shelf.asking = False
+            raise
+        return self._stocked(shelf, store, size, wanted, granting, returning)
+
+    async def _stocked(
+        self,
+        shelf: Shelf,
+        store: Store,
+        size: Hold,
+        wanted: list[str],
+        granting: list[Awaitable[int]],
+        returning: list[Awaitable[int]],
+    ) -> None:
+        granted: list[int] = []
+        try:
+            for answer in granting:
+                try:
+                    granted.append(max(0, await answer))
+                except Exception as exc:  # what it held lapses with the holds' expiry
+                    log.debug("budget stock not granted: %r", exc)
+                    granted.append(0)
+            for done in returning:
+                try:
+                    await done
+                except Exception as exc:  # they lapse with the holds' expiry
+                    log.debug("stale budget stock not returned: %r", exc)
+            every = min(granted, default=0)
+            extra = [
+                store.release_stock(c.bucket, wanted[every:n])
+                for c, n in zip(shelf.calls, granted, strict=True)
+                if n > every
+            ]
+            for done in extra:
+                try:
+                    await done
+                except Exception as exc:
+                    log.debug("budget stock not returned: %r", exc)
+            shelf.ids.extend((i, size.now_ms, size.tokens, size.cost) for i in wanted[:every])
+        finally:
+            shelf.asking = False
+
+    async def give_back(self, shelf: Shelf, store: Store) -> bool:
+        """Return every unused id of ``shelf`` (a central refusal where it holds some); False
+        when it held none."""
+        if not shelf.ids:
+            return False
+        ids = [entry[0] for entry in shelf.ids]
+        shelf.ids.clear()
+        await _quietly([store.release_stock(c.bucket, ids) for c in shelf.calls])
+        return True
+
+    async def give_all_back(self, store: Store) -> None:
+        """Return every unused id (the gateway stops)."""
+        shelves, self._shelves = list(self._shelves.values()), {}
+        shelves += self._orphans
+        self._orphans = []
+        for shelf in shelves:
+            await self.give_back(shelf, store)
+
+    def forget(self) -> None:
+        """Drop every shelf without a word to the store (it is down: the holds lapse)."""
+        self._shelves.clear()
+        self._orphans.clear()
+
+
+def fresh_ms(hold_ms: int) -> int:
+    return min(hold_ms // FRESH_SHARE, FRESH_MAX_MS)
+
+
+async def _quietly(calls: list[Awaitable[int]]) -> None:
+    for call in calls:
+        try:
+            await call
+        except Exception as exc:  # they lapse with the holds' expiry
+            log.debug("budget stock not returned: %r", exc)
