@@ -79,8 +79,8 @@ SETS: Final[dict[str, frozenset[str]]] = {
     "provider pool": frozenset({"pool"}),
     # The same without holds stocked in the shared budget buckets (every request reserves
     # there): what the stock buys.
-    "budgets, no stock": frozenset({"budgets", "nostock"}),
-    "everything, no stock": frozenset({*FEATURES, "nostock"}),
+    "budgets without stock": frozenset({"budgets", "nostock"}),
+    "everything without stock": frozenset({*FEATURES, "nostock"}),
 }
 CONFIGS: Final = ("spend limits", "alerts", "budgets", "everything")
 EACH: Final = (
@@ -179,10 +179,16 @@ async def _configure(guard: SpendGuard, team: str, config: str) -> None:
 
 
 async def _prepared(
-    stack: AsyncExitStack, redis_url: str, postgres_url: str, config: str, sizes: Sizes
+    stack: AsyncExitStack,
+    redis_url: str,
+    postgres_url: str,
+    config: str,
+    sizes: Sizes,
+    prefix: str = "bench-features",
 ) -> tuple[Call, Any]:
     """One configuration's gateway, started (its lifespan held by ``stack``), configured and
-    warm: its call and its app."""
+    warm: its call and its app. ``prefix``: its Redis keys' (gateways of other processes on
+    the same server take one of their own: their teams' names repeat)."""
     extra: dict[str, Any] = {}
     on = SETS[config]
     if "budgets" in on:
@@ -200,7 +206,7 @@ async def _prepared(
         redis_url=redis_url,
         run_worker=False,
         redis_timeout=2.0,
-        key_prefix="bench-features",
+        key_prefix=prefix,
         **extra,
     )
     pooled = "pool" in on

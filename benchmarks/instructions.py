@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -90,8 +91,11 @@ async def _serve_features(config: str, requests: int, services: Services) -> Non
     from .features import _prepared
 
     async with AsyncExitStack() as stack:
+        # A key prefix of its own: the two runs of a configuration go side by side, and every
+        # process names its team alike.
+        prefix = f"instr-{uuid.uuid4().hex[:12]}"
         call, app = await _prepared(
-            stack, services.redis_url, services.postgres_url, config, Sizes.quick()
+            stack, services.redis_url, services.postgres_url, config, Sizes.quick(), prefix
         )
         guard = find_guard(app)
         assert guard is not None

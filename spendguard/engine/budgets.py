@@ -217,6 +217,7 @@ class _Stocked:
     shelf: Shelf
     reserved: tuple[BucketCheck, ...]
     refill: Awaitable[None] | None
+    held: bool  # the gateway held (or was being granted) unused stock there when it was sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,9 +433,10 @@ class BudgetGate:
         )
         store = self.store_for(config)
         seeded = self.ledger is not None
-        stock, shelf, reserve, refill = self.stock, None, calls, None
+        stock, shelf, reserve, refill, held = self.stock, None, calls, None, False
         if stock is not None and planned.shared and store.shared:
             shelf = stock.shelf(config, model, planned.shared)
+            held = shelf.holding()
             if hold_id is None:
                 taken = stock.take(shelf, hold, fresh_ms(hold_ms))
                 if taken is not None:
@@ -455,7 +457,7 @@ class BudgetGate:
             estimate,
             price is not None,
             prepaid,
-            _Stocked(shelf, reserve, refill) if shelf is not None else None,
+            _Stocked(shelf, reserve, refill, held) if shelf is not None else None,
         )
 
     def _planned(
@@ -601,11 +603,15 @@ class BudgetGate:
         hold: Hold,
     ) -> list[Reserved]:
         """A request reserved centrally and a shared bucket refused it while this gateway
-        holds unused stock there: the stock goes back and the refusing shared buckets are
-        asked once more, so stock never refuses what the limit would admit."""
+        held unused stock there: the stock goes back (a refill on its way with it, once landed),
+        no refill goes there for a while, and the refusing shared buckets are asked once more,
+        so the stock never refuses what the limit would admit."""
         stock, shelf = self.stock, stocked.shelf
         again = [i for i, a in enumerate(answers) if not a.ok and calls[i].bucket.kind in _SHARED]
-        if not again or stock is None or not await stock.give_back(shelf, store):
+        if not again or stock is None:
+            return answers
+        dry = hold.now_ms + fresh_ms(hold.expires_ms - hold.now_ms)
+        if not await stock.give_back(shelf, store, dry_until_ms=dry, held=stocked.held):
             return answers
         retried = await store.reserve_buckets([calls[i] for i in again], hold)
         answers = list(answers)

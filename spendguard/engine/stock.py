@@ -13,10 +13,12 @@ What it costs, and why it holds (design.md, "Stocked holds"):
 
 - A bucket grants stock only while what stays free is at least ``share`` times the stock, so
   near a limit there is none and every request is decided centrally, as without it.
-- A central refusal in a bucket this gateway holds unused stock of gives that stock back and
-  asks once more: the stock never refuses what the limit would admit, beyond what requests in
-  flight on stocked holds hold over their own estimates (each stocked hold has the size of
-  the request that asked for the refill; only a request no larger takes one).
+- A central refusal in a bucket this gateway held unused stock of when the request's round was
+  sent waits for a refill on its way, gives the stock back, stops refills there for a while
+  and asks once more: the stock never refuses what the limit would admit, beyond what
+  requests in flight on stocked holds hold over their own estimates (each stocked hold has the
+  size of the request that asked for the refill; only a request no larger takes one) and what
+  other gateways hold unused.
 - Holds are a little older than the requests that take them: an id is taken only while it is
   fresh (a tenth of the hold time, at most 30 s), and a stale one goes back with the next
   refill. Unused stock goes back when the gateway stops; a killed gateway's lapses with the
@@ -32,6 +34,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import anyio
+
 from ..store import Store
 from ..store.rolling import BucketCheck, Hold
 
@@ -41,6 +45,9 @@ log = logging.getLogger("spendguard.budgets")
 # request's hold outlives it by nearly as long as a hold reserved for it would.
 FRESH_SHARE = 10
 FRESH_MAX_MS = 30_000
+# A refill not landed after this long is taken for lost (its coroutine never ran: the request
+# that carried it was cancelled first); what it held lapses with the holds' expiry.
+LOST_REFILL_S = 5.0
 
 
 @dataclass(slots=True)
@@ -52,7 +59,16 @@ class Shelf:
     section: object  # the budgets section they were stocked under
     # (id, granted at ms, tokens, cost): the oldest first.
     ids: deque[tuple[str, int, int, int]] = field(default_factory=deque)
-    asking: bool = False  # a refill is on its way
+    # A refill on its way: set when it lands (None: none is).
+    asking: anyio.Event | None = None
+    asked_ms: int = 0
+    # No refill before this (ms): a request was refused in one of these buckets, so they are
+    # near a limit, where every request is decided centrally.
+    dry_until_ms: int = 0
+
+    def holding(self) -> bool:
+        """Whether this gateway holds, or is being granted, unused stock here."""
+        return bool(self.ids) or self.asking is not None
 
 
 class Stock:
@@ -104,7 +120,13 @@ class Stock:
         back in the same write. The result, awaited, puts on the shelf the ids every bucket
         of the group granted and gives back those only some did."""
         ids = shelf.ids
-        if shelf.asking or (len(ids) > self.size // 2 and hold.now_ms - ids[0][1] < fresh_ms):
+        if hold.now_ms < shelf.dry_until_ms:
+            return None
+        if shelf.asking is not None:
+            if hold.now_ms - shelf.asked_ms < LOST_REFILL_S * 1000:
+                return None
+            _landed(shelf)
+        if len(ids) > self.size // 2 and hold.now_ms - ids[0][1] < fresh_ms:
             return None  # the oldest is fresh (the shelf is in the order of the grants)
         stale = [entry[0] for entry in ids if hold.now_ms - entry[1] >= fresh_ms]
         if len(shelf.ids) - len(stale) > self.size // 2:
@@ -122,7 +144,7 @@ class Stock:
             ttl_ms=hold.ttl_ms,
         )
         wanted = [draw() for _ in range(self.size - len(shelf.ids))]
-        shelf.asking = True
+        shelf.asking, shelf.asked_ms = anyio.Event(), hold.now_ms
         try:
             returning = [store.release_stock(c.bucket, stale) for c in shelf.calls if stale]
             orphans, self._orphans = self._orphans, []
@@ -134,7 +156,7 @@ class Stock:
                 for c in shelf.calls
             ]
         except Exception:
-            shelf.asking = False
+            _landed(shelf)
             raise
         return self._stocked(shelf, store, size, wanted, granting, returning)
 
@@ -173,13 +195,26 @@ class Stock:
                     log.debug("budget stock not returned: %r", exc)
             shelf.ids.extend((i, size.now_ms, size.tokens, size.cost) for i in wanted[:every])
         finally:
-            shelf.asking = False
+            _landed(shelf)
 
-    async def give_back(self, shelf: Shelf, store: Store) -> bool:
-        """Return every unused id of ``shelf`` (a central refusal where it holds some); False
-        when it held none."""
+    async def give_back(
+        self, shelf: Shelf, store: Store, *, dry_until_ms: int = 0, held: bool = False
+    ) -> bool:
+        """Return every unused id of ``shelf``, once the refill on its way (if any) has landed,
+        and send no refill before ``dry_until_ms``. True when the stock may have stood in the
+        way of a request refused there: ``held`` (it held some when that request's round was
+        sent, since given back by another or taken), a refill landed meanwhile, or ids went
+        back now; the request then asks once more."""
+        shelf.dry_until_ms = max(shelf.dry_until_ms, dry_until_ms)
+        landing = shelf.asking
+        if landing is not None:
+            with anyio.move_on_after(LOST_REFILL_S):
+                await landing.wait()
+            if shelf.asking is landing:
+                _landed(shelf)  # lost; its holds lapse with their expiry
+            held = True
         if not shelf.ids:
-            return False
+            return held
         ids = [entry[0] for entry in shelf.ids]
         shelf.ids.clear()
         await _quietly([store.release_stock(c.bucket, ids) for c in shelf.calls])
@@ -197,6 +232,12 @@ class Stock:
         """Drop every shelf without a word to the store (it is down: the holds lapse)."""
         self._shelves.clear()
         self._orphans.clear()
+
+
+def _landed(shelf: Shelf) -> None:
+    landing, shelf.asking = shelf.asking, None
+    if landing is not None:
+        landing.set()
 
 
 def fresh_ms(hold_ms: int) -> int:
