@@ -15,7 +15,7 @@ three ways past it.
    server's command thread, not the client, is the bottleneck. Scenarios:
 
    * ``admission``: the budget ``reserve`` then ``commit`` scripts on ONE bucket (the fleet's
-     ``{bg}`` bucket: its holds hash and two window hashes, named as
+     bucket in the shared ``{pool}`` slot: its holds hash and two window hashes, named as
      ``RedisStore.bucket_keys`` names them), one pair per admission; the windows are full (60
      slices each, tokens and cost) and 1,000 other holds are in flight, as on a busy bucket;
    * ``reserve only`` then ``commit only``: the same two scripts apart, to split the cost;
@@ -97,8 +97,8 @@ TTL_MS = max(w.seconds for w in WINDOWS) * 1000 + HOLD_MS
 
 
 def bucket_keys(tag: str = "bg") -> list[str]:
-    """``RedisStore.bucket_keys``: holds, one hash per window, one hash tag."""
-    base = f"{PREFIX}:{{{tag}}}:budget"
+    """``RedisStore.bucket_keys``: holds, one hash per window, in the shared slot."""
+    base = f"{PREFIX}:{{pool}}:budget:{tag}"
     return [f"{base}:holds", *(f"{base}:w:{w.id}:{w.seconds}" for w in WINDOWS)]
 
 

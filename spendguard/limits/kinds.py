@@ -102,8 +102,7 @@ KINDS: Final = {
             (Mode.HARD,),
             False,
             Part.BUDGETS,
-            "{bk:<team>:<key>} | {bu:<team>:<end user>} | {bt:<tag>} | {bc:<customer>} | "
-            "{bm:<model>} | {bg}",
+            "{<team>} (key, end user) | {pool} (model, fleet) | {bt:<tag>} | {bc:<customer>}",
             "budgets.fail_open",
             # As docs/budgets.md states them: a budget outage admits, counted per replica, and its
             # 503 (fail_open: false) asks for 5 s.

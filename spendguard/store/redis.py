@@ -52,6 +52,7 @@ from .base import (
 from .pipeline import ScriptPipeline, bounded_call, store_error
 from .rolling import (
     BUCKET_TAGS,
+    SHARED_SLOT,
     Bucket,
     BucketCheck,
     BucketUsage,
@@ -85,6 +86,25 @@ _SCRIPTS = (
 _BUCKET_UNITS = {1: Unit.TOKENS, 2: Unit.USD, 3: Unit.REQUESTS}
 _BUCKET_KINDS = {tag: kind for kind, tag in BUCKET_TAGS.items()}
 _MAX_BUCKET_WIRES = 10_000
+_BUCKET_ENDS = (":holds", ":alerts")
+
+
+def _bucket_of(key: str, start: int) -> Bucket | None:
+    """The bucket a budget key belongs to (``start``: where its hash tag's text begins), or
+    None for any other key. A bucket in a slot of its own names itself in the tag
+    (``{bt:x}:budget:holds``); one in its team's or the shared slot after ``budget:``."""
+    slot, _, rest = key[start:].partition("}:budget:")
+    if rest.startswith(("holds", "alerts", "w:")):
+        name = slot
+    elif rest.endswith(_BUCKET_ENDS):
+        name = rest.rpartition(":")[0]
+    else:
+        name = rest.rpartition(":w:")[0]
+    kind, _, subject = name.partition(":")
+    found = _BUCKET_KINDS.get(kind)
+    return None if found is None else Bucket(found, subject)
+
+
 # pool_acquire.lua's answer codes.
 _REFUSALS = {0: Refusal.UNKNOWN, 2: Refusal.COOLING, 3: Refusal.FULL, 4: Refusal.TOO_LARGE}
 # Hash fields per HSCAN step when reading markers: a call of about a millisecond in Redis.
@@ -449,19 +469,28 @@ class RedisStore:
         return policy
 
     # -- rolling windows --------------------------------------------------------------------
-    # A bucket's keys share its hash tag, so each script runs in one slot:
-    #   {prefix}:{bk:<team>:<key>}:budget:holds        the key's holds and their totals (hash)
-    #   {prefix}:{bk:<team>:<key>}:budget:w:<id>:<s>   window <id> of <s> seconds: its slices
-    #   {prefix}:{bm:<model>}:budget:...               a model's bucket (model name encoded)
-    #   {prefix}:{bg}:budget:...                       the fleet's bucket
+    # A bucket's keys share one hash tag (Bucket.slot), so each script runs in one slot:
+    #   {prefix}:{<team>}:budget:bk:<team>:<key>:holds     the key's holds and totals (hash),
+    #                                                       in its team's slot
+    #   {prefix}:{<team>}:budget:bk:<team>:<key>:w:<id>:<s>  window <id> of <s> seconds
+    #   {prefix}:{<team>}:budget:bu:<team>:<end user>:...   an end user's, in its team's slot
+    #   {prefix}:{pool}:budget:bm:<model>:..., …:{pool}:budget:bg:...
+    #                                            a model's and the fleet's, in the shared slot
+    #   {prefix}:{bt:<tag>}:budget:..., {prefix}:{bc:<customer>}:budget:...  slots of their own
     # Keys live as long as the longest window plus the hold time, refreshed on every write.
+    def _bucket_base(self, bucket: Bucket) -> str:
+        slot, name = bucket.slot, bucket.tag
+        if slot == name:
+            return f"{self._prefix}:{{{slot}}}:budget"
+        return f"{self._prefix}:{{{slot}}}:budget:{name}"
+
     def bucket_keys(self, bucket: Bucket, windows: Sequence[Rolling]) -> list[str]:
         """The bucket's keys: holds, then one per window (one hash tag, one slot)."""
-        base = f"{self._prefix}:{{{bucket.tag}}}:budget"
+        base = self._bucket_base(bucket)
         return [f"{base}:holds", *(f"{base}:w:{w.id}:{w.label}" for w in windows)]
 
     def bucket_alerts_key(self, bucket: Bucket) -> str:
-        return f"{self._prefix}:{{{bucket.tag}}}:budget:alerts"
+        return f"{self._bucket_base(bucket)}:alerts"
 
     def _bucket_wire(self, call: BucketCheck) -> tuple[list[str], list[str], list[str], _Marks]:
         """A bucket check's keys, its reserve's window arguments, its commit's and its
@@ -645,11 +674,10 @@ class RedisStore:
         found: set[Bucket] = set()
 
         async def scan() -> None:
-            async for key in self._client.scan_iter(match=f"{self._prefix}:{{b*}}:budget:*"):
-                tag = key[len(self._prefix) + 2 : key.index("}")]
-                kind, _, subject = tag.partition(":")
-                if kind in _BUCKET_KINDS:
-                    found.add(Bucket(_BUCKET_KINDS[kind], subject))
+            async for key in self._client.scan_iter(match=f"{self._prefix}:{{*}}:budget:*"):
+                found_bucket = _bucket_of(key, len(self._prefix) + 2)
+                if found_bucket is not None:
+                    found.add(found_bucket)
 
         try:
             with anyio.fail_after(max(self._timeout * 20, 5.0)):
@@ -663,7 +691,7 @@ class RedisStore:
     # Every provider key shares the ``{pool}`` hash tag, so on a Cluster they live in one slot
     # and one script chooses among a request's candidates and reserves on the first with room.
     def pool_key(self, key_id: str) -> str:
-        return f"{self._prefix}:{{pool}}:{encode_id(key_id)}"
+        return f"{self._prefix}:{{{SHARED_SLOT}}}:{encode_id(key_id)}"
 
     async def register_key(self, key: ProviderKey) -> None:
         args = [key.provider, _opt(key.rpm), _opt(key.tpm)]

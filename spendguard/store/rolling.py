@@ -31,8 +31,24 @@ class Bucket:
 
     @property
     def tag(self) -> str:
-        """The Redis Cluster hash tag: all of one bucket's keys share a slot, no more."""
+        """The bucket's name (``bk:acme:alpha``): its keys' hash tag where it has a slot of
+        its own, and its label in alerts."""
         return BUCKET_TAGS[self.kind] + (f":{self.subject}" if self.subject else "")
+
+    @property
+    def slot(self) -> str:
+        """The Redis Cluster hash tag its keys live under. A key's and an end user's bucket
+        live in their team's slot, beside its spend keys; the model's and the fleet's in the
+        one slot every gateway shares, beside the provider pool. So a request's round touches
+        at most two slots (its team's and the shared one) whatever is configured, and a
+        Cluster round writes to at most two nodes. A tag's or a customer's bucket spans teams
+        and has a slot of its own."""
+        kind = self.kind
+        if kind is SubjectKind.API_KEY or kind is SubjectKind.END_USER:
+            return self.subject.partition(":")[0]
+        if kind is SubjectKind.MODEL or kind is SubjectKind.FLEET:
+            return SHARED_SLOT
+        return self.tag
 
 
 BUCKET_TAGS: Final = {
@@ -43,7 +59,10 @@ BUCKET_TAGS: Final = {
     SubjectKind.MODEL: "bm",
     SubjectKind.FLEET: "bg",
 }
-"""A bucket's kind in its keys' hash tag (``{bk:acme:alpha}``), and back."""
+"""A bucket's kind in its name (``bk:acme:alpha``), and back."""
+SHARED_SLOT: Final = "pool"
+"""The hash tag of what every gateway shares: the provider pool's keys (which have always lived
+under it, so a registered key survives an upgrade) and the model's and the fleet's buckets."""
 
 
 # Made per request: not frozen (see LimitState, spendguard/store/base.py).

@@ -34,10 +34,15 @@ def test_only_calendar_spend_and_balances_are_settled() -> None:
     assert all(KINDS[name].window in (WindowKind.CALENDAR, WindowKind.NONE) for name in settled)
 
 
+TEAM_OWNED = (SubjectKind.API_KEY, SubjectKind.END_USER)
+
+
 def test_the_slots_are_the_stores_hash_tags() -> None:
     store = RedisStore.from_url("redis://127.0.0.1:1/0", prefix="p")
     assert "{pool}" in store.pool_key("k") and KINDS["provider_capacity"].slot == "{pool}"
-    for kind in (SubjectKind.API_KEY, SubjectKind.MODEL, SubjectKind.FLEET):
-        tag = "{" + Bucket(kind, "").tag
-        assert tag in KINDS["budget"].slot, tag
+    for kind in SubjectKind:
+        if kind in KINDS["budget"].subjects:
+            bucket = Bucket(kind, "team:x" if kind in TEAM_OWNED else "x")
+            slot = "{<team>}" if kind in TEAM_OWNED else "{" + bucket.slot.partition(":")[0]
+            assert slot in KINDS["budget"].slot, (kind, slot)
     assert {k.part for k in KINDS.values()} == set(Part)

@@ -7,12 +7,13 @@ an injected clock everywhere, Redis included.
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
 from spendguard.errors import StoreFull, StoreUnavailable
+from spendguard.limits import KeyCodec
 from spendguard.limits.model import BudgetLimit, SubjectKind, Unit
 from spendguard.limits.windows import SLICES, Period, Rolling
 from spendguard.store import MemoryStore, RedisStore, Store
@@ -27,6 +28,9 @@ DAY = Rolling("daily", "24h", 86_400)
 KEY = Bucket(SubjectKind.API_KEY, "acme:alpha")
 MODEL = Bucket(SubjectKind.MODEL, "gpt-4o")
 FLEET = Bucket(SubjectKind.FLEET, "")
+END_USER = Bucket(SubjectKind.END_USER, "acme:eve")
+TAG = Bucket(SubjectKind.TAG, "batch")
+CUSTOMER = Bucket(SubjectKind.CUSTOMER, "globex")
 T0 = 1_800_000_000_000  # ms, on a slice boundary of both windows
 MINUTE = 60_000
 
@@ -180,15 +184,18 @@ async def test_cost_limits_apply_only_to_priced_requests(store: Store) -> None:
 
 
 async def test_buckets_are_independent_and_reset_clears_one(store: Store) -> None:
-    calls = [tokens(10, HOUR, bucket=b) for b in (KEY, MODEL, FLEET)]
+    # Every kind of bucket, including those sharing their team's or the shared slot.
+    every = (KEY, END_USER, TAG, CUSTOMER, MODEL, FLEET)
+    calls = [tokens(10, HOUR, bucket=b) for b in every]
     h = hold(T0, 10)
     assert all(r.ok for r in await store.reserve_buckets(calls, h))
     for call in calls:
         await commit(store, call, h, 10)
     await store.reset_bucket(MODEL, [HOUR])
+    await store.reset_bucket(KEY, [HOUR])
     answers = await store.reserve_buckets(calls, hold(T0, 10))
-    assert [r.ok for r in answers] == [False, True, False]
-    assert set(await store.buckets()) >= {KEY, MODEL, FLEET}
+    assert [r.ok for r in answers] == [True, False, False, False, True, False]
+    assert set(await store.buckets()) >= set(every)
 
 
 async def test_usage_of_a_request_lands_in_its_start_slice(store: Store) -> None:
@@ -232,16 +239,26 @@ async def test_redis_down_is_store_unavailable() -> None:
         await store.aclose()
 
 
-async def test_cluster_bucket_keys_share_one_slot_each(redis_cluster: RedisCluster) -> None:
+async def test_cluster_buckets_live_in_their_teams_slot_or_the_shared_one(
+    redis_cluster: RedisCluster,
+) -> None:
+    """A key's and an end user's bucket share their team's slot (its spend keys'), a model's
+    and the fleet's the provider pool's: a request's round touches two slots at most."""
     store = RedisStore.from_url(redis_cluster.url, prefix="slot", timeout=2.0)
+    codec = KeyCodec("slot", timedelta(hours=1))
     try:
         slots = {
             b: {redis_cluster.slot_of(k) for k in store.bucket_keys(b, (HOUR, DAY))}
-            for b in (KEY, MODEL, FLEET)
+            for b in (KEY, END_USER, TAG, CUSTOMER, MODEL, FLEET)
         }
+        team = redis_cluster.slot_of(codec.policy_key("acme"))
+        shared = redis_cluster.slot_of(store.pool_key("any"))
     finally:
         await store.aclose()
     assert all(len(s) == 1 for s in slots.values())
+    assert slots[KEY] == slots[END_USER] == {team}
+    assert slots[MODEL] == slots[FLEET] == {shared}
+    assert team != shared and len({*slots[TAG], *slots[CUSTOMER], team, shared}) == 4
 
 
 async def test_running_totals_agree_with_the_slices_as_time_moves(store: Store) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
 
 import anyio
 from anyio.abc import SocketStream, TaskGroup
@@ -21,16 +22,20 @@ from .ports import HOST, free_port
 
 
 class Rounds:
-    """Sequential round trips seen by the proxies that share this counter."""
+    """Sequential round trips seen by the proxies that share this counter, and which proxies
+    (a Cluster's nodes) each round wrote to."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.nodes: list[set[object]] = []  # per round, the proxies it wrote to
         self._answered = True  # nothing in flight: the next client write starts a round
 
-    def sent(self) -> None:
+    def sent(self, via: object = None) -> None:
         if self._answered:
             self.count += 1
             self._answered = False
+            self.nodes.append(set())
+        self.nodes[-1].add(via)
 
     def answered(self) -> None:
         self._answered = True
@@ -94,5 +99,5 @@ class TcpProxy:
                             await dst.send(data)
                     tg.cancel_scope.cancel()
 
-                tg.start_soon(copy, client, upstream, self.rounds.sent)
+                tg.start_soon(copy, client, upstream, partial(self.rounds.sent, self))
                 tg.start_soon(copy, upstream, client, self.rounds.answered)

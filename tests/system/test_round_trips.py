@@ -77,23 +77,18 @@ async def everything_on(gw: BudgetGateway) -> None:
     await gw.guard.pool.register(ProviderKey("upstream-1", "fake", tpm=10**9, rpm=10**6))
 
 
-@pytest.mark.parametrize("where", ["redis", "cluster"])
-async def test_two_round_trips_per_warm_inference_with_everything_on(
-    tmp_path: Path, request: pytest.FixtureRequest, where: str
-) -> None:
-    rounds = Rounds()
-    if where == "redis":
-        port: int = request.getfixturevalue("shared_redis").port
-        wiring = single(port, rounds)
-    else:
-        wiring = cluster(rounds)
+async def measured_rounds(
+    tmp_path: Path, wiring: Any, rounds: Rounds, scopes: dict[str, Any], parties: dict[str, str]
+) -> list[set[object]]:
+    """``MEASURED`` warm inferences with every feature on (and ``scopes``' budgets): the
+    round trips they sent, each as the proxies (nodes) it wrote to."""
     async with wiring as url:
         spend = RedisStore.from_url(url, timeout=2.0)
         gw = BudgetGateway(
             tmp_path,
             clock=Clock(datetime.now(UTC)),  # Redis expires keys at absolute times: real ones
             store=spend,
-            budgets=section(storage="redis", scopes=SCOPES),
+            budgets=section(storage="redis", scopes=scopes),
             redis_url=url,
             key_prefix=f"rt{uuid.uuid4().hex[:8]}",
             redis_timeout=2.0,
@@ -111,7 +106,7 @@ async def test_two_round_trips_per_warm_inference_with_everything_on(
             await everything_on(gw)
             for _ in range(WARM):  # policies cached, buckets seeded, scripts loaded
                 r = await c.post(
-                    "/v1/chat/completions", json=chat_body(max_tokens=10), headers=PARTIES
+                    "/v1/chat/completions", json=chat_body(max_tokens=10), headers=parties
                 )
                 assert r.status_code == 200, r.text
             await gw.guard.recorder.flush()
@@ -120,18 +115,49 @@ async def test_two_round_trips_per_warm_inference_with_everything_on(
             held: list[Any] = []
             gw.guard.recorder.submit = held.append  # type: ignore[method-assign]
             before = rounds.count
+            del rounds.nodes[:]
             for _ in range(MEASURED):
                 r = await c.post(
-                    "/v1/chat/completions", json=chat_body(max_tokens=10), headers=PARTIES
+                    "/v1/chat/completions", json=chat_body(max_tokens=10), headers=parties
                 )
                 assert r.status_code == 200, r.text
                 assert "x-ratelimit-remaining-requests" in r.headers  # the rates were counted
                 assert "x-budget-api-key-remaining" in r.headers  # so was the key's budget
-            sent = rounds.count - before
+            sent = rounds.nodes[: rounds.count - before]
             assert len(held) == MEASURED
             state = await gw.guard.pool.state("upstream-1")
             assert state is not None and state.requests == WARM + MEASURED  # every one leased
             counted = {c.scope.value for c in (await gw.budgets.inspect()).counters if c.tokens}
-            assert {"per_end_user", "per_tag", "per_customer"} <= counted
+            assert {s for s in scopes if s != "global"} <= counted
         await spend.aclose()
-    assert sent == 2 * MEASURED
+    return sent
+
+
+@pytest.mark.parametrize("where", ["redis", "cluster"])
+async def test_two_round_trips_per_warm_inference_with_everything_on(
+    tmp_path: Path, request: pytest.FixtureRequest, where: str
+) -> None:
+    rounds = Rounds()
+    if where == "redis":
+        port: int = request.getfixturevalue("shared_redis").port
+        wiring = single(port, rounds)
+    else:
+        wiring = cluster(rounds)
+    sent = await measured_rounds(tmp_path, wiring, rounds, SCOPES, PARTIES)
+    assert len(sent) == 2 * MEASURED
+
+
+async def test_a_cluster_round_writes_to_the_teams_node_and_the_shared_one(
+    tmp_path: Path,
+) -> None:
+    """Everything on but tags and customers (whose buckets span teams, in slots of their own):
+    the spend keys, the key's and the end user's budgets live in the team's slot, the model's
+    and the fleet's budgets and the provider pool in the shared one, so each round writes to
+    two nodes at most. (Here the team and the shared slot are on different nodes, and the
+    key's, the model's and the fleet's own hash tags would have been on a third.)"""
+    rounds = Rounds()
+    scopes = {k: v for k, v in SCOPES.items() if k not in ("per_tag", "per_customer")}
+    sent = await measured_rounds(
+        tmp_path, cluster(rounds), rounds, scopes, {"x-end-user": PARTIES["x-end-user"]}
+    )
+    assert [len(nodes) for nodes in sent] == [2] * (2 * MEASURED)
