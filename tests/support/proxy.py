@@ -26,13 +26,15 @@ class Rounds:
     (a Cluster's nodes) each round wrote to."""
 
     def __init__(self) -> None:
-        self.count = 0
         self.nodes: list[set[object]] = []  # per round, the proxies it wrote to
         self._answered = True  # nothing in flight: the next client write starts a round
 
+    @property
+    def count(self) -> int:
+        return len(self.nodes)
+
     def sent(self, via: object = None) -> None:
         if self._answered:
-            self.count += 1
             self._answered = False
             self.nodes.append(set())
         self.nodes[-1].add(via)
