@@ -64,6 +64,7 @@ from .stock import Shelf, Stock, fresh_ms
 
 if TYPE_CHECKING:
     from ..settings import Settings
+    from .carryover import Carryover
     from .decision import InferenceRequest
     from .guard import SpendGuard
     from .pricing import Price, PriceTable
@@ -183,6 +184,9 @@ class BudgetAdmission:
     fits: int | None = None
     # It draws on a customer's prepaid account: priced as the ledger charges (BudgetGate.price).
     prepaid: bool = False
+    # Its holds in the shared buckets were stocked ahead (engine/stock.py): their commit may
+    # be carried to the next admission round (engine/carryover.py).
+    stocked: bool = False
 
     @property
     def allowed(self) -> bool:
@@ -541,6 +545,7 @@ class BudgetGate:
     ) -> BudgetAdmission:
         model, calls = request.model, planned.calls
         reserved = calls if stocked is None else stocked.reserved
+        took_stock = False
         try:
             try:
                 answers = await self._reserve(store, reserved, hold, model, reserving)
@@ -550,6 +555,7 @@ class BudgetGate:
             if reserved is not calls:  # the shared buckets' holds were stocked: admitted there
                 own = iter(answers)  # the request's own calls, in the plan's order
                 answers = [_STOCKED if c.bucket.kind in _SHARED else next(own) for c in calls]
+                took_stock = True
         except StoreFull:
             return self._tracker_full(calls, model)
         except (StoreUnavailable, ValueError) as exc:
@@ -580,6 +586,7 @@ class BudgetGate:
             count_cost=count_cost,
             counters=planned.counters,
             prepaid=prepaid,
+            stocked=took_stock,
         )
         denied = [(i, a) for i, a in enumerate(answers) if not a.ok]
         if denied:
@@ -879,10 +886,17 @@ class BudgetGate:
         await self.finish_soon(admission, usage, model)
 
     def finish_soon(
-        self, admission: BudgetAdmission, usage: Usage | None, model: str
+        self,
+        admission: BudgetAdmission,
+        usage: Usage | None,
+        model: str,
+        carry: Carryover | None = None,
     ) -> Awaitable[None]:
         """:meth:`finish`, its store calls sent before this returns (see :meth:`begin`): on
-        Redis in the same pipeline write as the spend limits' postflight. Must be awaited."""
+        Redis in the same pipeline write as the spend limits' postflight. Must be awaited.
+
+        ``carry``: where the commit of holds stocked in the shared buckets waits for the next
+        admission round (engine/carryover.py); the request's own buckets commit now."""
         if admission.done or admission.hold is None or admission.store is None:
             return _no_budget()
         admission.done = True
@@ -897,8 +911,30 @@ class BudgetGate:
                 admission.model, prepaid=admission.prepaid
             )
             cost = 0 if price is None else int(price.cost(usage))
+        calls, counters = admission.calls, admission.counters
+        if carry is not None and admission.stocked:
+            shared = tuple(c for c in calls if c.bucket.kind in _SHARED)
+            calls = tuple(c for c in calls if c.bucket.kind not in _SHARED)
+            # The usage counters count with the request's own commit, or the carried one.
+            later = () if calls else counters
+            carry.add(partial(self._commit, store, shared, hold, tokens, cost, later), hold.id)
+            if not calls:
+                return _no_budget()
+        return self._commit(store, calls, hold, tokens, cost, counters)
+
+    def _commit(
+        self,
+        store: Store,
+        calls: tuple[BucketCheck, ...],
+        hold: Hold,
+        tokens: int,
+        cost: int,
+        counters: tuple[tuple[CounterLike, CounterLike], ...],
+    ) -> Awaitable[None]:
+        """Replace ``hold`` in ``calls``' buckets by the usage, sent now; ``counters`` count
+        it once it is in."""
         committing = store.commit_buckets(
-            admission.calls,
+            calls,
             hold.id,
             now_ms=self._now_ms(),
             at_ms=hold.now_ms,
@@ -906,15 +942,16 @@ class BudgetGate:
             cost=cost,
             ttl_ms=hold.ttl_ms,
         )
-        return self._committed(admission, store, committing, tokens, cost)
+        return self._committed(calls, store, committing, tokens, cost, counters)
 
     async def _committed(
         self,
-        admission: BudgetAdmission,
+        calls: tuple[BucketCheck, ...],
         store: Store,
         committing: Awaitable[list[int]],
         tokens: int,
         cost: int,
+        counters: tuple[tuple[CounterLike, CounterLike], ...],
     ) -> None:
         try:
             fired = await committing
@@ -922,15 +959,15 @@ class BudgetGate:
             log.warning("budget usage could not be recorded: %r", exc)
             if self.on_alert is not None:
                 # A commit may have run and fired with its reply lost: look on the next pass.
-                for call in admission.calls:
+                for call in calls:
                     if bucket_marks(call) is not None:
                         self.on_alert(store, call.bucket)
             return
         if self.on_alert is not None and any(fired):
-            for call, n in zip(admission.calls, fired, strict=False):
+            for call, n in zip(calls, fired, strict=False):
                 if n:
                     self.on_alert(store, call.bucket)
-        for tokens_used, usd_used in admission.counters:
+        for tokens_used, usd_used in counters:
             tokens_used.inc(tokens)
             if cost:
                 usd_used.inc(cost)

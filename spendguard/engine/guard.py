@@ -57,6 +57,7 @@ from ..store import (
 )
 from ..usage import BodyObserver, Dialect, Usage, estimate_usage, observer_for
 from .admin import Admin, UsageReport
+from .carryover import Carryover
 from .costing import Coster
 from .decision import Admission, Decision, InferenceRequest, Never, Unavailable, Verdict
 from .denials import DenialLog
@@ -218,6 +219,9 @@ class SpendGuard:
         # The budgets checked beside these limits, when the gateway has any (set by the
         # middleware): recovery closes their holds with the admission entries.
         self.budgets: BudgetGate | None = None
+        # Finishing writes to the shared slot, carried by the next admission round: set at
+        # start for a shared store (in this process nothing leaves, so nothing needs to wait).
+        self.carryover: Carryover | None = None
         self._pool: ProviderPool | None = None
         self._stack: AsyncExitStack | None = None
         self._cancel: anyio.CancelScope | None = None
@@ -320,6 +324,8 @@ class SpendGuard:
     async def _start(self, task_group: TaskGroup | None, worker: bool | None) -> None:
         await self._ensure_connected()
         await self.store.start()
+        if self.store.shared and self.carryover is None:
+            self.carryover = Carryover()
         if self.settings.provider_keys:
             keys = [ProviderKey(**k) for k in self.settings.provider_keys]  # type: ignore[arg-type]
             await self.pool.register(*keys)
@@ -398,7 +404,12 @@ class SpendGuard:
         self._entry_teams.add(team)
 
     async def _records_written(self, records: list[InferenceRecord]) -> None:
-        """The ledger has these records: their admission entries go (one call per team)."""
+        """The ledger has these records: their admission entries go (one call per team),
+        once the writes carried for them have landed (engine/carryover.py)."""
+        carry = self.carryover
+        if carry is not None and carry.waiting(r.id for r in records):
+            with anyio.move_on_after(self.settings.redis_timeout * 2):
+                await carry.settle()
         if self._unreleased:
             retry, self._unreleased = self._unreleased, []
             for decision in retry:
@@ -459,6 +470,10 @@ class SpendGuard:
         with anyio.CancelScope(shield=True):
             if cancel is not None:
                 await self._stopped.wait()
+            if self.carryover is not None:
+                # What waited for another admission round leaves now.
+                with anyio.move_on_after(self.settings.redis_timeout * 2):
+                    await self.carryover.settle()
             with anyio.move_on_after(10):
                 try:
                     await self.recorder.flush()

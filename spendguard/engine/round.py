@@ -175,6 +175,9 @@ class Round:
         lease_soon: Awaitable[Lease | NoCapacity] | None = None
         record_id: str | None = None
         if identity is not None and request is not None:
+            carry = guard.carryover
+            if carry is not None:
+                carry.ride()  # first in this round's write: see engine/carryover.py
             if budgets is not None:
                 # One id for the budget hold and the spend limits' admission entry: a gateway
                 # that dies with the request in flight leaves the entry, whose recovery turns
@@ -281,7 +284,7 @@ class Round:
         with anyio.CancelScope(shield=True):
             # The budget's commit and the lease's settlement leave with the postflight: one
             # round trip.
-            alongside = partial(self._alongside, budget, lease)
+            alongside = partial(self._alongside, budget, lease, admission)
             await guard.finish(admission, status_code, observer, routed=routed, alongside=alongside)
             if budget is not None and self.budgets is not None:
                 await self.budgets.finish(budget, None, budget.model)  # a no-op unless unfinished
@@ -289,15 +292,31 @@ class Round:
                 await _quietly(self.providers.finish_soon(lease, None))  # likewise
 
     def _alongside(
-        self, budget: BudgetAdmission | None, lease: Lease | None, usage: Usage | None, model: str
+        self,
+        budget: BudgetAdmission | None,
+        lease: Lease | None,
+        admission: Admission,
+        usage: Usage | None,
+        model: str,
     ) -> Awaitable[None]:
-        """The other parts' finishing calls, sent now; the result awaits them all."""
+        """The other parts' finishing calls, sent now; the result awaits them all. Their
+        writes to the shared slot (a stocked hold's commit, a lease's settlement) wait for the
+        next admission round instead, where the gateway has a carryover (engine/carryover.py):
+        this round then writes to the team's slot alone."""
         parts: list[Awaitable[object]] = []
+        carry = self.guard.carryover if usage is not None else None
         if budget is not None and self.budgets is not None:
-            parts.append(self.budgets.finish_soon(budget, usage, model))
+            parts.append(self.budgets.finish_soon(budget, usage, model, carry))
         if lease is not None and self.providers is not None:
             used = None if usage is None else usage.total_tokens
-            parts.append(_quietly(self.providers.finish_soon(lease, used)))
+            decision = admission.decision
+            later = None
+            if used is not None and carry is not None and decision is not None:
+                later = self.providers.finish_later(lease, used)
+            if later is not None and carry is not None and decision is not None:
+                carry.add(_quietly_sent(later), decision.record_id)
+            else:
+                parts.append(_quietly(self.providers.finish_soon(lease, used)))
         return _all(parts)
 
 
@@ -328,6 +347,11 @@ async def _leased(lease_soon: Awaitable[Lease | NoCapacity]) -> Lease | NoCapaci
 async def _all(parts: list[Awaitable[object]]) -> None:
     for part in parts:
         await part
+
+
+def _quietly_sent(send: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[object]]:
+    """``send``, its reply awaited by :func:`_quietly`."""
+    return lambda: _quietly(send())
 
 
 async def _quietly(settling: Awaitable[object]) -> None:

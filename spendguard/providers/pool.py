@@ -158,6 +158,21 @@ class ProviderPool:
         now_ms = _ms(self._clock())
         return self.store.settle_lease(lease.key_id, lease.window, lease.tokens, tokens, now_ms)
 
+    def settle_later(self, lease: Lease, tokens: int) -> Callable[[], Awaitable[object]] | None:
+        """:meth:`settle`, to be sent by the call this returns (None: the lease was finished
+        already); the lease counts as settled from now on."""
+        check_count("tokens", tokens, allow_none=False)
+        if lease.done:
+            return None
+        lease.done = True
+        store = self.store
+
+        def send() -> Awaitable[object]:
+            now_ms = _ms(self._clock())
+            return store.settle_lease(lease.key_id, lease.window, lease.tokens, tokens, now_ms)
+
+        return send
+
     async def release(self, lease: Lease) -> None:
         """Give the lease back: the call was not made, or the provider refused it."""
         await self.settle_soon(lease, None)

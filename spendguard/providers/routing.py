@@ -62,3 +62,11 @@ class ProviderRouting:
     def finish_soon(self, lease: Lease, tokens: int | None) -> Awaitable[object]:
         """Settle (``tokens`` the call used) or release (None) the lease, sent now."""
         return self.pool.settle_soon(lease, tokens)
+
+    def finish_later(self, lease: Lease, tokens: int) -> Callable[[], Awaitable[object]] | None:
+        """Settle the lease by the call this returns: a settlement carried to the next
+        admission round. None: the pool counts in this process (nothing would leave, so
+        nothing waits; :meth:`finish_soon` it), or the lease was finished already."""
+        if not self.pool.store.shared:
+            return None
+        return self.pool.settle_later(lease, tokens)

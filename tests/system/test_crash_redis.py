@@ -1,6 +1,8 @@
 """A Redis-mode gateway killed outright (SIGKILL) under traffic, with streams open: nothing it
-admitted is lost, nothing is charged twice, and the cache ends equal to the ledger; so does
-the key's rolling token budget (its holds closed by the same recovery).
+admitted is lost, nothing is charged twice, and the cache ends equal to the ledger; so do the
+rolling token budgets of the key, the model and the fleet (their holds closed by the same
+recovery: the model's and the fleet's are holds stocked ahead, whose commits wait for the
+gateway's next admission round, so the kill leaves some of them unsent).
 
 Each admitted inference leaves an admission entry in Redis in the same script call that admits
 it. After the kill, a standalone worker (``spendguard settle``, as an operator would run it)
@@ -37,17 +39,24 @@ pytestmark = pytest.mark.anyio
 OWNER_TTL = 2.0
 FINISHED = 60  # inferences that end before the kill
 OPEN = 4  # streams the upstream stalls: open at the kill
-# The key's token budget over a rolling hour, far above the traffic: counted, never refusing.
+# Token budgets over a rolling hour, far above the traffic: counted, never refusing.
 BUDGET_TOKENS = 10**9
+MODEL = "gpt-4o-mini"
 BUDGETS = {
     "enabled": True,
     "storage": "redis",
     "windows": [{"id": "hourly", "period": "1h"}],
-    "scopes": {"per_api_key": {"tokens": BUDGET_TOKENS}},
+    "scopes": {
+        "per_api_key": {"tokens": BUDGET_TOKENS},
+        "per_model": {MODEL: {"tokens": BUDGET_TOKENS}},
+        "global": {"tokens": BUDGET_TOKENS},
+    },
 }
-KEY_BUCKET = BucketCheck(
-    Bucket(SubjectKind.API_KEY, "acme:alpha"),
-    (WindowCheck(Rolling("hourly", "1h", 3600), BudgetLimit(tokens=BUDGET_TOKENS)),),
+_HOURLY = (WindowCheck(Rolling("hourly", "1h", 3600), BudgetLimit(tokens=BUDGET_TOKENS)),)
+KEY_BUCKET = BucketCheck(Bucket(SubjectKind.API_KEY, "acme:alpha"), _HOURLY)
+SHARED_BUCKETS = (
+    BucketCheck(Bucket(SubjectKind.MODEL, MODEL), _HOURLY),
+    BucketCheck(Bucket(SubjectKind.FLEET, ""), _HOURLY),
 )
 
 
@@ -69,7 +78,7 @@ async def _gateway_under_traffic(
 
         def body(i: int, stream: bool) -> dict[str, object]:
             return {
-                "model": "gpt-4o-mini",
+                "model": MODEL,
                 "messages": [{"role": "user", "content": "x" * (i + 1)}],
                 "stream": stream,
                 "max_tokens": 50,
@@ -181,11 +190,16 @@ async def _assert_recovered_exactly(
         db_url, sa.select(sa.func.sum(records.c.input_tokens + records.c.output_tokens))
     )
     store = RedisStore.from_url(server.url, prefix=prefix, timeout=2)
+    now_ms = to_micros(utcnow()) // 1000
     try:
-        bucket = await store.inspect_bucket(KEY_BUCKET, to_micros(utcnow()) // 1000)
+        bucket = await store.inspect_bucket(KEY_BUCKET, now_ms)
+        shared = [await store.inspect_bucket(call, now_ms) for call in SHARED_BUCKETS]
     finally:
         await store.aclose()
     assert (bucket.held_tokens, bucket.windows[0].tokens) == (0, int(tokens))
+    # The shared buckets too, each record once; what they still hold is stock the dead
+    # gateway drew ahead and no request took, which lapses with the holds' expiry.
+    assert [b.windows[0].tokens for b in shared] == [int(tokens)] * 2
 
 
 def _env(redis: RedisServer, db_url: str, prefix: str) -> dict[str, str]:
@@ -230,3 +244,58 @@ async def test_sigkill_while_the_database_is_down_loses_nothing(
         env = _env(redis_server, via_proxy, prefix)
         seen, sent = await _gateway_under_traffic(env, tmp_path, loop, cut=proxy.down)
     await _assert_recovered_exactly(direct, clean_postgres_url, redis_server, prefix, seen, sent)
+
+
+@pytest.mark.timeout(120)
+async def test_a_gateway_killed_after_a_quiet_moment_counted_every_finish_in_the_shared_budgets(
+    redis_server: RedisServer, clean_postgres_url: str, tmp_path: Path
+) -> None:
+    """The model's and the fleet's commits of a finished request wait for the gateway's next
+    admission round. With none coming, they leave with the records writer, before it removes
+    the requests' admission entries: once the entries are gone, nothing else could count
+    them. So a gateway killed after its records are in the ledger and its entries removed
+    (here, after a few quiet seconds) has counted every request in every budget."""
+    prefix = f"crash{uuid.uuid4().hex[:8]}"
+    env = _env(redis_server, clean_postgres_url, prefix)
+    port, log = free_port(), tmp_path / "gateway.log"
+    proc = uvicorn("examples.gateway:app", port, env, log)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await anyio.to_thread.run_sync(wait_healthy, base, proc, log)
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            for i in range(5):
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "x" * i}]},
+                    headers={"authorization": "Bearer sk-demo-alpha"},
+                )
+                assert r.status_code == 200, r.text
+        with anyio.fail_after(20):  # the records are written and their entries removed
+            while await sql_value(
+                clean_postgres_url, sa.select(sa.func.count()).select_from(records)
+            ) < 5 or server_keys(redis_server, f"{prefix}:*:spend:open"):
+                await anyio.sleep(0.1)
+        proc.send_signal(signal.SIGKILL)  # no shutdown, no flush
+        await anyio.to_thread.run_sync(lambda: proc.wait(timeout=10))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    tokens = await sql_value(
+        clean_postgres_url,
+        sa.select(sa.func.sum(records.c.input_tokens + records.c.output_tokens)),
+    )
+    store = RedisStore.from_url(redis_server.url, prefix=prefix, timeout=2)
+    now_ms = to_micros(utcnow()) // 1000
+    try:
+        counted = [
+            (await store.inspect_bucket(call, now_ms)).windows[0].tokens
+            for call in (KEY_BUCKET, *SHARED_BUCKETS)
+        ]
+    finally:
+        await store.aclose()
+    assert tokens > 0 and counted == [int(tokens)] * 3
+
+
+def server_keys(server: RedisServer, pattern: str) -> list[str]:
+    return server.cli("KEYS", pattern).split()
