@@ -175,9 +175,6 @@ class Round:
         lease_soon: Awaitable[Lease | NoCapacity] | None = None
         record_id: str | None = None
         if identity is not None and request is not None:
-            carry = guard.carryover
-            if carry is not None:
-                carry.ride()  # first in this round's write: see engine/carryover.py
             if budgets is not None:
                 # One id for the budget hold and the spend limits' admission entry: a gateway
                 # that dies with the request in flight leaves the entry, whose recovery turns
@@ -299,10 +296,11 @@ class Round:
         usage: Usage | None,
         model: str,
     ) -> Awaitable[None]:
-        """The other parts' finishing calls, sent now; the result awaits them all. Their
-        writes to the shared slot (a stocked hold's commit, a lease's settlement) wait for the
-        next admission round instead, where the gateway has a carryover (engine/carryover.py):
-        this round then writes to the team's slot alone."""
+        """The other parts' finishing calls, sent now; the result awaits them all. Where the
+        gateway has a carryover (engine/carryover.py), their writes to the shared slot (a
+        stocked hold's commit, a lease's settlement) wait there instead, and this round
+        carries every waiting one once enough wait: most finishing rounds then write to the
+        team's slot alone."""
         parts: list[Awaitable[object]] = []
         carry = self.guard.carryover if usage is not None else None
         if budget is not None and self.budgets is not None:
@@ -317,6 +315,10 @@ class Round:
                 carry.add(_quietly_sent(later), decision.record_id)
             else:
                 parts.append(_quietly(self.providers.finish_soon(lease, used)))
+        if carry is not None:
+            rider = carry.rider()
+            if rider is not None:
+                parts.append(rider)
         return _all(parts)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import pytest
 
+from spendguard.engine.carryover import RIDE_AT
 from spendguard.limits import Period
 from spendguard.providers import ProviderKey
 from spendguard.store.redis import RedisStore
@@ -78,9 +79,14 @@ async def everything_on(gw: BudgetGateway) -> None:
 
 
 async def measured_rounds(
-    tmp_path: Path, wiring: Any, rounds: Rounds, scopes: dict[str, Any], parties: dict[str, str]
+    tmp_path: Path,
+    wiring: Any,
+    rounds: Rounds,
+    scopes: dict[str, Any],
+    parties: dict[str, str],
+    measured: int = MEASURED,
 ) -> list[set[object]]:
-    """``MEASURED`` warm inferences with every feature on (and ``scopes``' budgets): the
+    """``measured`` warm inferences with every feature on (and ``scopes``' budgets): the
     round trips they sent, each as the proxies (nodes) it wrote to."""
     async with wiring as url:
         spend = RedisStore.from_url(url, timeout=2.0)
@@ -115,7 +121,7 @@ async def measured_rounds(
             held: list[Any] = []
             gw.guard.recorder.submit = held.append  # type: ignore[method-assign]
             before = rounds.count
-            for _ in range(MEASURED):
+            for _ in range(measured):
                 r = await c.post(
                     "/v1/chat/completions", json=chat_body(max_tokens=10), headers=parties
                 )
@@ -123,9 +129,9 @@ async def measured_rounds(
                 assert "x-ratelimit-remaining-requests" in r.headers  # the rates were counted
                 assert "x-budget-api-key-remaining" in r.headers  # so was the key's budget
             sent = rounds.nodes[before:]
-            assert len(held) == MEASURED
+            assert len(held) == measured
             state = await gw.guard.pool.state("upstream-1")
-            assert state is not None and state.requests == WARM + MEASURED  # every one leased
+            assert state is not None and state.requests == WARM + measured  # every one leased
             counted = {c.scope.value for c in (await gw.budgets.inspect()).counters if c.tokens}
             assert {s for s in scopes if s != "global"} <= counted
         await spend.aclose()
@@ -167,3 +173,23 @@ async def test_a_cluster_round_writes_to_the_teams_node_and_the_shared_one(
     team_node = sent[1]
     assert all(nodes == team_node for nodes in sent[1::2])  # every finish: the team's node
     assert all(team_node < nodes for nodes in sent[::2])  # every admission: it and the shared
+
+
+async def test_every_eighth_finishing_round_carries_the_shared_slots_writes(
+    tmp_path: Path,
+) -> None:
+    """The finishing rounds that write to the team's node alone leave the shared slot's
+    writes waiting; the one that finds ``RIDE_AT`` requests' waiting carries them all, in its
+    own write (the team's node and the shared one), and every request is counted there."""
+    rounds = Rounds()
+    scopes = {k: v for k, v in SCOPES.items() if k not in ("per_tag", "per_customer")}
+    sent = await measured_rounds(
+        tmp_path,
+        cluster(rounds),
+        rounds,
+        scopes,
+        {"x-end-user": PARTIES["x-end-user"]},
+        measured=RIDE_AT,
+    )
+    assert [len(nodes) for nodes in sent[1::2]] == [1] * (RIDE_AT - 1) + [2]
+    assert all(len(nodes) == 2 for nodes in sent[::2])
