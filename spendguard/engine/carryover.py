@@ -113,7 +113,9 @@ class Carryover:
 
     async def settle(self) -> None:
         """Send what waits, and wait until everything sent by now has landed (or failed)."""
-        landing = list(self._landing)
+        loop = asyncio.get_running_loop()
+        # (A batch sent in an event loop that has ended since never lands: not waited for.)
+        landing = [f for f in self._landing if f.get_loop() is loop]
         if self._queued:
             await self._send()
         if landing:
