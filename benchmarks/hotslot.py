@@ -115,7 +115,7 @@ def reserve_args(now_ms: int, hold_id: str, tokens: int, cost: int) -> list[str]
 
 def commit_args(now_ms: int, hold_id: str, tokens: int, cost: int) -> list[str]:
     """``RedisStore.commit_buckets``'s ARGV: counted in the slice of the request's start."""
-    args = [str(now_ms), hold_id, str(now_ms), str(tokens), str(cost), str(TTL_MS)]
+    args = [str(now_ms), str(TTL_MS), "1", hold_id, str(now_ms), str(tokens), str(cost)]
     return args + [x for w in WINDOWS for x in (str(w.slice_ms), "")]
 
 

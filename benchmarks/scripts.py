@@ -119,8 +119,12 @@ def _moved(name: str, args: list[str], record_id: str, new_id: str, ms: int) -> 
     if name == "preflight":
         now = int(out[0]) + 8  # ARGV[n + 9], 1-based: now (see preflight.lua)
         out[now] = str(int(out[now]) + ms)
-    elif name in ("bucket_reserve", "bucket_commit"):
-        out[0], out[2] = str(int(out[0]) + ms), str(int(out[2]) + ms)  # now; expiry or start
+    elif name == "bucket_reserve":
+        out[0], out[2] = str(int(out[0]) + ms), str(int(out[2]) + ms)  # now; expiry
+    elif name == "bucket_commit":
+        out[0] = str(int(out[0]) + ms)  # now, then each hold's start
+        for i in range(int(out[2])):
+            out[4 + 4 * i] = str(int(out[4 + 4 * i]) + ms)
     elif name == "pool_acquire":
         out[0] = str(int(out[0]) + ms)
     return out

@@ -40,6 +40,7 @@ from ..store import MemoryStore, Store, make_store
 from ..store.rolling import (
     Bucket,
     BucketCheck,
+    Commit,
     Hold,
     Reserved,
     SeedSlice,
@@ -913,14 +914,42 @@ class BudgetGate:
             cost = 0 if price is None else int(price.cost(usage))
         calls, counters = admission.calls, admission.counters
         if carry is not None and admission.stocked:
-            shared = tuple(c for c in calls if c.bucket.kind in _SHARED)
-            calls = tuple(c for c in calls if c.bucket.kind not in _SHARED)
-            # The usage counters count with the request's own commit, or the carried one.
-            later = () if calls else counters
-            carry.add(partial(self._commit, store, shared, hold, tokens, cost, later), hold.id)
-            if not calls:
+            # The shared buckets' commits wait to be carried, every bucket's together in one
+            # call (engine/carryover.py); the usage counters count now.
+            done = Commit(hold.id, hold.now_ms, tokens, cost)
+            send_all = partial(self._commit_carried, store)
+            own = []
+            for call in calls:
+                if call.bucket.kind in _SHARED:
+                    carry.add_to((id(store), call), (call, done, hold.ttl_ms), send_all, hold.id)
+                else:
+                    own.append(call)
+            _count(counters, tokens, cost)
+            if not own:
                 return _no_budget()
+            return self._commit(store, tuple(own), hold, tokens, cost, ())
         return self._commit(store, calls, hold, tokens, cost, counters)
+
+    def _commit_carried(
+        self, store: Store, carried: list[tuple[BucketCheck, Commit, int]]
+    ) -> Awaitable[None]:
+        """The carried commits of one bucket, sent as one call."""
+        call = carried[0][0]
+        ttl_ms = max(ttl for _, _, ttl in carried)
+        commits = [done for _, done, _ in carried]
+        sent = store.commit_holds(call, commits, now_ms=self._now_ms(), ttl_ms=ttl_ms)
+        return self._carried_committed(store, call, sent)
+
+    async def _carried_committed(
+        self, store: Store, call: BucketCheck, sent: Awaitable[int]
+    ) -> None:
+        try:
+            fired = await sent
+        except Exception as exc:  # the responses are out; the holds expire by themselves
+            log.warning("budget usage could not be recorded: %r", exc)
+            fired = 1 if bucket_marks(call) is not None else 0  # it may have fired: look
+        if fired and self.on_alert is not None:
+            self.on_alert(store, call.bucket)
 
     def _commit(
         self,
@@ -967,10 +996,7 @@ class BudgetGate:
             for call, n in zip(calls, fired, strict=False):
                 if n:
                     self.on_alert(store, call.bucket)
-        for tokens_used, usd_used in counters:
-            tokens_used.inc(tokens)
-            if cost:
-                usd_used.inc(cost)
+        _count(counters, tokens, cost)
 
     async def recover(self, record: InferenceRecord) -> None:
         """Count a dead gateway's admission, recovered from its admission entry as
@@ -1063,6 +1089,13 @@ class BudgetGate:
 
 async def _no_budget() -> None:
     return None
+
+
+def _count(counters: tuple[tuple[CounterLike, CounterLike], ...], tokens: int, cost: int) -> None:
+    for tokens_used, usd_used in counters:
+        tokens_used.inc(tokens)
+        if cost:
+            usd_used.inc(cost)
 
 
 def _tag_of(bucket: Bucket, request: InferenceRequest) -> str | None:

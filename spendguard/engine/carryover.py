@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Final
+from collections.abc import Awaitable, Callable, Hashable, Iterable
+from typing import Any, Final
 
 log = logging.getLogger("spendguard")
 
 Send = Callable[[], Awaitable[object]]
+# Sends the items of one group as one write (one script call for every hold of a bucket).
+SendAll = Callable[[list[Any]], Awaitable[object]]
 
 # A finishing round carries the waiting writes once this many requests' wait: one shared-slot
 # write per this many requests, each counted at its hold there for at most this many finishes.
@@ -43,19 +45,37 @@ class Carryover:
     """One gateway's waiting shared-slot writes: each sends its store calls when called and
     returns what awaits their replies (and never raises)."""
 
-    __slots__ = ("_ids", "_landing", "_queued", "_requests")
+    __slots__ = ("_groups", "_ids", "_landing", "_queued", "_requests", "sent_alone")
 
     def __init__(self) -> None:
         self._queued: list[tuple[Send, str]] = []
+        # Writes sent together, one call per group: group -> (how, items, their record ids).
+        self._groups: dict[Hashable, tuple[SendAll, list[Any], list[str]]] = {}
         self._requests = 0  # admissions with writes queued
         # Record ids with writes queued or in flight: their admission entries stay meanwhile.
         self._ids: dict[str, int] = {}
         # Set when a sent batch has landed (or failed).
         self._landing: set[asyncio.Future[None]] = set()
+        # Batches sent by settle, in a round of their own (off the request path).
+        self.sent_alone = 0
 
     def add(self, send: Send, record_id: str) -> None:
         """Carry ``send`` (a write for the admission ``record_id``)."""
         self._queued.append((send, record_id))
+        self._note(record_id)
+
+    def add_to(self, group: Hashable, item: Any, send_all: SendAll, record_id: str) -> None:
+        """Carry ``item`` (for the admission ``record_id``) in ``group``: the items of a group
+        leave together, as ``send_all(items)`` (the first item's ``send_all``)."""
+        found = self._groups.get(group)
+        if found is None:
+            self._groups[group] = (send_all, [item], [record_id])
+        else:
+            found[1].append(item)
+            found[2].append(record_id)
+        self._note(record_id)
+
+    def _note(self, record_id: str) -> None:
         known = self._ids.get(record_id, 0)
         if not known:
             self._requests += 1
@@ -71,16 +91,24 @@ class Carryover:
 
     def _send(self) -> Awaitable[None]:
         queued, self._queued = self._queued, []
+        groups, self._groups = self._groups, {}
         self._requests = 0
         sent: list[Awaitable[object]] = []
+        ids = [i for _, i in queued]
         for send, _ in queued:
             try:
                 sent.append(send())
             except Exception as exc:  # a bug in one write must not lose the others
                 log.warning("spendguard could not send a carried write: %r", exc)
+        for send_all, items, group_ids in groups.values():
+            ids += group_ids
+            try:
+                sent.append(send_all(items))
+            except Exception as exc:
+                log.warning("spendguard could not send carried writes: %r", exc)
         landed = asyncio.get_running_loop().create_future()
         self._landing.add(landed)
-        return self._land(sent, [i for _, i in queued], landed)
+        return self._land(sent, ids, landed)
 
     async def _land(
         self, sent: list[Awaitable[object]], ids: list[str], landed: asyncio.Future[None]
@@ -108,15 +136,16 @@ class Carryover:
         return bool(ids) and any(i in ids for i in record_ids)
 
     def __len__(self) -> int:
-        """Writes queued (not yet sent)."""
-        return len(self._queued)
+        """Writes queued (not yet sent): a group's count as one."""
+        return len(self._queued) + len(self._groups)
 
     async def settle(self) -> None:
         """Send what waits, and wait until everything sent by now has landed (or failed)."""
         loop = asyncio.get_running_loop()
         # (A batch sent in an event loop that has ended since never lands: not waited for.)
         landing = [f for f in self._landing if f.get_loop() is loop]
-        if self._queued:
+        if self._queued or self._groups:
+            self.sent_alone += 1
             await self._send()
         if landing:
             await asyncio.gather(*landing)

@@ -38,7 +38,7 @@ from ..limits.capacity import Acquired, ProviderKey, StoredKey
 from ..limits.model import SubjectKind
 from ..limits.rates import RATE_SUBJECTS, RateDenial, RateKind, RateState, parse_state
 from ..limits.windows import Rolling
-from .rolling import Bucket, BucketCheck, BucketUsage, Hold, Reserved, SeedSlice
+from .rolling import Bucket, BucketCheck, BucketUsage, Commit, Hold, Reserved, SeedSlice
 
 
 class Outcome(StrEnum):
@@ -345,6 +345,14 @@ class Store(Protocol):
         ``held_only``: count the usage only in the buckets that still hold ``hold_id`` (the
         recovery of a dead gateway's admission: counted once, however often it is recovered,
         and not at all where the admission's own commit ran)."""
+        ...
+
+    def commit_holds(
+        self, call: BucketCheck, commits: Sequence[Commit], *, now_ms: int, ttl_ms: int
+    ) -> Awaitable[int]:
+        """:meth:`commit_buckets` of several holds in one bucket, in one step: as if each were
+        committed in turn (thresholds checked once, after all of them); returns how many
+        alerts fired. The finishes a gateway carried together (engine/carryover.py)."""
         ...
 
     def bucket_alerts_key(self, bucket: Bucket) -> str:

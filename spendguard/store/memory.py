@@ -48,6 +48,7 @@ from .rolling import (
     Bucket,
     BucketCheck,
     BucketUsage,
+    Commit,
     Hold,
     Reserved,
     SeedSlice,
@@ -706,21 +707,41 @@ class MemoryStore:
                 if state.holds.pop(hold_id, None) is None and held_only:
                     fired.append(0)
                     continue
-                for window in call.windows:
-                    idx = at_ms // window.slice_ms
-                    if idx < window.first_slice(now_ms):
-                        continue  # the request's slice already left this window
-                    slices = state.slices(window)
-                    slices.tokens[idx] = slices.tokens.get(idx, 0) + tokens
-                    slices.cost[idx] = slices.cost.get(idx, 0) + cost
-                    slices.requests[idx] = slices.requests.get(idx, 0) + 1
+                self._count(call, state, now_ms, at_ms, tokens, cost)
                 fired.append(self._bucket_alert(call, state, now_ms))
+        except StoreFull as exc:
+            return _failed(exc)
+        return _ready(fired)
+
+    def commit_holds(
+        self, call: BucketCheck, commits: Sequence[Commit], *, now_ms: int, ttl_ms: int
+    ) -> Awaitable[int]:
+        try:
+            state = self._bucket(call.bucket, now_ms)
+            for c in commits:
+                state.holds.pop(c.hold_id, None)
+                self._count(call, state, now_ms, c.at_ms, c.tokens, c.cost)
+            fired = self._bucket_alert(call, state, now_ms)
         except StoreFull as exc:
             return _failed(exc)
         return _ready(fired)
 
     def bucket_alerts_key(self, bucket: Bucket) -> str:
         return f"{{{bucket.tag}}}:budget:alerts"
+
+    @staticmethod
+    def _count(
+        call: BucketCheck, state: _Bucket, now_ms: int, at_ms: int, tokens: int, cost: int
+    ) -> None:
+        """One request's usage, in the slice of ``at_ms`` of every window still holding it."""
+        for window in call.windows:
+            idx = at_ms // window.slice_ms
+            if idx < window.first_slice(now_ms):
+                continue  # the request's slice already left this window
+            slices = state.slices(window)
+            slices.tokens[idx] = slices.tokens.get(idx, 0) + tokens
+            slices.cost[idx] = slices.cost.get(idx, 0) + cost
+            slices.requests[idx] = slices.requests.get(idx, 0) + 1
 
     def _bucket_alert(self, call: BucketCheck, state: _Bucket, now_ms: int) -> int:
         """bucket_commit.lua's thresholds, on the same integers."""

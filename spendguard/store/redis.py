@@ -56,6 +56,7 @@ from .rolling import (
     Bucket,
     BucketCheck,
     BucketUsage,
+    Commit,
     Hold,
     Reserved,
     SeedSlice,
@@ -591,22 +592,30 @@ class RedisStore:
         held_only: bool = False,
     ) -> Awaitable[list[Any]]:
         held = f"!{hold_id}" if held_only else hold_id  # bucket_commit.lua: only if held
-        head = [str(now_ms), held, str(at_ms), str(tokens), str(cost), str(ttl_ms)]
-        pending = []
-        for call in calls:
-            keys, _, slices, marks = self._bucket_wire(call)
-            if call.calendar:
-                slices = _bounded(call.windows, slices, now_ms, 2, False)
-            if marks is None:
-                pending.append(self._batched("bucket_commit", keys, head + slices))
-                continue
-            specs = [
-                "" if m is None else f"{w.id} {w.epoch(now_ms)} {m}"
-                for w, m in zip(call.windows, marks, strict=True)
-            ]
-            keys = [*keys, self.bucket_alerts_key(call.bucket)]
-            pending.append(self._batched("bucket_commit", keys, [*head, *slices, "alerts", *specs]))
-        return _fired(pending)
+        head = [str(now_ms), str(ttl_ms), "1", held, str(at_ms), str(tokens), str(cost)]
+        return _fired([self._commit(call, head, now_ms) for call in calls])
+
+    def commit_holds(
+        self, call: BucketCheck, commits: Sequence[Commit], *, now_ms: int, ttl_ms: int
+    ) -> Awaitable[int]:
+        head = [str(now_ms), str(ttl_ms), str(len(commits))]
+        for c in commits:
+            head += [c.hold_id, str(c.at_ms), str(c.tokens), str(c.cost)]
+        return _fired_one(self._commit(call, head, now_ms))
+
+    def _commit(self, call: BucketCheck, head: list[str], now_ms: int) -> Awaitable[Any]:
+        """``bucket_commit`` of the holds in ``head`` (its arguments up to the windows'), sent."""
+        keys, _, slices, marks = self._bucket_wire(call)
+        if call.calendar:
+            slices = _bounded(call.windows, slices, now_ms, 2, False)
+        if marks is None:
+            return self._batched("bucket_commit", keys, head + slices)
+        specs = [
+            "" if m is None else f"{w.id} {w.epoch(now_ms)} {m}"
+            for w, m in zip(call.windows, marks, strict=True)
+        ]
+        keys = [*keys, self.bucket_alerts_key(call.bucket)]
+        return self._batched("bucket_commit", keys, [*head, *slices, "alerts", *specs])
 
     def release_buckets(self, buckets: Sequence[Bucket], hold_id: str) -> Awaitable[list[Any]]:
         return _gather(
@@ -808,6 +817,11 @@ _Marks = tuple[str | None, ...] | None  # a bucket check's windows' alert thresh
 async def _fired(calls: Sequence[Awaitable[Any]]) -> list[int]:
     """How many alerts each commit fired (a commit without thresholds: 0)."""
     return [int(r[1]) if isinstance(r, list) else 0 for r in await _gather(calls)]
+
+
+async def _fired_one(call: Awaitable[Any]) -> int:
+    reply = await call
+    return int(reply[1]) if isinstance(reply, list) else 0
 
 
 async def _gather(calls: Sequence[Awaitable[Any]]) -> list[Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Final
+from typing import Final, NamedTuple
 
 from ..limits.model import BudgetLimit, SubjectKind, Unit
 from ..limits.windows import SLICES, Rolling
@@ -101,6 +101,16 @@ class Hold:
     cost: int
     count_cost: bool
     ttl_ms: int  # how long the bucket's keys live: the longest window plus the hold time
+
+
+class Commit(NamedTuple):
+    """A finished request's hold replaced by what it used: ``tokens``, ``cost`` (micro-USD)
+    and one request, counted in the slice of ``at_ms`` (the request's start)."""
+
+    hold_id: str
+    at_ms: int
+    tokens: int
+    cost: int
 
 
 # Made per request: not frozen (see LimitState, spendguard/store/base.py).

@@ -10,7 +10,7 @@ import pytest
 from spendguard.alerts.events import BUDGET, TOKENS, USD, parse_bucket_pending
 from spendguard.limits.model import BudgetLimit
 from spendguard.store import Store
-from spendguard.store.rolling import Bucket, BucketCheck, WindowCheck
+from spendguard.store.rolling import Bucket, BucketCheck, Commit, WindowCheck
 from tests.store.conftest import Harness
 from tests.store.test_contract_windows import DAY, FLEET, HOUR, KEY, MINUTE, MODEL, T0, hold
 
@@ -115,3 +115,17 @@ async def test_concurrent_commits_fire_each_threshold_once(store: Store) -> None
             tg.start_soon(one, i)
     assert sum(fired) == 3
     assert [p[2] for p in await pending(store, FLEET)] == [25, 50, 75]
+
+
+async def test_holds_committed_together_fire_what_they_reach_together_once(store: Store) -> None:
+    """A carried batch (``commit_holds``) is checked against the thresholds once, after all
+    of its holds: crossing two at once fires both, and a later batch neither again."""
+    call = budget(KEY, BudgetLimit(tokens=100, alert_at=(50, 80)))
+    done = [Commit(hold(T0, 30).id, T0, 30, 0) for _ in range(3)]
+    assert await store.commit_holds(call, done, now_ms=T0, ttl_ms=HOUR.period_ms) == 2
+    assert [(u, p, used) for _, u, p, _, _, used in await pending(store, KEY)] == [
+        (TOKENS, 50, 90),
+        (TOKENS, 80, 90),
+    ]
+    more = [Commit(hold(T0, 5).id, T0 + MINUTE, 5, 0)]
+    assert await store.commit_holds(call, more, now_ms=T0 + MINUTE, ttl_ms=HOUR.period_ms) == 0

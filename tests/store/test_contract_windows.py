@@ -17,7 +17,7 @@ from spendguard.limits import KeyCodec
 from spendguard.limits.model import BudgetLimit, SubjectKind, Unit
 from spendguard.limits.windows import SLICES, Period, Rolling
 from spendguard.store import MemoryStore, RedisStore, Store
-from spendguard.store.rolling import Bucket, BucketCheck, Hold, WindowCheck
+from spendguard.store.rolling import Bucket, BucketCheck, Commit, Hold, WindowCheck
 from tests.store.conftest import Harness
 from tests.support import RedisCluster
 
@@ -584,3 +584,41 @@ async def test_a_stocked_hold_is_committed_released_and_expires_by_its_id(store:
     assert (usage.held_tokens, usage.held_requests) == (100, 1)
     # The last one lapses with its expiry, as a dead gateway's would.
     assert (await store.reserve_buckets([call], hold(T0 + 5000, 9_993)))[0].ok
+
+
+async def test_several_holds_committed_at_once_count_as_committed_one_by_one(
+    store: Store,
+) -> None:
+    """``commit_holds``: the finishes a gateway carried together, one call for a bucket. Each
+    hold goes, each request's usage lands in its own start's slice (two slices here, and one
+    request whose slice already left the hour: counted in the day only), as one commit each
+    would have left it; a hold already gone still counts its usage, as one commit would."""
+    together = tokens(10**6, HOUR, DAY, bucket=MODEL)
+    apart = tokens(10**6, HOUR, DAY, bucket=FLEET)
+    now = T0 + 90 * MINUTE
+    starts = [T0 + 90 * MINUTE, T0 + 89 * MINUTE, T0 + 89 * MINUTE, T0 + 10 * MINUTE]
+    holds = [hold(at, 500) for at in starts]
+    for call in (together, apart):
+        for h in holds[:3]:  # the last one's hold expired: not there any more
+            [ok] = await store.reserve_buckets([call], h)
+            assert ok.ok
+    used = [30, 40, 50, 60]
+    assert (
+        await store.commit_holds(
+            together,
+            [Commit(h.id, h.now_ms, n, n * 10) for h, n in zip(holds, used, strict=True)],
+            now_ms=now,
+            ttl_ms=holds[0].ttl_ms,
+        )
+        == 0  # no thresholds: nothing fired
+    )
+    for h, n in zip(holds, used, strict=True):
+        await store.commit_buckets(
+            [apart], h.id, now_ms=now, at_ms=h.now_ms, tokens=n, cost=n * 10, ttl_ms=h.ttl_ms
+        )
+    got = await store.inspect_bucket(together, now)
+    want = await store.inspect_bucket(apart, now)
+    assert got.held_tokens == want.held_tokens == 0
+    counted = [(w.tokens, w.cost, w.requests) for w in got.windows]
+    assert counted == [(120, 1200, 3), (180, 1800, 4)]
+    assert counted == [(w.tokens, w.cost, w.requests) for w in want.windows]

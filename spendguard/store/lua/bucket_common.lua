@@ -87,32 +87,52 @@ local function renew(keys, ttl)
   for i = 1, #keys do redis.call('PEXPIRE', keys[i], life) end
 end
 
--- Returns a hold's amounts to the totals and drops it; false if it was not there. Renews the
--- bucket's lifetime on the way when due (now given).
-local function drop_hold(holds, id, now, ttl, keys)
-  local h = redis.call('HMGET', holds, id, '_t', '_c', '_r', '_x')
-  local due = now and renew_due(tonumber(h[5] or ''), now, ttl)
-  if not h[1] then
+-- Returns the holds' amounts to the totals and drops them: one read and one write of the
+-- holds hash, however many. found[i]: whether ids[i] was there (an id given twice is found
+-- once). Renews the bucket's lifetime on the way when due (now given).
+local function drop_holds(holds, ids, now, ttl, keys)
+  local fields = {'_t', '_c', '_r', '_x'}
+  for i = 1, #ids do fields[4 + i] = ids[i] end
+  local h = redis.call('HMGET', holds, unpack(fields))
+  local due = now and renew_due(tonumber(h[4] or ''), now, ttl)
+  local t, c, r = tonumber(h[1] or '0'), tonumber(h[2] or '0'), tonumber(h[3] or '0')
+  local found, gone, seen = {}, {}, {}
+  for i = 1, #ids do
+    local v = h[4 + i]
+    if v and not seen[ids[i]] then
+      seen[ids[i]] = true
+      local _, ht, hc = string.match(v, '(%d+) (%d+) (%d+)')
+      t, c, r = t - tonumber(ht), c - tonumber(hc), r - 1
+      found[i] = true
+      gone[#gone + 1] = ids[i]
+    else
+      found[i] = false
+    end
+  end
+  if #gone == 0 then
     if due then
       -- A late commit (a recovered admission, a hold that expired): no write here creates
       -- the holds hash, but the windows it counts in must live on.
-      if h[2] or h[5] then redis.call('HSET', holds, '_x', int(now)) end
+      if h[1] or h[4] then redis.call('HSET', holds, '_x', int(now)) end
       renew(keys, ttl)
     end
-    return false, due
+    return found, due
   end
-  local _, ht, hc = string.match(h[1], '(%d+) (%d+) (%d+)')
-  redis.call('HDEL', holds, id)
-  local t = math.max(0, tonumber(h[2] or '0') - tonumber(ht))
-  local c = math.max(0, tonumber(h[3] or '0') - tonumber(hc))
-  local r = math.max(0, tonumber(h[4] or '0') - 1)
+  redis.call('HDEL', holds, unpack(gone))
+  t, c, r = math.max(0, t), math.max(0, c), math.max(0, r)
   if due then
     redis.call('HSET', holds, '_t', int(t), '_c', int(c), '_r', int(r), '_x', int(now))
     renew(keys, ttl)
   else
     redis.call('HSET', holds, '_t', int(t), '_c', int(c), '_r', int(r))
   end
-  return true, due
+  return found, due
+end
+
+-- drop_holds of one id: whether it was there.
+local function drop_hold(holds, id, now, ttl, keys)
+  local found, due = drop_holds(holds, {id}, now, ttl, keys)
+  return found[1], due
 end
 
 -- A window's bounds now: the oldest slice index still in it, and when everything in it
