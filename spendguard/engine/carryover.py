@@ -32,8 +32,9 @@ from typing import Any, Final
 
 log = logging.getLogger("spendguard")
 
-Send = Callable[[], Awaitable[object]]
-# Sends the items of one group as one write (one script call for every hold of a bucket).
+# Sends the items of one group as one write (one script call for every hold of a bucket),
+# before it returns (so that the write joins the round carrying it); what it returns awaits
+# the reply.
 SendAll = Callable[[list[Any]], Awaitable[object]]
 
 # A finishing round carries the waiting writes once this many requests' wait: one shared-slot
@@ -42,13 +43,12 @@ RIDE_AT: Final = 8
 
 
 class Carryover:
-    """One gateway's waiting shared-slot writes: each sends its store calls when called and
-    returns what awaits their replies (and never raises)."""
+    """One gateway's waiting shared-slot writes, in groups: each group's are sent as one
+    call, by a function that returns what awaits its reply (and never raises)."""
 
-    __slots__ = ("_groups", "_ids", "_landing", "_queued", "_requests", "sent_alone")
+    __slots__ = ("_groups", "_ids", "_landing", "_requests", "sent_alone")
 
     def __init__(self) -> None:
-        self._queued: list[tuple[Send, str]] = []
         # Writes sent together, one call per group: group -> (how, items, their record ids).
         self._groups: dict[Hashable, tuple[SendAll, list[Any], list[str]]] = {}
         self._requests = 0  # admissions with writes queued
@@ -58,11 +58,6 @@ class Carryover:
         self._landing: set[asyncio.Future[None]] = set()
         # Batches sent by settle, in a round of their own (off the request path).
         self.sent_alone = 0
-
-    def add(self, send: Send, record_id: str) -> None:
-        """Carry ``send`` (a write for the admission ``record_id``)."""
-        self._queued.append((send, record_id))
-        self._note(record_id)
 
     def add_to(self, group: Hashable, item: Any, send_all: SendAll, record_id: str) -> None:
         """Carry ``item`` (for the admission ``record_id``) in ``group``: the items of a group
@@ -90,21 +85,15 @@ class Carryover:
         return self._send()
 
     def _send(self) -> Awaitable[None]:
-        queued, self._queued = self._queued, []
         groups, self._groups = self._groups, {}
         self._requests = 0
         sent: list[Awaitable[object]] = []
-        ids = [i for _, i in queued]
-        for send, _ in queued:
-            try:
-                sent.append(send())
-            except Exception as exc:  # a bug in one write must not lose the others
-                log.warning("spendguard could not send a carried write: %r", exc)
+        ids: list[str] = []
         for send_all, items, group_ids in groups.values():
             ids += group_ids
             try:
                 sent.append(send_all(items))
-            except Exception as exc:
+            except Exception as exc:  # a bug in one group must not lose the others
                 log.warning("spendguard could not send carried writes: %r", exc)
         landed = asyncio.get_running_loop().create_future()
         self._landing.add(landed)
@@ -136,15 +125,15 @@ class Carryover:
         return bool(ids) and any(i in ids for i in record_ids)
 
     def __len__(self) -> int:
-        """Writes queued (not yet sent): a group's count as one."""
-        return len(self._queued) + len(self._groups)
+        """Writes queued (not yet sent): one per group."""
+        return len(self._groups)
 
     async def settle(self) -> None:
         """Send what waits, and wait until everything sent by now has landed (or failed)."""
         loop = asyncio.get_running_loop()
         # (A batch sent in an event loop that has ended since never lands: not waited for.)
         landing = [f for f in self._landing if f.get_loop() is loop]
-        if self._queued or self._groups:
+        if self._groups:
             self.sent_alone += 1
             await self._send()
         if landing:

@@ -308,12 +308,13 @@ class Round:
         if lease is not None and self.providers is not None:
             used = None if usage is None else usage.total_tokens
             decision = admission.decision
-            later = None
-            if used is not None and carry is not None and decision is not None:
-                later = self.providers.finish_later(lease, used)
-            if later is not None and carry is not None and decision is not None:
-                carry.add(_quietly_sent(later), decision.record_id)
-            else:
+            carried = (
+                used is not None
+                and carry is not None
+                and decision is not None
+                and self.providers.finish_later(lease, used, carry, decision.record_id)
+            )
+            if not carried:
                 parts.append(_quietly(self.providers.finish_soon(lease, used)))
         if carry is not None:
             rider = carry.rider()
@@ -349,11 +350,6 @@ async def _leased(lease_soon: Awaitable[Lease | NoCapacity]) -> Lease | NoCapaci
 async def _all(parts: list[Awaitable[object]]) -> None:
     for part in parts:
         await part
-
-
-def _quietly_sent(send: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[object]]:
-    """``send``, its reply awaited by :func:`_quietly`."""
-    return lambda: _quietly(send())
 
 
 async def _quietly(settling: Awaitable[object]) -> None:

@@ -158,20 +158,20 @@ class ProviderPool:
         now_ms = _ms(self._clock())
         return self.store.settle_lease(lease.key_id, lease.window, lease.tokens, tokens, now_ms)
 
-    def settle_later(self, lease: Lease, tokens: int) -> Callable[[], Awaitable[object]] | None:
-        """:meth:`settle`, to be sent by the call this returns (None: the lease was finished
-        already); the lease counts as settled from now on."""
+    def settle_later(self, lease: Lease, tokens: int) -> tuple[int, int, int] | None:
+        """:meth:`settle`, to be sent with others on the same key by :meth:`settle_together`:
+        what to send (None: the lease was finished already); it counts as settled from now
+        on."""
         check_count("tokens", tokens, allow_none=False)
         if lease.done:
             return None
         lease.done = True
-        store = self.store
+        return (lease.window, lease.tokens, tokens)
 
-        def send() -> Awaitable[object]:
-            now_ms = _ms(self._clock())
-            return store.settle_lease(lease.key_id, lease.window, lease.tokens, tokens, now_ms)
-
-        return send
+    def settle_together(self, key_id: str, leases: list[tuple[int, int, int]]) -> Awaitable[object]:
+        """The settlements :meth:`settle_later` made of leases on ``key_id``, sent now, as one
+        call."""
+        return self.store.settle_leases(key_id, leases, _ms(self._clock()))
 
     async def release(self, lease: Lease) -> None:
         """Give the lease back: the call was not made, or the provider refused it."""

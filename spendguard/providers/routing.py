@@ -12,12 +12,20 @@ unless the app settled or released it first.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from fnmatch import fnmatchcase
+from functools import partial
+from typing import TYPE_CHECKING
 
 from ..identity import Identity
 from .model import Lease, NoCapacity
 from .pool import ProviderPool
+
+if TYPE_CHECKING:
+    from ..engine.carryover import Carryover
+
+log = logging.getLogger("spendguard")
 
 STATE_PROVIDER_KEY = "spendguard_provider_key"
 """Where the app finds the :class:`~spendguard.providers.Lease` spendguard took for it."""
@@ -63,10 +71,31 @@ class ProviderRouting:
         """Settle (``tokens`` the call used) or release (None) the lease, sent now."""
         return self.pool.settle_soon(lease, tokens)
 
-    def finish_later(self, lease: Lease, tokens: int) -> Callable[[], Awaitable[object]] | None:
-        """Settle the lease by the call this returns: a settlement carried to the next
-        admission round. None: the pool counts in this process (nothing would leave, so
-        nothing waits; :meth:`finish_soon` it), or the lease was finished already."""
-        if not self.pool.store.shared:
-            return None
-        return self.pool.settle_later(lease, tokens)
+    def finish_later(self, lease: Lease, tokens: int, carry: Carryover, record_id: str) -> bool:
+        """Settle the lease with ``tokens``, carried (engine/carryover.py) with the other
+        settlements on its key: True when it is. False: the pool counts in this process
+        (nothing would leave, so nothing waits; :meth:`finish_soon` it), or the lease was
+        finished already."""
+        pool = self.pool
+        if not pool.store.shared:
+            return False
+        settling = pool.settle_later(lease, tokens)
+        if settling is None:
+            return False
+        send_all = partial(_settled_together, pool, lease.key_id)
+        carry.add_to(("lease", id(pool), lease.key_id), settling, send_all, record_id)
+        return True
+
+
+def _settled_together(
+    pool: ProviderPool, key_id: str, leases: list[tuple[int, int, int]]
+) -> Awaitable[None]:
+    """The leases' settlement, sent now (with the round carrying it); the result awaits it."""
+    return _quietly(pool.settle_together(key_id, leases))
+
+
+async def _quietly(settling: Awaitable[object]) -> None:
+    try:
+        await settling
+    except Exception as exc:  # the responses are out; the reservations lapse with their minute
+        log.warning("provider leases could not be settled: %r", exc)

@@ -428,6 +428,14 @@ class Store(Protocol):
         reserved tokens are given back; later, nothing is left to give. Sent at once."""
         ...
 
+    def settle_leases(
+        self, key_id: str, leases: Sequence[tuple[int, int, int]], now_ms: int
+    ) -> Awaitable[object]:
+        """:meth:`settle_lease` of several leases on one key, each ``(window, reserved,
+        actual)``, in turn, in one step: the settlements a gateway carried together
+        (engine/carryover.py). Sent at once."""
+        ...
+
     async def cooldown(self, key_id: str, until_ms: int) -> int | None:
         """Move the key's cooldown end to the later of the stored and the given time (a
         replica never shortens another's); the end after this call, None if unregistered."""

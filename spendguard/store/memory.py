@@ -861,6 +861,19 @@ class MemoryStore:
     def settle_lease(
         self, key_id: str, window: int, reserved: int, actual: int | None, now_ms: int
     ) -> Awaitable[None]:
+        self._settle(key_id, window, reserved, actual, now_ms)
+        return _ready(None)
+
+    def settle_leases(
+        self, key_id: str, leases: Sequence[tuple[int, int, int]], now_ms: int
+    ) -> Awaitable[None]:
+        for window, reserved, actual in leases:
+            self._settle(key_id, window, reserved, actual, now_ms)
+        return _ready(None)
+
+    def _settle(
+        self, key_id: str, window: int, reserved: int, actual: int | None, now_ms: int
+    ) -> None:
         key = self._provider_keys.get(key_id)
         current = now_ms // WINDOW_MS
         if key is None:
@@ -874,7 +887,6 @@ class MemoryStore:
         elif actual is not None and actual > reserved:
             key.open(current)
             key.tokens += actual - reserved
-        return _ready(None)
 
     async def cooldown(self, key_id: str, until_ms: int) -> int | None:
         key = self._provider_keys.get(key_id)

@@ -1,54 +1,62 @@
 """The carryover of shared-slot finishing writes (engine/carryover.py): what waits, when a
-finishing round carries it, and what the records writer waits for before removing entries."""
+finishing round carries it, in what groups, and what the records writer waits for before
+removing entries."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
-from spendguard.engine.carryover import RIDE_AT, Carryover, Send
+from spendguard.engine.carryover import RIDE_AT, Carryover
 
 pytestmark = pytest.mark.anyio
 
 
 class Writes:
-    """Writes that record when they are sent and land when the test says so."""
+    """Group sends that record what they send and land when the test says so."""
 
     def __init__(self) -> None:
-        self.sent: list[str] = []
-        self.replies: dict[str, asyncio.Future[None]] = {}
+        self.sent: list[tuple[str, list[Any]]] = []
+        self.replies: list[asyncio.Future[None]] = []
 
-    def write(self, name: str, fail: bool = False) -> Send:
-        def send() -> asyncio.Future[None]:
+    def to(self, group: str, fail: bool = False) -> Any:
+        def send_all(items: list[Any]) -> asyncio.Future[None]:
             if fail:
                 raise RuntimeError("a bug while sending")
-            self.sent.append(name)
-            reply = self.replies[name] = asyncio.get_running_loop().create_future()
+            self.sent.append((group, items))
+            reply: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.replies.append(reply)
             return reply
 
-        return send
+        return send_all
 
     def land(self) -> None:
-        for reply in self.replies.values():
+        for reply in self.replies:
             if not reply.done():
                 reply.set_result(None)
 
 
-async def test_a_finishing_round_carries_the_writes_once_enough_requests_wait() -> None:
+async def test_a_finishing_round_carries_every_group_once_enough_requests_wait() -> None:
     carry, writes = Carryover(), Writes()
     for i in range(RIDE_AT - 1):
-        # A request may leave two writes (a commit and a lease's settlement): one request.
-        carry.add(writes.write(f"commit {i}"), f"r{i}")
-        carry.add(writes.write(f"settle {i}"), f"r{i}")
+        # A request leaves writes in two groups (a bucket's commit, a key's settlement): it
+        # counts as one request.
+        carry.add_to("model", f"commit {i}", writes.to("model"), f"r{i}")
+        carry.add_to("lease", f"settle {i}", writes.to("lease"), f"r{i}")
         assert carry.rider() is None
-    assert writes.sent == [] and len(carry) == 2 * (RIDE_AT - 1)
-    carry.add(writes.write("commit last"), "last")
+    assert writes.sent == [] and len(carry) == 2
+    carry.add_to("model", "commit last", writes.to("model"), "last")
     rider = carry.rider()
     assert rider is not None
-    # Sent by the call, so that they join the caller's pipeline write; none is left waiting.
-    assert len(writes.sent) == 2 * RIDE_AT - 1 and len(carry) == 0
-    assert carry.rider() is None
+    # Sent by the call, so that they join the caller's pipeline write: one send per group,
+    # with every item of the group, in the order they came.
+    assert writes.sent == [
+        ("model", [*(f"commit {i}" for i in range(RIDE_AT - 1)), "commit last"]),
+        ("lease", [f"settle {i}" for i in range(RIDE_AT - 1)]),
+    ]
+    assert len(carry) == 0 and carry.rider() is None
     # Their admissions' entries stay until the replies are in.
     assert carry.waiting(["r0"]) and carry.waiting(["last"]) and not carry.waiting(["other"])
     writes.land()
@@ -59,27 +67,27 @@ async def test_a_finishing_round_carries_the_writes_once_enough_requests_wait() 
 async def test_settle_sends_what_waits_and_waits_for_what_is_in_flight() -> None:
     carry, writes = Carryover(), Writes()
     for i in range(RIDE_AT):
-        carry.add(writes.write(f"early {i}"), f"e{i}")
+        carry.add_to("model", i, writes.to("model"), f"e{i}")
     rider = carry.rider()  # in flight, its carrier not done yet
     assert rider is not None
-    carry.add(writes.write("late"), "late")
+    carry.add_to("model", "late", writes.to("model"), "late")
     riding = asyncio.ensure_future(rider)
     settling = asyncio.ensure_future(carry.settle())
     await asyncio.sleep(0)
-    assert "late" in writes.sent  # sent at once, not left for a round that may not come
-    assert not settling.done()
+    assert writes.sent[-1] == ("model", ["late"])  # at once, not left for a round to come
+    assert not settling.done() and carry.sent_alone == 1
     writes.land()
     await settling
     assert riding.done() and not carry.waiting([*(f"e{i}" for i in range(RIDE_AT)), "late"])
 
 
-async def test_a_write_that_fails_to_send_loses_none_of_the_others() -> None:
+async def test_a_group_that_fails_to_send_loses_none_of_the_others() -> None:
     carry, writes = Carryover(), Writes()
-    carry.add(writes.write("broken", fail=True), "a")
+    carry.add_to("broken", "x", writes.to("broken", fail=True), "a")
     for i in range(RIDE_AT - 1):
-        carry.add(writes.write(f"fine {i}"), f"b{i}")
+        carry.add_to("fine", i, writes.to("fine"), f"b{i}")
     rider = carry.rider()
-    assert rider is not None and len(writes.sent) == RIDE_AT - 1
+    assert rider is not None and writes.sent == [("fine", list(range(RIDE_AT - 1)))]
     writes.land()
     await rider
     assert not carry.waiting(["a", "b0"])

@@ -238,3 +238,29 @@ async def test_100_concurrent_callers_at_a_capacity_of_5(h: PoolHarness) -> None
         for _ in range(100):
             tg.start_soon(one)
     assert sorted(granted) == ["a"] * 5 + ["b"] * 5
+
+
+async def test_settlements_sent_together_count_as_sent_one_by_one(h: PoolHarness) -> None:
+    """``settle_later`` and ``settle_together``: the settlements a gateway carried, one call
+    per key. Leases of the lapsed window and of the current one, under and over their
+    estimates, end where settling each in turn leaves them; a lease already settled is not
+    settled again."""
+    await h.pool.register(
+        ProviderKey("a", "openai", tpm=1000), ProviderKey("b", "openai", tpm=1000)
+    )
+    old = {k: [await h.pool.acquire([k], tokens=n) for n in (50, 10)] for k in "ab"}
+    h.clock.now = NEXT_MINUTE + timedelta(seconds=5)
+    new = {k: [await h.pool.acquire([k], tokens=n) for n in (80, 5)] for k in "ab"}
+    used = (20, 40, 30, 25)  # under, over (lapsed window); under, over (this one)
+    together = [
+        h.pool.settle_later(lease, n) for lease, n in zip([*old["a"], *new["a"]], used, strict=True)
+    ]
+    assert all(s is not None for s in together)
+    assert h.pool.settle_later(old["a"][0], 99) is None  # settled already: nothing to send
+    await h.pool.settle_together("a", [s for s in together if s is not None])
+    for lease, n in zip([*old["b"], *new["b"]], used, strict=True):
+        await h.pool.settle(lease, tokens=n)
+    a, b = await h.pool.state("a"), await h.pool.state("b")
+    assert a is not None and b is not None
+    # This window: 30 beyond the lapsed lease's estimate, then 30 and 25 used of 85 reserved.
+    assert (a.requests, a.tokens) == (b.requests, b.tokens) == (2, 30 + 30 + 25)
