@@ -71,8 +71,8 @@ async def _recorded(redis_url: str, postgres_url: str, config: str) -> list[Call
             await call()
         guard = find_guard(app)
         assert guard is not None
-        # The shared slot's finishing writes wait for the next admission round
-        # (engine/carryover.py): the previous request's are sent before the recording, this
+        # The shared slot's finishing writes wait to be carried by a later finishing round
+        # (engine/carryover.py): the previous requests' are sent before the recording, this
         # one's at its end, so that only its own are recorded, all of them.
         carry = guard.carryover
         if carry is not None:

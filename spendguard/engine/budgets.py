@@ -186,7 +186,7 @@ class BudgetAdmission:
     # It draws on a customer's prepaid account: priced as the ledger charges (BudgetGate.price).
     prepaid: bool = False
     # Its holds in the shared buckets were stocked ahead (engine/stock.py): their commit may
-    # be carried to the next admission round (engine/carryover.py).
+    # be carried by a later finishing round (engine/carryover.py).
     stocked: bool = False
 
     @property

@@ -219,7 +219,7 @@ class SpendGuard:
         # The budgets checked beside these limits, when the gateway has any (set by the
         # middleware): recovery closes their holds with the admission entries.
         self.budgets: BudgetGate | None = None
-        # Finishing writes to the shared slot, carried by the next admission round: set at
+        # Finishing writes to the shared slot, carried by one finishing round in eight: set at
         # start for a shared store (in this process nothing leaves, so nothing needs to wait).
         self.carryover: Carryover | None = None
         self._pool: ProviderPool | None = None
@@ -471,7 +471,7 @@ class SpendGuard:
             if cancel is not None:
                 await self._stopped.wait()
             if self.carryover is not None:
-                # What waited for another admission round leaves now.
+                # What waited for a finishing round to carry it leaves now.
                 with anyio.move_on_after(self.settings.redis_timeout * 2):
                     await self.carryover.settle()
             with anyio.move_on_after(10):

@@ -37,7 +37,7 @@ import anyio
 from .. import metrics
 from ..identity import Identity
 from ..providers.model import Lease, NoCapacity
-from ..providers.routing import ProviderRouting
+from ..providers.routing import ProviderRouting, settled_quietly
 from ..usage import BodyObserver, Dialect, Usage
 from .budgets import BudgetAdmission, BudgetGate, BudgetVerdict
 from .decision import Admission, InferenceRequest, Verdict
@@ -286,7 +286,7 @@ class Round:
             if budget is not None and self.budgets is not None:
                 await self.budgets.finish(budget, None, budget.model)  # a no-op unless unfinished
             if lease is not None and self.providers is not None:
-                await _quietly(self.providers.finish_soon(lease, None))  # likewise
+                await settled_quietly(self.providers.finish_soon(lease, None))  # likewise
 
     def _alongside(
         self,
@@ -315,7 +315,7 @@ class Round:
                 and self.providers.finish_later(lease, used, carry, decision.record_id)
             )
             if not carried:
-                parts.append(_quietly(self.providers.finish_soon(lease, used)))
+                parts.append(settled_quietly(self.providers.finish_soon(lease, used)))
         if carry is not None:
             rider = carry.rider()
             if rider is not None:
@@ -350,13 +350,6 @@ async def _leased(lease_soon: Awaitable[Lease | NoCapacity]) -> Lease | NoCapaci
 async def _all(parts: list[Awaitable[object]]) -> None:
     for part in parts:
         await part
-
-
-async def _quietly(settling: Awaitable[object]) -> None:
-    try:
-        await settling
-    except Exception as exc:  # the response is out; the lease lapses with its minute
-        log.warning("provider lease could not be settled: %r", exc)
 
 
 async def shielded(coro: Coroutine[Any, Any, T]) -> T:

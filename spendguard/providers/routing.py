@@ -91,11 +91,13 @@ def _settled_together(
     pool: ProviderPool, key_id: str, leases: list[tuple[int, int, int]]
 ) -> Awaitable[None]:
     """The leases' settlement, sent now (with the round carrying it); the result awaits it."""
-    return _quietly(pool.settle_together(key_id, leases))
+    return settled_quietly(pool.settle_together(key_id, leases))
 
 
-async def _quietly(settling: Awaitable[object]) -> None:
+async def settled_quietly(settling: Awaitable[object]) -> None:
+    """Await a lease's settlement or release, logging a failure: the response is out, and a
+    reservation lapses with its minute."""
     try:
         await settling
-    except Exception as exc:  # the responses are out; the reservations lapse with their minute
-        log.warning("provider leases could not be settled: %r", exc)
+    except Exception as exc:
+        log.warning("provider lease could not be settled: %r", exc)

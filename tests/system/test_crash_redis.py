@@ -1,8 +1,8 @@
 """A Redis-mode gateway killed outright (SIGKILL) under traffic, with streams open: nothing it
 admitted is lost, nothing is charged twice, and the cache ends equal to the ledger; so do the
 rolling token budgets of the key, the model and the fleet (their holds closed by the same
-recovery: the model's and the fleet's are holds stocked ahead, whose commits wait for the
-gateway's next admission round, so the kill leaves some of them unsent).
+recovery: the model's and the fleet's are holds stocked ahead, whose commits wait to be
+carried by a later finishing round, so the kill leaves some of them unsent).
 
 Each admitted inference leaves an admission entry in Redis in the same script call that admits
 it. After the kill, a standalone worker (``spendguard settle``, as an operator would run it)

@@ -162,8 +162,8 @@ async def test_a_cluster_round_writes_to_the_teams_node_and_the_shared_one(
     key's, the model's and the fleet's own hash tags would have been on a third.)
 
     And the finishing round writes to the team's node alone: the shared slot's finishing
-    writes (the stocked holds' commits, the lease's settlement) ride the next admission
-    round, which writes to that node anyway for its lease."""
+    writes (the stocked holds' commits, the lease's settlement) wait to be carried by one
+    finishing round in eight, which none of these is."""
     rounds = Rounds()
     scopes = {k: v for k, v in SCOPES.items() if k not in ("per_tag", "per_customer")}
     sent = await measured_rounds(
