@@ -60,7 +60,8 @@ def reset_duration(ms: int) -> str:
     if ms < 1000:
         return f"{ms}ms"
     minutes, rest = divmod(ms, 60_000)
-    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    whole, milli = divmod(rest, 1000)
+    seconds = f"{whole}.{milli:03d}".rstrip("0") if milli else str(whole)
     return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
 
 

@@ -921,7 +921,11 @@ class BudgetGate:
             own = []
             for call in calls:
                 if call.bucket.kind in _SHARED:
-                    carry.add_to((id(store), call), (call, done, hold.ttl_ms), send_all, hold.id)
+                    # Grouped by the plan's check itself (by identity: hashing its value walks
+                    # every window and limit of it). A waiting item holds the check, so its id
+                    # is not reused meanwhile; a plan made again only starts a group of its own.
+                    group = (id(store), id(call))
+                    carry.add_to(group, (call, done, hold.ttl_ms), send_all, hold.id)
                 else:
                     own.append(call)
             _count(counters, tokens, cost)

@@ -92,13 +92,17 @@ def with_rates(
 ) -> Preflight:
     """A preflight's spend answer with the rates part of the store's reply: the denying rate
     (``"key:rpm"``, ``"team:par"``, ...) or None, and each scope's state (key, team) or None."""
-    rates = tuple(
-        parse_state(scope, raw, now_ms)
-        for scope, raw in zip((SubjectKind.API_KEY, SubjectKind.TEAM), states, strict=True)
-        if raw is not None
-    )
+    key_raw, team_raw = states
+    rates: tuple[RateState, ...] = ()
+    if key_raw is not None:
+        rates = (parse_state(SubjectKind.API_KEY, key_raw, now_ms),)
+    if team_raw is not None:
+        rates = (*rates, parse_state(SubjectKind.TEAM, team_raw, now_ms))
     if denial is None or pf.outcome is not Outcome.ALLOW:
-        return Preflight(pf.outcome, pf.limits, pf.missing_policy, pf.missing_usage, rates)
+        # ``pf`` is the caller's, made for this answer and not yet handed on: completed in
+        # place rather than made twice (this runs on every rated request).
+        pf.rates = rates
+        return pf
     name, kind = denial.split(":")
     scope = RATE_SUBJECTS[name]
     state = next(r for r in rates if r.scope is scope)
