@@ -612,6 +612,38 @@ async def test_parallel_cap_frees_slots_at_completion_and_at_their_deadline(
     assert (await admit(harness, p, "f", t + 1004, **ttl)).outcome is Outcome.RATE
 
 
+async def test_an_admission_sent_again_holds_one_parallel_slot(harness: Harness) -> None:
+    """A preflight sent again under the same record id (its first reply lost) keeps one
+    in-flight entry, and its postflight frees it: a slot is never held twice by one request."""
+    p = keys_for(harness)
+    await rated(harness, p, {ALPHA.api_key: Rates(max_parallel=2)})
+    rate_key = p.rate_keys[0]
+    t = minute_start(harness)
+    assert (await admit(harness, p, "a", t)).outcome is Outcome.ALLOW
+    pf = await admit(harness, p, "a", t + 1)
+    assert pf.outcome is Outcome.ALLOW and pf.rates[0].in_flight == 1
+    pf = await admit(harness, p, "b", t + 2)
+    assert pf.outcome is Outcome.ALLOW and pf.rates[0].in_flight == 2
+    assert (await admit(harness, p, "c", t + 3)).outcome is Outcome.RATE
+    await harness.store.postflight("a", 1, [], rate_keys=[rate_key], tokens=5)
+    pf = await admit(harness, p, "c", t + 4)
+    assert pf.outcome is Outcome.ALLOW and pf.rates[0].in_flight == 2
+
+
+async def test_an_admission_sent_again_after_its_deadline_holds_a_slot_again(
+    harness: Harness,
+) -> None:
+    """Its first entry lapsed (dropped at its deadline): sent again, it is in flight again."""
+    p = keys_for(harness)
+    await rated(harness, p, {ALPHA.api_key: Rates(max_parallel=1)})
+    t = minute_start(harness)
+    ttl = {"slot_ttl_ms": 1000}
+    assert (await admit(harness, p, "a", t, **ttl)).outcome is Outcome.ALLOW
+    pf = await admit(harness, p, "a", t + 1001, **ttl)
+    assert pf.outcome is Outcome.ALLOW and pf.rates[0].in_flight == 1
+    assert (await admit(harness, p, "b", t + 1002, **ttl)).outcome is Outcome.RATE
+
+
 async def test_a_withdrawn_admission_is_uncounted_in_the_minute_it_was_counted(
     harness: Harness,
 ) -> None:

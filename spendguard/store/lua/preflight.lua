@@ -189,13 +189,18 @@ if allow and (scoped[3] or scoped[4]) then
   local minute = math.floor(now / W)
   local weight = T - math.floor((now - minute * W) / 100) -- 100 ms ticks the last 60 s cover
   out[5 * n + 1] = false
+  -- This request's in-flight entry: read with the counters and written with them (one
+  -- read and one write per scope), and each scope's state in the reply reuses the policy's
+  -- "rpm tpm par" as stored: a script's cost here is mostly its calls and its number-to-text
+  -- conversions.
+  local slot = 'f:' .. rid
   for s = 1, 2 do
     local spec = scoped[s + 2]
     if spec then
       local key = KEYS[n + 1 + s]
       local rpm, tpm, par = string.match(spec, '^(%d+) (%d+) (%d+)$')
       rpm, tpm, par = tonumber(rpm), tonumber(tpm), tonumber(par)
-      local h = redis.call('HMGET', key, 'm', 'r', 't', 'pr', 'pt', 'n', 'e')
+      local h = redis.call('HMGET', key, 'm', 'r', 't', 'pr', 'pt', 'n', 'e', slot)
       local m = tonumber(h[1]) or minute
       local rolled = h[1] == false or m < minute -- a new key, or a new minute: write it all
       local r, t, pr, pt = tonumber(h[2]) or 0, tonumber(h[3]) or 0, tonumber(h[4]) or 0, tonumber(h[5]) or 0
@@ -214,6 +219,7 @@ if allow and (scoped[3] or scoped[4]) then
             local deadline = tonumber(string.match(all[i + 1], '^%d+'))
             if deadline <= now then
               redis.call('HDEL', key, all[i])
+              if all[i] == slot then h[8] = false end
             else
               inflight = inflight + 1
               if not e or deadline < e then e = deadline end
@@ -236,7 +242,7 @@ if allow and (scoped[3] or scoped[4]) then
           allow = scope .. 'par'
         end
       end
-      rated[s] = {key, rpm, tpm, par, pr, r, pt, t, inflight, e, rolled}
+      rated[s] = {key, rpm, tpm, par, pr, r, pt, t, inflight, e, rolled, h[8], spec}
     end
   end
   if allow ~= true then
@@ -244,6 +250,7 @@ if allow and (scoped[3] or scoped[4]) then
     allow = false
   else
     local deadline = now + ttl
+    local held = deadline .. ' ' .. minute .. ' '
     for s = 1, 2 do
       local q = rated[s]
       if q then
@@ -259,8 +266,9 @@ if allow and (scoped[3] or scoped[4]) then
           write[3], write[4] = 't', q[8]
         end
         if tpm > 0 or par > 0 then
-          local reserved = tpm > 0 and tokens or '-'
-          if redis.call('HSETNX', key, 'f:' .. rid, deadline .. ' ' .. minute .. ' ' .. reserved) == 1 then
+          if not q[12] then -- (a preflight run again for the same id counts it once)
+            write[#write + 1] = slot
+            write[#write + 1] = held .. (tpm > 0 and ARGV[n + 10] or '-')
             q[9] = q[9] + 1
           end
           write[#write + 1] = 'n'
@@ -280,7 +288,7 @@ if allow and (scoped[3] or scoped[4]) then
   end
   for s = 1, 2 do
     local q = rated[s]
-    out[5 * n + 1 + s] = q and table.concat({q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9]}, ' ') or false
+    out[5 * n + 1 + s] = q and table.concat({q[13], q[5], q[6], q[7], q[8], q[9]}, ' ') or false
   end
 end
 if allow then
