@@ -280,11 +280,12 @@ class Settings(BaseSettings):
         None, description="The budgets section itself (used when no budgets_file is set)."
     )
     budget_stock: int = Field(
-        8,
+        64,
         ge=0,
         le=256,
-        description="Holds a gateway keeps stocked in the model's and the fleet's budget "
-        "buckets on Redis, so that a request needs no script there on its way in (0: off).",
+        description="The most holds a gateway keeps stocked per model in the model's and the "
+        "fleet's budget buckets on Redis, so that a request needs no script there on its way "
+        "in: 8 at first, then as many as its requests came for between two refills (0: off).",
     )
     budget_stock_share: int = Field(
         4,

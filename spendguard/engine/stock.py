@@ -3,7 +3,8 @@ requests, so that a warm request sends no script to those buckets' slots on its 
 
 The model's and the fleet's buckets are shared by every key and every gateway: without stock,
 each request reserves in each of them, a script apiece in the admission round. With stock, a
-gateway keeps a few holds there under record ids drawn ahead (``bucket_stock.lua``), and a
+gateway keeps holds there (8, more while its requests come faster than refills land: see
+:data:`START`) under record ids drawn ahead (``bucket_stock.lua``), and a
 request that fits one takes its id as its own record id: its admission entry, its commit, its
 release and a dead gateway's recovery then name that hold exactly as they name a hold reserved
 for it, so nothing about recovery changes. Its own buckets (the key's, its end user's, its
@@ -45,6 +46,12 @@ log = logging.getLogger("spendguard.budgets")
 # request's hold outlives it by nearly as long as a hold reserved for it would.
 FRESH_SHARE = 10
 FRESH_MAX_MS = 30_000
+# A shelf starts at this many holds (the gateway's most, when lower). A refill after requests
+# found it empty doubles it, up to the most; one after none did takes a quarter off, down to
+# this again. A request at a time is served by a few; 64 at once by as many, since a round's
+# requests all come for theirs before its refill lands (a shelf of 8 ran dry in every burst,
+# and most of its requests reserved centrally).
+START = 8
 # A refill not landed after this long is taken for lost (its coroutine never ran: the request
 # that carried it was cancelled first); what it held lapses with the holds' expiry.
 LOST_REFILL_S = 5.0
@@ -65,6 +72,10 @@ class Shelf:
     # No refill before this (ms): a request was refused in one of these buckets, so they are
     # near a limit, where every request is decided centrally.
     dry_until_ms: int = 0
+    # How many ids a refill fills the shelf up to, and the requests that found none since the
+    # last refill was sent: the next refill's size (see START).
+    target: int = START
+    missed: int = 0
 
     def holding(self) -> bool:
         """Whether this gateway holds, or is being granted, unused stock here."""
@@ -72,8 +83,9 @@ class Shelf:
 
 
 class Stock:
-    """The shelves of one budget gate. ``size``: ids per shelf (0: off); ``share``: how many
-    times the stock a bucket keeps free for everyone else when it grants some."""
+    """The shelves of one budget gate. ``size``: the most ids a shelf holds (0: off);
+    ``share``: how many times the stock a bucket keeps free for everyone else when it grants
+    some."""
 
     __slots__ = ("_orphans", "_shelves", "share", "size", "taken")
 
@@ -90,8 +102,12 @@ class Stock:
         if found is None or found.section is not section:
             if found is not None and found.ids:
                 self._orphans.append(found)
-            found = self._shelves[model] = Shelf(calls, section)
+            found = self._shelves[model] = Shelf(calls, section, target=self._least)
         return found
+
+    @property
+    def _least(self) -> int:
+        return min(START, self.size)
 
     def take(self, shelf: Shelf, hold: Hold, fresh_ms: int) -> str | None:
         """A fresh stocked id that ``hold`` fits in, taken off the shelf (None: none). Stale
@@ -103,6 +119,7 @@ class Stock:
                 del shelf.ids[i]
                 self.taken += 1
                 return stock_id
+        shelf.missed += 1
         return None
 
     def refill(
@@ -126,11 +143,18 @@ class Stock:
             if hold.now_ms - shelf.asked_ms < LOST_REFILL_S * 1000:
                 return None
             _landed(shelf)
-        if len(ids) > self.size // 2 and hold.now_ms - ids[0][1] < fresh_ms:
+        half = shelf.target // 2
+        if len(ids) > half and hold.now_ms - ids[0][1] < fresh_ms:
             return None  # the oldest is fresh (the shelf is in the order of the grants)
         stale = [entry[0] for entry in ids if hold.now_ms - entry[1] >= fresh_ms]
-        if len(shelf.ids) - len(stale) > self.size // 2:
+        if len(shelf.ids) - len(stale) > half:
             return None
+        target = shelf.target
+        if shelf.missed:
+            target = min(self.size, 2 * target)
+        else:
+            target = max(self._least, target - target // 4)
+        shelf.target, shelf.missed = target, 0
         if stale:
             old_ids = set(stale)
             shelf.ids = deque(entry for entry in shelf.ids if entry[0] not in old_ids)
@@ -143,7 +167,7 @@ class Stock:
             count_cost=hold.count_cost,
             ttl_ms=hold.ttl_ms,
         )
-        wanted = [draw() for _ in range(self.size - len(shelf.ids))]
+        wanted = [draw() for _ in range(max(0, target - len(shelf.ids)))]
         shelf.asking, shelf.asked_ms = anyio.Event(), hold.now_ms
         try:
             returning = [store.release_stock(c.bucket, stale) for c in shelf.calls if stale]

@@ -95,7 +95,7 @@ async def test_every_request_counts_once_in_the_shared_buckets_and_stock_goes_ba
             assert await held_and_used(gw, bucket) == (0, used)
 
 
-@pytest.mark.parametrize("stock", [0, 8])
+@pytest.mark.parametrize("stock", [0, 8, 64])
 async def test_a_burst_admits_exactly_what_a_shared_limit_affords(
     tmp_path: Path, shared: dict[str, object], stock: int
 ) -> None:
