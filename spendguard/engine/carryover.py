@@ -68,9 +68,6 @@ class Carryover:
         else:
             found[1].append(item)
             found[2].append(record_id)
-        self._note(record_id)
-
-    def _note(self, record_id: str) -> None:
         known = self._ids.get(record_id, 0)
         if not known:
             self._requests += 1

@@ -433,11 +433,11 @@ class Store(Protocol):
         ...
 
     def settle_leases(
-        self, key_id: str, leases: Sequence[tuple[int, int, int]], now_ms: int
+        self, key_id: str, leases: Sequence[tuple[int, int, int | None]], now_ms: int
     ) -> Awaitable[object]:
         """:meth:`settle_lease` of several leases on one key, each ``(window, reserved,
-        actual)``, in turn, in one step: the settlements a gateway carried together
-        (engine/carryover.py). Sent at once."""
+        actual)``, in turn, in one step (``settle_lease`` is this of one): the settlements a
+        gateway carried together (engine/carryover.py). Sent at once."""
         ...
 
     async def cooldown(self, key_id: str, until_ms: int) -> int | None:

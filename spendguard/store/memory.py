@@ -861,11 +861,10 @@ class MemoryStore:
     def settle_lease(
         self, key_id: str, window: int, reserved: int, actual: int | None, now_ms: int
     ) -> Awaitable[None]:
-        self._settle(key_id, window, reserved, actual, now_ms)
-        return _ready(None)
+        return self.settle_leases(key_id, ((window, reserved, actual),), now_ms)
 
     def settle_leases(
-        self, key_id: str, leases: Sequence[tuple[int, int, int]], now_ms: int
+        self, key_id: str, leases: Sequence[tuple[int, int, int | None]], now_ms: int
     ) -> Awaitable[None]:
         for window, reserved, actual in leases:
             self._settle(key_id, window, reserved, actual, now_ms)

@@ -718,16 +718,14 @@ class RedisStore:
     def settle_lease(
         self, key_id: str, window: int, reserved: int, actual: int | None, now_ms: int
     ) -> Awaitable[object]:
-        used = "-" if actual is None else str(actual)
-        args = [str(now_ms), str(RATE_WINDOW_MS), str(window), str(reserved), used]
-        return self._batched("pool_settle", [self.pool_key(key_id)], args)
+        return self.settle_leases(key_id, ((window, reserved, actual),), now_ms)
 
     def settle_leases(
-        self, key_id: str, leases: Sequence[tuple[int, int, int]], now_ms: int
+        self, key_id: str, leases: Sequence[tuple[int, int, int | None]], now_ms: int
     ) -> Awaitable[object]:
         args = [str(now_ms), str(RATE_WINDOW_MS)]
         for window, reserved, actual in leases:
-            args += [str(window), str(reserved), str(actual)]
+            args += [str(window), str(reserved), "-" if actual is None else str(actual)]
         return self._batched("pool_settle", [self.pool_key(key_id)], args)
 
     async def cooldown(self, key_id: str, until_ms: int) -> int | None:
