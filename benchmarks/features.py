@@ -171,7 +171,8 @@ def _pipelines(app: Any) -> tuple[int, int]:
             found[id(pipeline)] = pipeline
     # The records writer sends the carried writes still waiting before it removes their
     # requests' entries (engine/carryover.py): a round of its own, off the request path, as
-    # the entries' removal is (not counted either).
+    # the entries' removal is (not counted either). Sent in the same loop turn as a request's
+    # calls, it shares their pipeline instead, and the block reads one round fewer.
     alone = guard.carryover.sent_alone if guard.carryover is not None else 0
     return (
         sum(p.stats.batches for p in found.values()) - alone,

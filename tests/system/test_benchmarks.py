@@ -175,7 +175,10 @@ def test_quick_benchmark_run_writes_every_section(tmp_path: Path) -> None:
     for redis in ("single", "cluster"):
         configs = results["features"][redis]
         assert set(configs) == {"spend limits", "alerts", "budgets", "everything"}
-        trips = {c: f["pipelines_per_inference"]["median"] for c, f in configs.items()}
+        # (Rounded: the records writer's carried writes, counted as a round of their own and
+        # taken off, now and then leave in the same loop turn as a request's and share its
+        # pipeline, which then reads as one round fewer in a block.)
+        trips = {c: round(f["pipelines_per_inference"]["median"], 1) for c, f in configs.items()}
         scripts = {c: f["scripts_per_inference"]["median"] for c, f in configs.items()}
         # One round trip before the provider and one after, whatever is on: the budgets'
         # reserves and commits, and the provider lease and its settlement, ride in the spend
